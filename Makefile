@@ -1,0 +1,45 @@
+# Gradient Garden — two commands for a fresh machine:
+#   make run    install, prepare the embedded default corpus and train the debug recipe (CPU, minutes)
+#   make test   install with dev extras, check notebooks are clean and exported, run nbdev-test and pytest
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+RECIPE ?= recipes/pretraining/debug.yaml
+TORCH ?= torch==2.13.0
+
+.PHONY: install install-dev run test check-clean nbtest pytest export clean-nbs
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+
+install-dev: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+
+run: install
+	$(BIN)/gg prepare --recipe $(RECIPE)
+	$(BIN)/gg train --recipe $(RECIPE)
+
+export:
+	$(BIN)/nbdev-export
+	$(BIN)/nbdev-clean
+
+check-clean:
+	$(BIN)/nbdev-clean
+	$(BIN)/nbdev-export
+	@if [ -n "$$(git status --porcelain -- nbs gradient_garden)" ]; then \
+		echo "nbdev-clean/nbdev-export changed files; run 'make export' and commit:"; \
+		git status --porcelain -- nbs gradient_garden; exit 1; fi
+
+nbtest:
+	$(BIN)/nbdev-test --n-workers 2 --timing
+
+pytest:
+	$(BIN)/pytest -q tests
+
+test: install-dev check-clean nbtest pytest
