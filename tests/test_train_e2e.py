@@ -1,0 +1,67 @@
+"End-to-end training through the CLI: run directory, metrics, exact resume, papermill report, secrets."
+import json, os
+from pathlib import Path
+import pytest
+import torch
+from conftest import run_gg
+
+RECIPE = "recipes/pretraining/debug.yaml"
+
+def small(prepared, tmp_path, steps=8, **extra):
+    "Overrides for a short CPU run writing under `tmp_path`."
+    s = prepared["sets"] + [f"paths.runs={tmp_path/'runs'}", f"training.max_steps={steps}", "training.log_every=1",
+                            "validation.every=4", "validation.steps=2", "checkpointing.every=4", "checkpointing.keep_last=5",
+                            "generation.every=4", "generation.max_gen_len=8", "training.total_batch_size=4096",
+                            "optimizers.adamw.warmup_steps=2"]
+    return s + [f"{k}={v}" for k, v in extra.items()]
+
+def losses(run_dir):
+    "step -> training loss from metrics.jsonl."
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir)/"metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+def test_train_writes_the_run_directory(prepared, tmp_path):
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
+    run_dir = tmp_path/"runs"/"pretraining"/"debug"
+    for f in ["config.yaml", "snapshot.json", "metrics.jsonl", "samples.jsonl"]: assert (run_dir/f).is_file(), f
+    recs = [json.loads(l) for l in (run_dir/"metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for k in ["step", "loss", "lr", "tokens_per_s", "mfu"]: assert k in recs[-1]
+    assert [r["step"] for r in recs if "val_loss" in r] == [4, 8]
+    ckpts = sorted(p.name for p in (run_dir/"checkpoints").glob("step_*.pt"))
+    assert ckpts == ["step_0000004.pt", "step_0000008.pt"]
+    snap = json.loads((run_dir/"snapshot.json").read_text())
+    assert snap["config"]["training"]["max_steps"] == 8 and "workload" in snap and "versions" in snap
+    for p in run_dir.rglob("*"):
+        if p.is_file() and p.suffix in (".json", ".jsonl", ".yaml", ".txt", ".ipynb"):
+            assert "sekrit-wandb-key-123" not in p.read_text(errors="ignore"), p
+
+def test_resume_is_exact(prepared, tmp_path):
+    full, part = tmp_path/"full", tmp_path/"part"
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, full))
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, part, steps=8, **{"checkpointing.every": 3}))
+    ckpt = part/"runs"/"pretraining"/"debug"/"checkpoints"/"step_0000003.pt"
+    assert ckpt.is_file()
+    resumed = tmp_path/"resumed"
+    run_gg("train", "--recipe", RECIPE, "--checkpoint", ckpt, "--set", *small(prepared, resumed))
+    a, b = losses(full/"runs"/"pretraining"/"debug"), losses(resumed/"runs"/"pretraining"/"debug")
+    assert sorted(b) == [4, 5, 6, 7, 8]
+    for s in b: assert a[s] == b[s], (s, a[s], b[s])
+
+def test_bad_inputs_are_one_line_errors(prepared, tmp_path):
+    r = run_gg("train", "--recipe", RECIPE, "--pretraining", check=False)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --pretraining cannot be combined with --recipe: the recipe defines the training stage"
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), "training.total_batch_size=1000", check=False)
+    assert r.returncode == 2 and "training.total_batch_size: got 1000; must be divisible by" in r.stderr
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), f"paths.datasets={tmp_path/'nowhere'}", check=False)
+    assert r.returncode == 2 and "no pretraining shards" in r.stderr
+    bad = tmp_path/"bad.pt"; bad.write_bytes(b"not a checkpoint")
+    r = run_gg("train", "--recipe", RECIPE, "--checkpoint", bad, "--set", *small(prepared, tmp_path), check=False)
+    assert r.returncode == 2 and "bad.pt" in r.stderr and "Traceback" not in r.stderr
+
+def test_notebook_leaves_a_report(prepared, tmp_path):
+    run_gg("notebook", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=4))
+    report = tmp_path/"runs"/"pretraining"/"debug"/"report.ipynb"
+    nb = json.loads(report.read_text())
+    outs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outs), "no plot in the report"
+    assert (tmp_path/"runs"/"pretraining"/"debug"/"metrics.jsonl").is_file()
