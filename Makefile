@@ -36,9 +36,11 @@ check-clean:
 		echo "nbdev-clean/nbdev-export changed files; run 'make export' and commit:"; \
 		git status --porcelain -- nbs gradient_garden; exit 1; fi
 
+nbtest: export OMP_NUM_THREADS=1
 nbtest:
 	$(BIN)/nbdev-test --n-workers 2 --timing
 
+pytest: export OMP_NUM_THREADS=1
 pytest:
 	$(BIN)/pytest -q tests
 

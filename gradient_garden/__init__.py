@@ -2,6 +2,25 @@
 
 Modules:
 
-- `gradient_garden.config`: One nested, typed `GlobalConfig` for every run; recipes that bundle it with a data mix; dotted overrides; and errors that name the key path, the value and what is allowed."""
+- `gradient_garden.config`: One nested, typed `GlobalConfig` for every run; recipes that bundle it with a data mix; dotted overrides; and errors that name the key path, the value and what is allowed.
+- `gradient_garden.data.loaders`: Memory-mapped token shards served as (input, label) windows: shuffled by a seed, disjoint across ranks, resumable to the exact window, with validation batches that never change.
+- `gradient_garden.data.prepare`: Sources, weighted mixes and a streaming tokenizer that writes train/val token shards: resumable, memory-bounded, stamped with the tokenizer that made them.
+- `gradient_garden.data.verifiable`: Small tasks with known answers — arithmetic, spelling, reversal, string edits — generated on the spot, with a held-out split, an exact-match scorer, and preference pairs (correct vs corrupted answer).
+- `gradient_garden.engine.checkpoints`: One file per checkpoint, written atomically, read back with `weights_only=True`; retention of the last N and the best; RNG states; and errors that say what is wrong with a checkpoint instead of a traceback from torch.
+- `gradient_garden.engine.distributed`: Start from the torchrun environment (or fall back to one process), pick the device and backend, and apply data parallelism to a model from the outside: DDP, or FSDP2's `fully_shard` per block and on the root.
+- `gradient_garden.engine.optim`: Which parameters get weight decay, which get Muon, and a Muon that matches `torch.optim.Muon` step for step while also working on FSDP2-sharded (DTensor) parameters.
+- `gradient_garden.engine.run`: From a resolved config to a finished run: process group, tokenizer, model (from scratch or a checkpoint), LoRA, parallelism, the stage's task and loaders, the trainer, and the run directory's files.
+- `gradient_garden.engine.schedules`: Pure functions from the step number to a learning rate: linear warmup, then cosine decay, or warmup-stable-decay with a linear, cosine or 1-sqrt cool-down.
+- `gradient_garden.engine.trainer`: One loop for every stage: gradient accumulation from a token budget, an exact mean over supervised tokens, mixed precision, clipping, validation on fixed batches, early stopping, generation and evals during training, metrics, W&B, the profiler, and checkpoints that resume exactly.
+- `gradient_garden.evals`: HellaSwag, WinoGrande and ARC-Challenge scored the way lm-evaluation-harness scores them, in batches, split across ranks; plus `gg prepare` for the data and `gg evaluate` for a checkpoint.
+- `gradient_garden.models.attention`: Rotary position embeddings from precomputed tables, grouped-query attention on PyTorch's fused SDPA kernels (without copying the shared K/V heads where the kernel allows), causal / padding / packed-document masks, and a preallocated KV cache for decoding.
+- `gradient_garden.models.hf`: Export a Tendril as a Hugging Face Llama folder (`config.json`, safetensors weights, tokenizer files) that `transformers` loads as is, and import such a folder back into a Tendril; refuse what has no Llama equivalent.
+- `gradient_garden.models.lora`: Train a few million adapter weights instead of the whole model: `apply_lora`, `merge_lora` / `unmerge_lora`, and adapter-only state dicts.
+- `gradient_garden.models.tendril`: RMSNorm, the SwiGLU feed-forward, pre-norm blocks, optional tied embeddings, the initialisation, a model registry that lets a new architecture plug in by name, and the parameter / FLOP counts the trainer reports.
+- `gradient_garden.tasks.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled by $T^2$) mixed with cross-entropy, vocabulary checks, and a task that wraps the causal (pretraining or SFT) task.
+- `gradient_garden.tasks.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses, their reward metrics, a resumable pair loader, the `dpo` stage, and preference accuracy.
+- `gradient_garden.tasks.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the `pretraining` stage.
+- `gradient_garden.tasks.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document masking (or padding), a resumable loader, the `instruct` stage, and exact-match evaluation on held-out tasks.
+- `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` — with the Llama 3 chat/control tokens, a chat renderer that says which tokens to train on, and a small BPE trained locally that both backends read."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,178 @@
+"""Training-step throughput: Tendril (eager and torch.compile) vs transformers' LlamaForCausalLM, same weights.
+
+One step = forward + cross-entropy on the logits + backward + AdamW step, on a fixed batch. The contenders run
+side by side in one process, in alternating (rotated) order each round; figures are medians over rounds. Peak
+memory comes from a fresh child process per contender on CPU (peak RSS growth) and from the CUDA allocator on GPU.
+MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (and the datasheet peak on GPU).
+
+    python bench/model_step.py                       # CPU fp32, the issue's shape
+    python bench/model_step.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
+
+The last line of stdout is one JSON object with the figures.
+"""
+from __future__ import annotations
+import argparse, copy, gc, json, os, resource, statistics, subprocess, sys, time
+import torch
+import torch.nn.functional as F
+
+from gradient_garden.config import ModelConfig
+from gradient_garden.models.tendril import Tendril, count_parameters, flops_per_token
+from gradient_garden.models.hf import to_hf_model
+
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}  # dense bf16
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 autocast on CUDA")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--steps-per-round", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    p.add_argument("--compile-llama", action="store_true", help="also time LlamaForCausalLM under torch.compile")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+def model_config(args) -> ModelConfig:
+    "The issue's shape: dim 256, 4 layers, 8 heads / 4 KV heads, SwiGLU 768, vocab 8192, untied."
+    return ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
+                       max_seq_len=max(256, args.seq_len), tie_embeddings=False)
+
+def make_contenders(cfg, args, names):
+    "name -> (model, optimizer); all start from the same weights."
+    torch.manual_seed(0)
+    base = Tendril(cfg).to(args.device)
+    out = {}
+    for name in names:
+        if name.startswith("tendril"): m = copy.deepcopy(base)
+        else: m = to_hf_model(base).to(args.device).train()
+        m.train()
+        fwd = torch.compile(m) if name.endswith("compiled") else m
+        fused = args.device != "mps"
+        out[name] = (fwd, torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1, fused=fused))
+    return out
+
+def make_batch(cfg, args):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(args.device)
+    return x[:, :-1], x[:, 1:]
+
+def step(model, opt, x, y, autocast_dtype, device_type):
+    "Forward, cross-entropy on the logits, backward, AdamW; returns the loss."
+    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(x)
+        logits = out if torch.is_tensor(out) else out.logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+def sync(device):
+    if device.startswith("cuda"): torch.cuda.synchronize()
+
+def matmul_peak_flops(device, dtype) -> float:
+    "Best FLOP/s of a large square matmul on this device (the measured peak MFU is quoted against)."
+    n = 2048 if device == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(8 if device == "cpu" else 20):
+        sync(device); t = time.perf_counter(); a @ b; sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f: return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+def memory_child(args):
+    "Peak RSS growth (MB) of building and training one contender for a few steps, in this fresh process."
+    cfg = model_config(args)
+    base = rss_mb()
+    (model, opt), = make_contenders(cfg, args, [args.memory_child]).values()
+    x, y = make_batch(cfg, args)
+    for _ in range(3): step(model, opt, x, y, None, "cpu")
+    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}))
+
+def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
+    if args.device.startswith("cuda"):
+        model, opt = contenders[name]
+        gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        step(model, opt, x, y, autocast_dtype, dev_type); sync(args.device)
+        return torch.cuda.max_memory_allocated() / 2**20
+    cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode: raise RuntimeError(res.stderr[-2000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.memory_child: return memory_child(args)
+    dev_type = torch.device(args.device).type
+    dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
+    autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+    cfg = model_config(args)
+    names = ["tendril", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
+    contenders = make_contenders(cfg, args, names)
+    x, y = make_batch(cfg, args)
+    tokens = x.numel()
+
+    first = {}
+    for n, (m, o) in contenders.items():       # warm-up (and compilation); first losses must agree: same weights
+        t = time.perf_counter()
+        for i in range(args.warmup):
+            loss = step(m, o, x, y, autocast_dtype, dev_type)
+            if i == 0: first[n] = loss.item()
+        sync(args.device)
+        print(f"warm-up {n}: {time.perf_counter() - t:.1f}s, first loss {first[n]:.5f}", flush=True)
+
+    times = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            m, o = contenders[n]
+            sync(args.device); t = time.perf_counter()
+            for _ in range(args.steps_per_round): step(m, o, x, y, autocast_dtype, dev_type)
+            sync(args.device)
+            times[n].append((time.perf_counter() - t) / args.steps_per_round)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    tps = {n: tokens / t for n, t in med.items()}
+
+    peak_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    peak = matmul_peak_flops(args.device, peak_dtype)
+    fpt = flops_per_token(cfg, args.seq_len)
+    mfu = {n: fpt * v / peak for n, v in tps.items()}
+    datasheet = None
+    if dev_type == "cuda":
+        name = torch.cuda.get_device_name()
+        datasheet = next((v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+        if datasheet and dtype == "fp32": datasheet /= 2
+    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, autocast_dtype, dev_type)
+                                     for n in names if not (n.endswith("compiled") and dev_type == "cpu")}
+
+    print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s}  (IQR ms)")
+    for n in names:
+        q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med[n]] * 3
+        print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['llama']:8.2f}x {mfu[n]*100:6.2f}% "
+              f"{mem.get(n, float('nan')):8.0f}  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
+    print(f"params {count_parameters(contenders['tendril'][0]):,}; {fpt/1e6:.1f} MFLOP/token; "
+          f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
+    result = dict(bench="model_step", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
+                  shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden=768,
+                             vocab=cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
+                  rounds=args.rounds, steps_per_round=args.steps_per_round,
+                  step_ms={n: round(v * 1e3, 2) for n, v in med.items()},
+                  tokens_per_s={n: round(v, 1) for n, v in tps.items()},
+                  ratio_vs_llama={n: round(v / tps["llama"], 3) for n, v in tps.items()},
+                  mfu={n: round(v, 4) for n, v in mfu.items()},
+                  mfu_datasheet={n: round(fpt * v / datasheet, 4) for n, v in tps.items()} if datasheet else None,
+                  matmul_peak_tflops=round(peak / 1e12, 4), flops_per_token=fpt,
+                  peak_memory_mb={n: round(v, 1) for n, v in mem.items()},
+                  first_loss=first, first_loss_max_diff=max(first.values()) - min(first.values()))
+    print(json.dumps(result))
+
+if __name__ == "__main__":
+    main()

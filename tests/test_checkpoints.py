@@ -1,0 +1,120 @@
+"Checkpoint faults a notebook cannot stage: a writer killed mid-save, damaged files, and the real model builder."
+import copy, os, signal, subprocess, sys, textwrap, time
+from pathlib import Path
+import pytest
+import torch
+
+from gradient_garden.config import ConfigError, GlobalConfig, ModelConfig
+from gradient_garden.engine.checkpoints import (CheckpointManager, list_checkpoints, load_checkpoint,
+                                                load_model_from_checkpoint, rng_state, save_checkpoint, set_rng_state)
+
+BIG = 25_000_000  # float32 elements: a 100 MB checkpoint, about a second to write on these machines
+
+WRITER = textwrap.dedent(f"""
+    import sys, torch
+    from gradient_garden.engine.checkpoints import CheckpointManager
+    mgr = CheckpointManager(sys.argv[1], keep_last=2, keep_best=False)
+    def state(step, n):
+        return dict(step=step, stage="pretraining", architecture="tendril", config={{}},
+                    model={{"w": torch.full((n,), float(step))}})
+    mgr.save(1, state(1, 1000))
+    print("saved 1", flush=True)
+    mgr.save(2, state(2, {BIG}))
+    print("saved 2", flush=True)
+""")
+
+
+def _tmp_files(d: Path): return [p for p in d.iterdir() if p.name.startswith(".step_0000002.pt.tmp.")]
+
+
+def test_kill_during_write_keeps_previous_checkpoint(tmp_path):
+    d = tmp_path / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[1])
+    try:
+        assert proc.stdout.readline().strip() == "saved 1"
+        deadline, size = time.time() + 60, 0
+        while time.time() < deadline:  # kill as soon as the second checkpoint is partly on disk
+            tmps = _tmp_files(d)
+            if tmps and (size := tmps[0].stat().st_size) > 1 << 20: break
+            assert proc.poll() is None, "writer finished before it could be killed"
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (d / "step_0000002.pt").exists(), "the interrupted checkpoint must never appear under its final name"
+    left = _tmp_files(d)
+    assert left and left[0].stat().st_size < 4 * BIG, f"killed after the write finished (tmp {size} bytes)"
+    # the previous checkpoint is what every lookup finds, and it loads
+    assert [p.name for p in list_checkpoints(d)] == ["step_0000001.pt"]
+    mgr = CheckpointManager(d, keep_last=2)
+    assert mgr.latest().name == "step_0000001.pt"
+    ck = load_checkpoint(tmp_path)  # a run dir resolves to checkpoints/ and its latest file
+    assert ck["step"] == 1 and torch.equal(ck["model"]["w"], torch.full((1000,), 1.0))
+    # the partial file is garbage to the loader, and the next save cleans it up
+    with pytest.raises(ConfigError, match="corrupted or truncated"): load_checkpoint(left[0])
+    mgr.save(3, dict(ck, step=3))
+    assert not _tmp_files(d) and [p.name for p in list_checkpoints(d)] == ["step_0000001.pt", "step_0000003.pt"]
+
+
+def _state(step=5):
+    cfg = GlobalConfig()
+    return dict(step=step, stage="pretraining", architecture="tendril", config=cfg.to_dict(),
+                model={"w": torch.arange(4096.0)}, optimizers=[], loader={"pos": 3}, rng=rng_state(),
+                val_history=[{"step": step, "val_loss": 2.5}], best_val_loss=2.5, tokenizer_identity="t")
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncate_1", "truncate_half", "truncate_tail", "bitflip", "text"])
+def test_damaged_files_give_clear_errors(tmp_path, damage):
+    p = save_checkpoint(_state(), tmp_path / "step_0000005.pt")
+    raw = p.read_bytes()
+    if damage == "empty": data = b""
+    elif damage == "truncate_1": data = raw[:-1]
+    elif damage == "truncate_half": data = raw[: len(raw) // 2]
+    elif damage == "truncate_tail": data = raw[: len(raw) - 200]
+    elif damage == "bitflip":
+        data = bytearray(raw); data[len(raw) // 3] ^= 0x10
+    else: data = b"step: 5\nmodel: weights\n"
+    p.write_bytes(bytes(data))
+    with pytest.raises(ConfigError) as e: load_checkpoint(p)
+    msg = str(e.value)
+    assert msg.startswith(str(p)) and "corrupted" in msg and "\n" not in msg, msg
+
+
+def test_foreign_and_future_files(tmp_path):
+    torch.save({"model": {"w": torch.ones(1)}}, tmp_path / "a.pt")
+    with pytest.raises(ConfigError, match="not a Gradient Garden checkpoint"): load_checkpoint(tmp_path / "a.pt")
+    p = save_checkpoint(_state(), tmp_path / "b.pt")
+    ck = torch.load(p, weights_only=True)
+    torch.save(dict(ck, version=99), tmp_path / "c.pt")
+    with pytest.raises(ConfigError, match="format version 99"): load_checkpoint(tmp_path / "c.pt")
+    torch.save({k: v for k, v in ck.items() if k != "model"}, tmp_path / "d.pt")
+    with pytest.raises(ConfigError, match="incomplete checkpoint, missing model"): load_checkpoint(tmp_path / "d.pt")
+
+
+def test_rng_round_trip_through_a_file(tmp_path):
+    import random, numpy as np
+    torch.manual_seed(3); random.seed(3); np.random.seed(3)
+    p = save_checkpoint(_state(), tmp_path / "step_0000005.pt")
+    expected = (random.random(), np.random.rand(2).tolist(), torch.randn(2).tolist())
+    set_rng_state(load_checkpoint(p)["rng"])
+    assert (random.random(), np.random.rand(2).tolist(), torch.randn(2).tolist()) == expected
+
+
+def test_load_model_from_checkpoint_with_real_builder(tmp_path):
+    tendril = pytest.importorskip("gradient_garden.models.tendril")
+    cfg = GlobalConfig()
+    cfg.model = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16)
+    torch.manual_seed(0)
+    model = tendril.build_model(cfg.model).eval()
+    p = save_checkpoint(dict(_state(), config=cfg.to_dict(), architecture=cfg.model.architecture,
+                             model=model.state_dict()), tmp_path / "step_0000005.pt")
+    loaded, lcfg = load_model_from_checkpoint(p)
+    assert lcfg.model == cfg.model and not loaded.training
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad(): torch.testing.assert_close(loaded(x), model(x))
+    bad = copy.deepcopy(cfg); bad.model.dim = 64
+    torch.save(dict(torch.load(p, weights_only=True), config=bad.to_dict()), tmp_path / "wrong.pt")
+    with pytest.raises(ConfigError, match="weights do not fit"): load_model_from_checkpoint(tmp_path / "wrong.pt")

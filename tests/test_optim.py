@@ -1,0 +1,108 @@
+"Optimizers beyond the notebook: Muon on FSDP2-sharded (DTensor) parameters across 2 gloo ranks, LoRA-only groups."
+import copy, os
+import pytest
+import torch
+from torch import nn
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gradient_garden.config import GlobalConfig
+from gradient_garden.engine.optim import Muon, build_optimizers, classify_parameters, set_learning_rates
+
+
+def _model():
+    "Matrices whose row counts do not split evenly over 2 ranks (FSDP2 shards dim 0 unevenly)."
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 7, bias=False), nn.Tanh(), nn.Linear(7, 5, bias=False), nn.Tanh(),
+                         nn.Linear(5, 12, bias=False))
+
+
+def _fsdp_worker(rank, world_size, init_file, out_dir):
+    "Step Muon on a fully_shard-ed model and on an unsharded copy; write the max parameter difference."
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ref = _model()
+        model = copy.deepcopy(ref)
+        for layer in model:
+            if isinstance(layer, nn.Linear): fully_shard(layer)
+        fully_shard(model)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        opt, ref_opt = Muon(model.parameters(), lr=0.05, weight_decay=0.1), Muon(ref.parameters(), lr=0.05, weight_decay=0.1)
+        g = torch.Generator().manual_seed(123)
+        for _ in range(4):
+            x = torch.randn(8, 6, generator=g)  # the same batch on every rank: averaged grads equal the reference
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x).pow(2).mean().backward()
+                o.step(); o.zero_grad(set_to_none=True)
+        diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), _model().parameters()))
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f: f.write(f"{diff} {moved}")
+        dist.barrier()  # no rank tears down the store while the other still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+def test_muon_fsdp2_matches_single_process(tmp_path):
+    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg_init"), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        diff, moved = map(float, (tmp_path / f"rank{r}.txt").read_text().split())
+        assert moved > 1e-3, "parameters did not move"
+        assert diff <= 1e-6, f"rank {r}: FSDP2 Muon differs from single-process Muon by {diff}"
+
+
+class _LoraLinear(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.base = nn.Linear(d, d, bias=False).requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(d, 2, bias=False), nn.Linear(2, d, bias=False)
+
+
+def test_lora_only_adapters_no_muon():
+    m = nn.Module()
+    m.tok_embeddings = nn.Embedding(10, 8).requires_grad_(False)
+    m.wq = _LoraLinear(8)
+    cfg = GlobalConfig().optimizers
+    cfg.muon.enabled = True
+    groups = classify_parameters(m)
+    assert [n for n, _ in groups["adapters"]] == ["wq.lora_A.weight", "wq.lora_B.weight"]
+    assert not groups["matrices"] and not groups["embeddings"]
+    opts = build_optimizers(m, cfg, "cpu")
+    assert [type(o).__name__ for o in opts] == ["AdamW"]
+    assert [g["group"] for g in opts[0].param_groups] == ["adapters"]
+    assert opts[0].param_groups[0]["weight_decay"] == cfg.adamw.weight_decay
+
+
+def test_fused_adamw_steps_on_cpu():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    cfg = GlobalConfig().optimizers
+    cfg.adamw.fused = "yes"
+    opts = build_optimizers(m, cfg, "cpu")
+    assert opts[0].defaults["fused"] is True
+    set_learning_rates(opts, 0, cfg, 10)
+    before = [p.detach().clone() for p in m.parameters()]
+    m(torch.randn(3, 4)).sum().backward()
+    opts[0].step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_real_tendril_groups_and_lora():
+    tendril = pytest.importorskip("gradient_garden.models.tendril")
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models.lora import apply_lora
+    cfg = GlobalConfig()
+    cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64)
+    cfg.optimizers.muon.enabled = True
+    model = tendril.build_model(cfg.model)
+    groups = classify_parameters(model)
+    assert {g: len(v) for g, v in groups.items()} == {"embeddings": 1, "output": 1, "matrices": 14, "vectors": 5, "adapters": 0}
+    assert sum(p.numel() for v in groups.values() for _, p in v) == sum(p.numel() for p in model.parameters())
+    opts = build_optimizers(model, cfg.optimizers, "cpu")
+    assert [type(o).__name__ for o in opts] == ["AdamW", "Muon"]
+    cfg.lora.enabled = True
+    apply_lora(model, cfg.lora)
+    opts = build_optimizers(model, cfg.optimizers, "cpu")
+    assert [(type(o).__name__, g["group"], len(g["params"])) for o in opts for g in o.param_groups] == [("AdamW", "adapters", 16)]
