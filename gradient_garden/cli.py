@@ -85,7 +85,7 @@ def run_notebook(args) -> int:
     for attempt in range(args.retries):
         try:
             pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                log_output=rank == 0, kernel_name="python3")
+                                log_output=rank == 0, kernel_name="python3", language="python")
             break
         except Exception as e:
             if attempt + 1 < args.retries and _is_kernel_startup_error(e):
@@ -109,13 +109,14 @@ def _verbs() -> dict:
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.models.hf", "add_export_args", "run_export"),
     }
 
-def build_parser() -> argparse.ArgumentParser:
-    "The `gg` parser with one sub-command per verb."
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    "The `gg` parser; with `only`, just that verb's module is imported (fast start-up, independent verbs)."
     import importlib
     parser = argparse.ArgumentParser(prog="gg", description="Gradient Garden: train, evaluate and sample language models.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb, (hlp, mod, add, run) in _verbs().items():
         p = sub.add_parser(verb, help=hlp, description=hlp)
+        if only is not None and verb != only: continue
         m = importlib.import_module(mod)
         getattr(m, add)(p)
         p.set_defaults(_run=getattr(m, run))
@@ -124,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 # %% ../nbs/50_cli.ipynb #f2d842df
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `gg` console script."
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(verb if verb in _verbs() else None)
     args = parser.parse_args(argv)
     try:
         return args._run(args) or 0

@@ -53,7 +53,7 @@ def test_bad_inputs_are_one_line_errors(prepared, tmp_path):
     r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), "training.total_batch_size=1000", check=False)
     assert r.returncode == 2 and "training.total_batch_size: got 1000; must be divisible by" in r.stderr
     r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), f"paths.datasets={tmp_path/'nowhere'}", check=False)
-    assert r.returncode == 2 and "no pretraining shards" in r.stderr
+    assert r.returncode == 2 and "run `gg prepare`" in r.stderr
     bad = tmp_path/"bad.pt"; bad.write_bytes(b"not a checkpoint")
     r = run_gg("train", "--recipe", RECIPE, "--checkpoint", bad, "--set", *small(prepared, tmp_path), check=False)
     assert r.returncode == 2 and "bad.pt" in r.stderr and "Traceback" not in r.stderr

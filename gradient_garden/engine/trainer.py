@@ -357,20 +357,18 @@ class Trainer:
     def sample(self) -> list[dict]:
         "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
         if self.tokenizer is None: return []
-        from gradient_garden.generation import generate
+        from gradient_garden.generation import generate_text
         g = self.cfg.generation
         prompts = g.test_prompts or DEFAULT_TEST_PROMPTS[self.cfg.training.stage]
-        instruct = self.cfg.training.stage != "pretraining"
-        ids = [self.tokenizer.render_chat([{"role": "user", "content": p}], add_generation_prompt=True)[0] if instruct
-               else self.tokenizer.encode(p, bos=True) for p in prompts]
         m = self.model if is_fsdp(self.model) else unwrap(self.model)
         m.eval()
         try:
             with autocast_context(self.env.device, self.cfg.runtime.precision):
-                outs = generate(m, self.tokenizer, ids, max_new_tokens=g.max_gen_len, temperature=g.temperature,
-                                top_p=g.top_p, top_k=g.top_k, seed=self.cfg.training.seed)
+                texts = generate_text(m, self.tokenizer, prompts, instruct=self.cfg.training.stage != "pretraining",
+                                      max_new_tokens=g.max_gen_len, temperature=g.temperature, top_p=g.top_p,
+                                      top_k=g.top_k, seed=self.cfg.training.seed)
         finally: m.train()
-        return [dict(step=self.state.step, prompt=p, completion=self.tokenizer.decode(o)) for p, o in zip(prompts, outs)]
+        return [dict(step=self.state.step, prompt=p, completion=t) for p, t in zip(prompts, texts)]
 
     def run_evals(self) -> dict:
         "Multiple-choice evals split across ranks; flat metrics like `hellaswag/acc_norm`."

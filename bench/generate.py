@@ -1,0 +1,124 @@
+"""Batched KV-cache generation throughput: gradient_garden.generation.generate vs transformers' generate, same weights.
+
+Both decode the same batch of mixed-length prompts (left padding), greedily, for exactly the same number of new
+tokens (no stop tokens), in alternating (rotated) order; figures are medians over rounds. Reported: generated
+tokens/s, the ratio, how many generated tokens agree between the two, and MFU of the forward FLOPs against the
+measured matmul peak (and the datasheet peak on GPU).
+
+    python bench/generate.py                                  # CPU fp32
+    python bench/generate.py --device cuda --dtype bf16 --batch-size 32
+
+The last line of stdout is one JSON object with the figures.
+"""
+from __future__ import annotations
+import argparse, json, statistics, time
+import torch
+
+from gradient_garden.config import ModelConfig
+from gradient_garden.generation import generate
+from gradient_garden.models.tendril import Tendril, flops_per_token
+from gradient_garden.models.hf import to_hf_model
+
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--compile", action="store_true", help="torch.compile Tendril's forward (dynamic shapes)")
+    p.add_argument("--no-cache-too", action="store_true", help="also time Tendril without the KV cache")
+    return p.parse_args(argv)
+
+def sync(device):
+    if device.startswith("cuda"): torch.cuda.synchronize()
+
+def matmul_peak_flops(device, dtype) -> float:
+    n = 2048 if device == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(8 if device == "cpu" else 20):
+        sync(device); t = time.perf_counter(); a @ b; sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+def main(argv=None):
+    args = parse_args(argv)
+    dev_type = torch.device(args.device).type
+    dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
+    cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
+                      max_seq_len=args.max_prompt + args.new_tokens, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = Tendril(cfg).eval()
+    hf = to_hf_model(model).to(args.device, DTYPES[dtype]).eval()
+    model = model.to(args.device, DTYPES[dtype])
+    hf.generation_config.pad_token_id = 0
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.bos_token_id = None
+
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch_size,), generator=g).tolist()
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    L = max(lens)
+    ids = torch.zeros(args.batch_size, L, dtype=torch.long)
+    am = torch.zeros(args.batch_size, L, dtype=torch.long)
+    for i, p in enumerate(prompts): ids[i, L - len(p):], am[i, L - len(p):] = torch.tensor(p), 1
+    ids, am = ids.to(args.device), am.to(args.device)
+    n_new = args.new_tokens
+
+    fwd_model = model
+    if args.compile: fwd_model.forward = torch.compile(model.forward, dynamic=True)
+
+    def ours(cache=True):
+        return generate(fwd_model, None, prompts, max_new_tokens=n_new, stop_ids=[], use_kv_cache=cache)
+    def theirs():
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=am, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+        return out[:, L:].tolist()
+
+    runs = {"tendril": ours, "hf": theirs}
+    if args.no_cache_too: runs["tendril_no_cache"] = lambda: ours(False)
+    outputs = {n: f() for n, f in runs.items()}        # warm-up (and compilation)
+    agree = sum(a == b for x, y in zip(outputs["tendril"], outputs["hf"]) for a, b in zip(x, y)) / (args.batch_size * n_new)
+
+    names = list(runs)
+    times = {n: [] for n in names}
+    for r in range(args.rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            sync(args.device); t = time.perf_counter(); runs[n](); sync(args.device)
+            times[n].append(time.perf_counter() - t)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    tps = {n: args.batch_size * n_new / t for n, t in med.items()}
+
+    peak = matmul_peak_flops(args.device, DTYPES[dtype])
+    ctx = sum(lens) / len(lens) + n_new / 2
+    fwd_flops = flops_per_token(cfg, int(ctx)) / 3         # forward only, at the mean context length while decoding
+    mfu = {n: fwd_flops * v / peak for n, v in tps.items()}
+    datasheet = None
+    if dev_type == "cuda":
+        name = torch.cuda.get_device_name()
+        datasheet = next((v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+        if datasheet and dtype == "fp32": datasheet /= 2
+
+    print(f"{'contender':18s} {'ms/batch':>9s} {'tokens/s':>10s} {'vs hf':>7s} {'MFU':>8s}")
+    for n in names:
+        print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['hf']:6.2f}x {mfu[n]*100:7.3f}%")
+    print(f"prompts {lens}, {n_new} new tokens each; greedy tokens agreeing with transformers: {agree:.1%}")
+    result = dict(bench="generate", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
+                  batch_size=args.batch_size, prompt_lens=lens, new_tokens=n_new, rounds=args.rounds,
+                  ms_per_batch={n: round(v * 1e3, 1) for n, v in med.items()},
+                  tokens_per_s={n: round(v, 1) for n, v in tps.items()},
+                  ratio_vs_hf={n: round(v / tps["hf"], 3) for n, v in tps.items()},
+                  token_agreement=round(agree, 4), mfu={n: round(v, 5) for n, v in mfu.items()},
+                  mfu_datasheet={n: round(fwd_flops * v / datasheet, 5) for n, v in tps.items()} if datasheet else None,
+                  matmul_peak_tflops=round(peak / 1e12, 4))
+    print(json.dumps(result))
+
+if __name__ == "__main__":
+    main()

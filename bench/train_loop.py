@@ -1,0 +1,73 @@
+"""End-to-end training throughput vs the bare model step with the same shapes.
+
+The bare step is forward + cross-entropy + backward + AdamW on a fixed batch. The trainer step is
+`Trainer.train_step` with everything it does around that: reading batches from the memory-mapped shards, the
+schedule, exact-mean accumulation bookkeeping, gradient clipping and metrics. Both alternate in one process and the
+medians are compared. Target: trainer >= 0.9 x bare. Last line: one JSON object.
+
+    python bench/train_loop.py [--steps 8] [--repeats 5] [--recipe recipes/pretraining/debug.yaml] [--device cpu]
+"""
+import argparse, json, statistics, time
+import torch
+import torch.nn.functional as F
+from gradient_garden.config import load_config
+from gradient_garden.engine.distributed import DistEnv, resolve_device
+from gradient_garden.engine.optim import build_optimizers
+from gradient_garden.engine.trainer import Trainer
+from gradient_garden.models.tendril import build_model
+from gradient_garden.tasks.pretraining import CausalLMTask
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="recipes/pretraining/debug.yaml")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--set", nargs="*", default=[], dest="overrides")
+    a = ap.parse_args()
+    cfg, _ = load_config(recipe=a.recipe, overrides=a.overrides + [f"runtime.device={a.device}", "training.total_batch_size=2048",
+                                                                   "training.micro_batch_size=8", "training.seq_len=256"])
+    dev = resolve_device(a.device)
+    env = DistEnv(device=dev)
+    t = cfg.training
+    tokens_per_step = t.micro_batch_size * t.seq_len
+
+    torch.manual_seed(0)
+    bare_model = build_model(cfg.model).to(dev)
+    bare_opts = build_optimizers(bare_model, cfg.optimizers, dev.type)
+    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), device=dev)
+    def bare_step():
+        logits = bare_model(x[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(bare_model.parameters(), 1.0)
+        for o in bare_opts: o.step(); o.zero_grad(set_to_none=True)
+
+    from gradient_garden.data.loaders import pretraining_loaders
+    torch.manual_seed(0)
+    model = build_model(cfg.model).to(dev)
+    train, _ = pretraining_loaders(cfg)
+    trainer = Trainer(cfg, model, CausalLMTask(), train, None, env=env, log_to_console=False)
+    def trainer_step(): trainer.train_step()
+
+    def timed(fn):
+        for _ in range(2): fn()  # warm-up
+        if dev.type == "cuda": torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.steps): fn()
+        if dev.type == "cuda": torch.cuda.synchronize()
+        return a.steps * tokens_per_step / (time.perf_counter() - t0)
+
+    bare, loop = [], []
+    for r in range(a.repeats):
+        pair = [(bare, bare_step), (loop, trainer_step)]
+        for lst, fn in (pair if r % 2 == 0 else pair[::-1]): lst.append(timed(fn))
+    res = dict(bench="train_loop", device=str(dev), model_dim=cfg.model.dim, n_layers=cfg.model.n_layers,
+               micro_batch=t.micro_batch_size, seq_len=t.seq_len, bare_tokens_per_s=statistics.median(bare),
+               trainer_tokens_per_s=statistics.median(loop))
+    res["ratio"] = res["trainer_tokens_per_s"] / res["bare_tokens_per_s"]
+    res["target"] = 0.9
+    print(f"bare step    {res['bare_tokens_per_s']:,.0f} tokens/s  (runs: {[round(v) for v in bare]})")
+    print(f"trainer step {res['trainer_tokens_per_s']:,.0f} tokens/s  (runs: {[round(v) for v in loop]})")
+    print(json.dumps(res))
+
+if __name__ == "__main__": main()
