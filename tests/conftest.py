@@ -9,6 +9,7 @@ GG = [sys.executable, "-m", "gradient_garden.cli"]
 def run_gg(*args, cwd=ROOT, env=None, check=True, timeout=900):
     "Run `gg ARGS` in a subprocess; return the CompletedProcess (stdout+stderr captured)."
     e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    e = {k: v for k, v in e.items() if v is not None}  # None removes a variable
     r = subprocess.run(GG + [str(a) for a in args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"gg {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")

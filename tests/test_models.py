@@ -1,5 +1,5 @@
-"What the model notebooks cannot show on their own: `gg generate` / `gg export` end to end on a real checkpoint and
-tokenizer, generation under autocast, meta-device construction, and torch.compile."
+"""What the model notebooks cannot show on their own: `gg generate` / `gg export` end to end on a real checkpoint and
+tokenizer, generation under autocast, meta-device construction, and torch.compile."""
 import json, sys
 from pathlib import Path
 

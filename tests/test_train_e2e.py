@@ -20,13 +20,15 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir)/"metrics.jsonl").read_text().splitlines()) if "loss" in r}
 
 def test_train_writes_the_run_directory(prepared, tmp_path):
-    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
+    evals = ["evals.every=8", "evals.hellaswag_examples=8", "evals.winogrande_examples=8", "evals.arc_challenge_examples=8"]
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), *evals, env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
     run_dir = tmp_path/"runs"/"pretraining"/"debug"
     for f in ["config.yaml", "snapshot.json", "metrics.jsonl", "samples.jsonl"]: assert (run_dir/f).is_file(), f
     recs = [json.loads(l) for l in (run_dir/"metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 9))
     for k in ["step", "loss", "lr", "tokens_per_s", "mfu"]: assert k in recs[-1]
     assert [r["step"] for r in recs if "val_loss" in r] == [4, 8]
+    for k in ["hellaswag/acc", "hellaswag/acc_norm", "winogrande/acc", "arc_challenge/acc_norm"]: assert k in recs[-1], k
     ckpts = sorted(p.name for p in (run_dir/"checkpoints").glob("step_*.pt"))
     assert ckpts == ["step_0000004.pt", "step_0000008.pt"]
     snap = json.loads((run_dir/"snapshot.json").read_text())
@@ -65,3 +67,10 @@ def test_notebook_leaves_a_report(prepared, tmp_path):
     outs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
     assert any("image/png" in o.get("data", {}) for o in outs), "no plot in the report"
     assert (tmp_path/"runs"/"pretraining"/"debug"/"metrics.jsonl").is_file()
+
+def test_wandb_offline_is_aligned_to_steps(prepared, tmp_path):
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=4), "wandb.enabled=true", "wandb.mode=online",
+               env={"WANDB_MODE": None, "WANDB_API_KEY": None, "WANDB_SILENT": "true"})
+    assert "WANDB_API_KEY is not set" in r.stderr  # said clearly, then offline instead of prompting
+    runs = list((tmp_path/"runs"/"pretraining"/"debug"/"wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "no offline W&B run written"

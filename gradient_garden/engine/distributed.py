@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from ..config import ConfigError, RuntimeConfig
+try: from torch.distributed.tensor import DTensor
+except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
 __all__ = ['DistEnv', 'resolve_device', 'init_distributed', 'destroy_distributed', 'all_reduce', 'barrier', 'broadcast_object',
-           'all_gather_objects', 'apply_fsdp', 'parallelize', 'unwrap', 'is_fsdp', 'grad_sync']
+           'all_gather_objects', 'apply_fsdp', 'parallelize', 'unwrap', 'is_fsdp', 'grad_sync', 'grad_norm',
+           'clip_grad_norm_', 'memory_footprint']
 
 # %% ../../nbs/22_distributed.ipynb #6d8b29ce
 @dataclass
@@ -128,10 +131,50 @@ def is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return isinstance(unwrap(model), FSDPModule)
 
-# %% ../../nbs/22_distributed.ipynb #a6aa2b88
+# %% ../../nbs/22_distributed.ipynb #ef7a302e
 def grad_sync(model: nn.Module, sync: bool):
-    "Context for one micro-step: gradients are synchronised across ranks only when `sync` is true."
+    "Context for one micro-step: under DDP gradients are all-reduced only when `sync` is true; a no-op otherwise."
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
-    if is_fsdp(inner): inner.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+# %% ../../nbs/22_distributed.ipynb #6b18cf2f
+def _local(t: torch.Tensor) -> torch.Tensor:
+    "This rank's part of `t`: the local shard of a DTensor, `t` itself otherwise."
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+def grad_norm(parameters) -> torch.Tensor:
+    "Global L2 norm of the gradients (float64 sums, so plain, DDP and FSDP2 layouts agree); a 0-dim float64 tensor."
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads: return torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=_local(grads[0]).device)
+    plain = [g for g in grads if not (DTensor is not None and isinstance(g, DTensor))]
+    sharded = [g for g in grads if DTensor is not None and isinstance(g, DTensor)]
+    if plain: sq = sq + torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in plain]).square().sum()
+    if sharded:  # per-shard norms combine across ranks (the DTensor reduction) into the global norm
+        n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in sharded]))
+        sq = sq + (n.full_tensor() if isinstance(n, DTensor) else n).square()
+    return sq.sqrt()
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    "Scale gradients in place so their global L2 norm is at most `max_norm`; returns the norm before clipping."
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params)
+    if not params: return total
+    coef = (max_norm / (total.float() + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([_local(p.grad) for p in params], coef.to(_local(params[0].grad).device))
+    return total
+
+# %% ../../nbs/22_distributed.ipynb #d99b58bb
+def _nbytes(t: torch.Tensor) -> int:
+    "Bytes of this rank's part of `t`."
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+def memory_footprint(model: nn.Module, optimizers=()) -> dict:
+    "Bytes this rank holds for parameters, gradients and optimizer state (local shards under FSDP2)."
+    params = list(model.parameters())
+    return dict(parameters=sum(_nbytes(p) for p in params),
+                gradients=sum(_nbytes(p.grad) for p in params if p.grad is not None),
+                optimizer=sum(_nbytes(v) for o in optimizers for s in o.state.values() for v in s.values()
+                              if torch.is_tensor(v)))

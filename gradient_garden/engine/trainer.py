@@ -18,7 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 from ..config import ConfigError, GlobalConfig, grad_accum_steps, save_config, redact, SECRET_KEYS
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
-                                                broadcast_object)
+                                                broadcast_object, clip_grad_norm_)
 from .checkpoints import rng_state, set_rng_state
 
 # %% auto #0
@@ -125,7 +125,8 @@ def init_wandb(cfg: GlobalConfig, run_dir: Path):
     "Start a W&B run aligned to our step, or return None when disabled."
     w = cfg.wandb
     if not w.enabled or w.mode == "disabled": return None
-    mode = os.environ.get("WANDB_MODE", w.mode)
+    if os.environ.get("WANDB_MODE", None) == "": del os.environ["WANDB_MODE"]  # wandb rejects an empty mode
+    mode = os.environ.get("WANDB_MODE") or w.mode
     if mode == "online" and not os.environ.get("WANDB_API_KEY"):
         warnings.warn("wandb.enabled is true but WANDB_API_KEY is not set (environment or .env): logging to W&B offline "
                       "in the run directory; `wandb sync` it later")
@@ -279,9 +280,7 @@ class Trainer:
         grad_norm = None
         if cfg.training.grad_clip:
             for o in self.optimizers: self.scaler.unscale_(o)
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip, foreach=True)
-            if hasattr(grad_norm, "full_tensor"): grad_norm = grad_norm.full_tensor()
+            grad_norm = clip_grad_norm_(self.model.parameters(), cfg.training.grad_clip)  # same norm on any layout
         for o in self.optimizers: self.scaler.step(o)
         self.scaler.update()
         for o in self.optimizers: o.zero_grad(set_to_none=True)
@@ -357,18 +356,23 @@ class Trainer:
     def sample(self) -> list[dict]:
         "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
         if self.tokenizer is None: return []
-        from gradient_garden.generation import generate_text
-        g = self.cfg.generation
+        from gradient_garden.generation import encode_prompts, generate
+        g, tok = self.cfg.generation, self.tokenizer
         prompts = g.test_prompts or DEFAULT_TEST_PROMPTS[self.cfg.training.stage]
         m = self.model if is_fsdp(self.model) else unwrap(self.model)
+        # FSDP2 forwards are collectives: decode the full budget on every rank (no early stop that numerics could
+        # time differently per rank), then cut at the stop tokens
+        lockstep = is_fsdp(self.model) and self.env.distributed
+        stops = {t for t in (tok.eos_id, tok.eot_id) if t is not None}
         m.eval()
         try:
             with autocast_context(self.env.device, self.cfg.runtime.precision):
-                texts = generate_text(m, self.tokenizer, prompts, instruct=self.cfg.training.stage != "pretraining",
-                                      max_new_tokens=g.max_gen_len, temperature=g.temperature, top_p=g.top_p,
-                                      top_k=g.top_k, seed=self.cfg.training.seed)
+                outs = generate(m, tok, encode_prompts(tok, prompts, instruct=self.cfg.training.stage != "pretraining"),
+                                max_new_tokens=g.max_gen_len, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                seed=self.cfg.training.seed, stop_ids=[] if lockstep else sorted(stops))
         finally: m.train()
-        return [dict(step=self.state.step, prompt=p, completion=t) for p, t in zip(prompts, texts)]
+        outs = [o[:next((i for i, t in enumerate(o) if t in stops), len(o))] for o in outs]
+        return [dict(step=self.state.step, prompt=p, completion=tok.decode(o)) for p, o in zip(prompts, outs)]
 
     def run_evals(self) -> dict:
         "Multiple-choice evals split across ranks; flat metrics like `hellaswag/acc_norm`."
