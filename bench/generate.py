@@ -33,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--compile", action="store_true", help="torch.compile Tendril's forward (dynamic shapes)")
     p.add_argument("--no-cache-too", action="store_true", help="also time Tendril without the KV cache")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     return p.parse_args(argv)
 
 def sync(device):
@@ -49,6 +50,7 @@ def matmul_peak_flops(device, dtype) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads: torch.set_num_threads(args.threads)
     dev_type = torch.device(args.device).type
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
     cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
@@ -87,12 +89,13 @@ def main(argv=None):
     agree = sum(a == b for x, y in zip(outputs["tendril"], outputs["hf"]) for a, b in zip(x, y)) / (args.batch_size * n_new)
 
     names = list(runs)
-    times = {n: [] for n in names}
+    times, cpu_times = {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            sync(args.device); t = time.perf_counter(); runs[n](); sync(args.device)
-            times[n].append(time.perf_counter() - t)
+            sync(args.device); t, c = time.perf_counter(), time.process_time(); runs[n](); sync(args.device)
+            times[n].append(time.perf_counter() - t); cpu_times[n].append(time.process_time() - c)
     med = {n: statistics.median(v) for n, v in times.items()}
+    cpu_med = {n: statistics.median(v) for n, v in cpu_times.items()}
     tps = {n: args.batch_size * n_new / t for n, t in med.items()}
 
     peak = matmul_peak_flops(args.device, DTYPES[dtype])
@@ -105,9 +108,10 @@ def main(argv=None):
         datasheet = next((v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
         if datasheet and dtype == "fp32": datasheet /= 2
 
-    print(f"{'contender':18s} {'ms/batch':>9s} {'tokens/s':>10s} {'vs hf':>7s} {'MFU':>8s}")
+    print(f"{'contender':18s} {'ms/batch':>9s} {'tokens/s':>10s} {'vs hf':>7s} {'MFU':>8s} {'cpu ms':>8s} {'vs hf':>7s}")
     for n in names:
-        print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['hf']:6.2f}x {mfu[n]*100:7.3f}%")
+        print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['hf']:6.2f}x {mfu[n]*100:7.3f}% "
+              f"{cpu_med[n]*1e3:8.1f} {cpu_med['hf']/cpu_med[n]:6.2f}x")
     print(f"prompts {lens}, {n_new} new tokens each; greedy tokens agreeing with transformers: {agree:.1%}")
     result = dict(bench="generate", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
@@ -115,6 +119,8 @@ def main(argv=None):
                   ms_per_batch={n: round(v * 1e3, 1) for n, v in med.items()},
                   tokens_per_s={n: round(v, 1) for n, v in tps.items()},
                   ratio_vs_hf={n: round(v / tps["hf"], 3) for n, v in tps.items()},
+                  cpu_ms_per_batch={n: round(v * 1e3, 1) for n, v in cpu_med.items()},
+                  ratio_vs_hf_cpu_time={n: round(cpu_med["hf"] / v, 3) for n, v in cpu_med.items()},
                   token_agreement=round(agree, 4), mfu={n: round(v, 5) for n, v in mfu.items()},
                   mfu_datasheet={n: round(fwd_flops * v / datasheet, 5) for n, v in tps.items()} if datasheet else None,
                   matmul_peak_tflops=round(peak / 1e12, 4))

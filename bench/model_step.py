@@ -33,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--compile-llama", action="store_true", help="also time LlamaForCausalLM under torch.compile")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -103,12 +104,14 @@ def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
         step(model, opt, x, y, autocast_dtype, dev_type); sync(args.device)
         return torch.cuda.max_memory_allocated() / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    if args.threads: cmd += ["--threads", str(args.threads)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode: raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads: torch.set_num_threads(args.threads)
     if args.memory_child: return memory_child(args)
     dev_type = torch.device(args.device).type
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
@@ -128,16 +131,18 @@ def main(argv=None):
         sync(args.device)
         print(f"warm-up {n}: {time.perf_counter() - t:.1f}s, first loss {first[n]:.5f}", flush=True)
 
-    times = {n: [] for n in names}
+    times, cpu_times = {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             m, o = contenders[n]
-            sync(args.device); t = time.perf_counter()
+            sync(args.device); t, c = time.perf_counter(), time.process_time()
             for _ in range(args.steps_per_round): step(m, o, x, y, autocast_dtype, dev_type)
             sync(args.device)
             times[n].append((time.perf_counter() - t) / args.steps_per_round)
+            cpu_times[n].append((time.process_time() - c) / args.steps_per_round)
     med = {n: statistics.median(v) for n, v in times.items()}
+    cpu_med = {n: statistics.median(v) for n, v in cpu_times.items()}
     tps = {n: tokens / t for n, t in med.items()}
 
     peak_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
@@ -152,11 +157,11 @@ def main(argv=None):
     mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, autocast_dtype, dev_type)
                                      for n in names if not (n.endswith("compiled") and dev_type == "cpu")}
 
-    print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s}  (IQR ms)")
+    print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s} {'cpu ms':>8s} {'vs llama':>9s}  (IQR ms)")
     for n in names:
         q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med[n]] * 3
         print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['llama']:8.2f}x {mfu[n]*100:6.2f}% "
-              f"{mem.get(n, float('nan')):8.0f}  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
+              f"{mem.get(n, float('nan')):8.0f} {cpu_med[n]*1e3:8.1f} {cpu_med['llama']/cpu_med[n]:8.2f}x  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
     print(f"params {count_parameters(contenders['tendril'][0]):,}; {fpt/1e6:.1f} MFLOP/token; "
           f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
     result = dict(bench="model_step", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
@@ -165,6 +170,8 @@ def main(argv=None):
                              vocab=cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
                   rounds=args.rounds, steps_per_round=args.steps_per_round,
                   step_ms={n: round(v * 1e3, 2) for n, v in med.items()},
+                  step_cpu_ms={n: round(v * 1e3, 2) for n, v in cpu_med.items()},
+                  ratio_vs_llama_cpu_time={n: round(cpu_med["llama"] / v, 3) for n, v in cpu_med.items()},
                   tokens_per_s={n: round(v, 1) for n, v in tps.items()},
                   ratio_vs_llama={n: round(v / tps["llama"], 3) for n, v in tps.items()},
                   mfu={n: round(v, 4) for n, v in mfu.items()},

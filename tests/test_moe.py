@@ -185,6 +185,7 @@ def test_state_dict_roundtrip_lora_hf_and_checkpoint_shape_checks(tmp_path):
     cfg8 = GlobalConfig(); cfg8.model = dataclasses.replace(CFG, n_experts=8)
     with pytest.raises(ConfigError, match="model.n_experts: got 8"): check_compatible(ckpt, cfg8)
     with pytest.raises(ConfigError, match="model.n_experts_per_token: got 5"): moe(n_experts_per_token=5)
+    with pytest.raises(ConfigError, match="use softmax_topk"): moe(router="topk_softmax", n_experts_per_token=1)
 
 
 # -- DDP and FSDP2 ----------------------------------------------------------------------------------------------

@@ -273,6 +273,13 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
     assert run_prepare_instruct(cfg, spec, args) == 0 and "up to date" in capsys.readouterr().out
     meta = json.loads((tmp_path/"instruct"/"train"/"meta.json").read_text())
     assert meta["tokenizer_identity"] == tok.identity and 40 <= meta["n_conversations"] < 60
+    hub = tmp_path/"hub_dataset"; hub.mkdir()  # a dataset folder: the same load_dataset call as a hub id
+    for split, words in (("train", WORDS[:50]), ("test", WORDS[50:60])):
+        (hub/f"{split}.jsonl").write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"Say {w}."},
+                                                                               {"from": "gpt", "value": w}]}) + "\n" for w in words))
+    metas = prepare_instruct({"sources": [{"type": "hub", "path": str(hub), "split": "train", "val_split": "test",
+                                           "column": "conversations"}]}, cfg, tmp_path/"hub_out", tok, progress=False)
+    assert (metas["train"]["n_conversations"], metas["val"]["n_conversations"]) == (50, 10)
     pairs = tmp_path/"pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"Say {w}.", "chosen": w, "rejected": w[::-1]}) + "\n" for w in WORDS[:30]))
     assert run_prepare_dpo(cfg, {"sources": [{"type": "json", "path": str(pairs), "val_fraction": 0.3}]}, args) == 0

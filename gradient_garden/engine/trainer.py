@@ -294,9 +294,10 @@ class Trainer:
     # -- validation -----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> float:
-        "Mean validation loss over the same fixed batches every time (all ranks, reduced)."
+        "Mean validation loss over the same fixed windows every time, whatever the world size (all ranks, reduced)."
         if self.val_loader is None: return float("nan")
-        if self._val_batches is None: self._val_batches = self.val_loader.fixed_batches(self.cfg.validation.steps)
+        if self._val_batches is None:  # `validation.steps` global batches: the same windows on any number of ranks
+            self._val_batches = self.val_loader.fixed_batches(self.cfg.validation.steps * self.grad_accum)
         self.model.eval()
         dev = self.env.device
         tot, cnt = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)

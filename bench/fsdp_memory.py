@@ -1,0 +1,98 @@
+"""Per-rank memory of data parallelism: parameters + gradients + optimizer state under DDP and FSDP2, same model.
+
+The launcher starts `--ranks` processes under torchrun (gloo on CPU, NCCL with one GPU per rank); in each, the same
+Tendril (the debug recipe's model unless overridden) is wrapped with DDP and then with FSDP2 (per block + root),
+trained for two optimizer steps of two micro-steps each on random tokens with the platform's own optimizers (AdamW,
+and Muon for the hidden matrices), and measured with `memory_footprint` just before the second optimizer step, when
+parameters, gradients and optimizer state all exist. Bytes are counted per rank from the tensors it holds (local
+shards under FSDP2); DDP's internal all-reduce buckets are not included. On CUDA the allocator's peak over the
+two steps is reported as well.
+
+    python bench/fsdp_memory.py                      # 2 CPU ranks, gloo, the debug recipe's model
+    python bench/fsdp_memory.py --ranks 4 --device cuda --set model.dim=1024 model.n_layers=16
+
+The last line of stdout is one JSON object with the figures.
+"""
+from __future__ import annotations
+import argparse, json, os, subprocess, sys
+from pathlib import Path
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--recipe", default=str(ROOT/"recipes"/"pretraining"/"debug.yaml"))
+    p.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides, e.g. model.dim=256")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+def measure(cfg, env, fsdp: bool, muon: bool, args) -> dict:
+    "Footprint (bytes) of one wrapped model before its second optimizer step."
+    from gradient_garden.config import RuntimeConfig
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.engine.distributed import parallelize, grad_sync, memory_footprint
+    from gradient_garden.engine.optim import build_optimizers
+    cfg.optimizers.muon.enabled = muon
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg.model).to(env.device), RuntimeConfig(device=args.device, fsdp=fsdp), env)
+    opts = build_optimizers(model, cfg.optimizers, env.device.type)
+    gen = torch.Generator().manual_seed(env.rank)
+    if env.device.type == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(env.device)
+    for step in range(2):
+        for micro in range(2):
+            toks = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(env.device)
+            with grad_sync(model, sync=micro == 1):
+                F.cross_entropy(model(toks[:, :-1]).flatten(0, 1), toks[:, 1:].flatten()).backward()
+        if step == 1: fp = memory_footprint(model, opts)
+        for o in opts: o.step(); o.zero_grad(set_to_none=True)
+    fp["total"] = fp["parameters"] + fp["gradients"] + fp["optimizer"]
+    if env.device.type == "cuda": fp["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(env.device)
+    return fp
+
+def worker(args):
+    "One rank: measure every (wrapper, optimizer) pair; rank 0 prints all ranks' figures as JSON."
+    from gradient_garden.config import RuntimeConfig, load_config
+    from gradient_garden.engine.distributed import init_distributed, all_gather_objects, destroy_distributed
+    from gradient_garden.models.tendril import build_model, count_parameters
+    env = init_distributed(RuntimeConfig(device=args.device))
+    cfg, _ = load_config(recipe=args.recipe, overrides=args.overrides)
+    mine = {f"{w}/{o}": measure(cfg, env, w == "fsdp2", o == "muon", args)
+            for o in ("adamw", "muon") for w in ("ddp", "fsdp2")}
+    ranks = all_gather_objects(mine)
+    if env.is_main:
+        with torch.device("meta"): n = count_parameters(build_model(cfg.model))
+        print(json.dumps(dict(parameters=n, ranks=ranks, world_size=env.world_size, device=str(env.device.type))))
+    destroy_distributed()
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker: return worker(args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+           __file__, "--worker", "--device", args.device, "--recipe", args.recipe, "--batch-size", str(args.batch_size),
+           "--seq-len", str(args.seq_len)] + (["--set", *args.overrides] if args.overrides else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    if r.returncode != 0: sys.exit(f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    mb = lambda b: b / 2**20
+    print(f"{res['parameters']:,} parameters, {res['world_size']} ranks ({res['device']}); MiB per rank "
+          f"(parameters + gradients + optimizer = total), max over ranks:")
+    out = dict(parameters=res["parameters"], world_size=res["world_size"], device=res["device"])
+    for key in res["ranks"][0]:
+        worst = {k: max(r[key][k] for r in res["ranks"]) for k in res["ranks"][0][key]}
+        out[key.replace("/", "_")] = worst
+        print(f"  {key:13s} {mb(worst['parameters']):7.2f} + {mb(worst['gradients']):7.2f} + "
+              f"{mb(worst['optimizer']):7.2f} = {mb(worst['total']):7.2f}")
+    for o in ("adamw", "muon"):
+        ratio = out[f"fsdp2_{o}"]["total"] / out[f"ddp_{o}"]["total"]
+        out[f"fsdp2_over_ddp_{o}"] = round(ratio, 4)
+        print(f"  FSDP2 / DDP with {o}: {ratio:.3f} (ideal 1/{res['world_size']} = {1 / res['world_size']:.3f})")
+    print(json.dumps(out))
+
+if __name__ == "__main__":
+    main()
