@@ -32,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--compile-llama", action="store_true", help="also time LlamaForCausalLM under torch.compile")
+    p.add_argument("--compile-mode", default="model", choices=["model", "blocks"],
+                   help="torch.compile the whole model, or each block in place (as runtime.compile does in training)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
@@ -51,7 +53,11 @@ def make_contenders(cfg, args, names):
         if name.startswith("tendril"): m = copy.deepcopy(base)
         else: m = to_hf_model(base).to(args.device).train()
         m.train()
-        fwd = torch.compile(m) if name.endswith("compiled") else m
+        fwd = m
+        if name.endswith("compiled"):
+            if args.compile_mode == "model": fwd = torch.compile(m)
+            else:
+                for block in (m.layers if name.startswith("tendril") else m.model.layers): block.compile()
         fused = args.device != "mps"
         out[name] = (fwd, torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.1, fused=fused))
     return out
@@ -92,7 +98,18 @@ def memory_child(args):
     "Peak RSS growth (MB) of building and training one contender for a few steps, in this fresh process."
     cfg = model_config(args)
     base = rss_mb()
-    (model, opt), = make_contenders(cfg, args, [args.memory_child]).values()
+    name = args.memory_child
+    if name.startswith("tendril"): model = Tendril(cfg)
+    else:
+        from transformers import LlamaForCausalLM
+        from gradient_garden.models.hf import hf_llama_config
+        model = LlamaForCausalLM(hf_llama_config(cfg))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    if name.endswith("compiled"):
+        if args.compile_mode == "model": model = torch.compile(model)
+        else:
+            for block in (model.layers if name.startswith("tendril") else model.model.layers): block.compile()
     x, y = make_batch(cfg, args)
     for _ in range(3): step(model, opt, x, y, None, "cpu")
     print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}))
@@ -105,6 +122,7 @@ def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
         return torch.cuda.max_memory_allocated() / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     if args.threads: cmd += ["--threads", str(args.threads)]
+    cmd += ["--compile-mode", args.compile_mode]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode: raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -154,8 +172,7 @@ def main(argv=None):
         name = torch.cuda.get_device_name()
         datasheet = next((v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
         if datasheet and dtype == "fp32": datasheet /= 2
-    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, autocast_dtype, dev_type)
-                                     for n in names if not (n.endswith("compiled") and dev_type == "cpu")}
+    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, autocast_dtype, dev_type) for n in names}
 
     print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s} {'cpu ms':>8s} {'vs llama':>9s}  (IQR ms)")
     for n in names:
@@ -168,7 +185,7 @@ def main(argv=None):
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
                   shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden=768,
                              vocab=cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
-                  rounds=args.rounds, steps_per_round=args.steps_per_round,
+                  rounds=args.rounds, steps_per_round=args.steps_per_round, compile_mode=args.compile_mode,
                   step_ms={n: round(v * 1e3, 2) for n, v in med.items()},
                   step_cpu_ms={n: round(v * 1e3, 2) for n, v in cpu_med.items()},
                   ratio_vs_llama_cpu_time={n: round(cpu_med["llama"] / v, 3) for n, v in cpu_med.items()},

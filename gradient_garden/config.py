@@ -81,7 +81,7 @@ class EarlyStoppingConfig:
 
 @dataclass
 class TrainingConfig:
-    "The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps."
+    "The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps (`packing`: SFT rows hold several chats)."
     stage: Literal["pretraining", "instruct", "dpo"] = "pretraining"
     seed: int = 1337
     total_batch_size: int = 8192
@@ -90,6 +90,7 @@ class TrainingConfig:
     max_steps: int = 300
     grad_clip: Optional[float] = 1.0
     log_every: int = 10
+    packing: bool = True
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 # %% ../nbs/00_config.ipynb #de38a117

@@ -26,6 +26,7 @@ class StageParts:
     task: Any
     train_loader: Any
     val_loader: Any = None
+    evaluate: Callable | None = None  # model -> {metric: float}, run after the last step (e.g. held-out exact match)
 
 STAGES: dict[str, Callable] = {}
 STAGE_MODULES = ("gradient_garden.tasks.pretraining", "gradient_garden.tasks.sft", "gradient_garden.tasks.dpo")
@@ -83,7 +84,8 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     model = build_run_model(cfg, env, ckpt)
     parts = build_stage(cfg, tokenizer, env, model)
     seed_everything(cfg.training.seed)
-    trainer = Trainer(cfg, model, parts.task, parts.train_loader, parts.val_loader, tokenizer=tokenizer, env=env)
+    trainer = Trainer(cfg, model, parts.task, parts.train_loader, parts.val_loader, tokenizer=tokenizer, env=env,
+                      final_evaluate=parts.evaluate)
     trainer.callbacks.extend(callbacks)
     if ckpt is not None and ckpt.get("stage") == cfg.training.stage:
         trainer.load_checkpoint_state(ckpt, reset_optimizers=reset_optimizers, reset_loader=reset_loader,

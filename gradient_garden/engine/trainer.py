@@ -22,10 +22,10 @@ from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barri
 from .checkpoints import rng_state, set_rng_state
 
 # %% auto #0
-__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'DEFAULT_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
+__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'PRETRAINING_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
            'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
            'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
-           'load_full_state', 'TrainState', 'Trainer']
+           'load_full_state', 'default_test_prompts', 'TrainState', 'Trainer']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -214,11 +214,13 @@ def load_full_state(model: nn.Module, optimizers: list | None, model_sd: dict, o
     else: set_model_state_dict(m, model_sd, options=opts)
 
 # %% ../../nbs/24_trainer.ipynb #8ac9ab59
-DEFAULT_TEST_PROMPTS = {
-    "pretraining": ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"],
-    "instruct": ["What is 12 + 30?", "Spell the word 'garden' backwards.", "Write the word 'tree' in capital letters."],
-    "dpo": ["What is 7 + 8?", "Reverse the word 'seed'.", "Write the word 'leaf' in capital letters."],
-}
+PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]
+
+def default_test_prompts(stage: str) -> list[str]:
+    "Prompts sampled during training: code openings for pretraining, held-out verifiable questions after it."
+    if stage == "pretraining": return PRETRAINING_TEST_PROMPTS
+    from gradient_garden.data.verifiable import heldout_examples
+    return [e.prompt for e in heldout_examples(1)][:5]
 
 @dataclass
 class TrainState:
@@ -231,7 +233,8 @@ class TrainState:
 class Trainer:
     "Runs a task's optimisation: accumulation, precision, validation, logging, checkpoints."
     def __init__(self, cfg: GlobalConfig, model: nn.Module, task, train_loader, val_loader=None, *, optimizers=None,
-                 tokenizer=None, env: DistEnv | None = None, run_dir=None, log_to_console: bool = True):
+                 tokenizer=None, env: DistEnv | None = None, run_dir=None, log_to_console: bool = True,
+                 final_evaluate: Callable | None = None):
         from gradient_garden.engine.optim import build_optimizers
         self.cfg, self.model, self.task, self.tokenizer = cfg, model, task, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
@@ -248,10 +251,18 @@ class Trainer:
         self.ckpt_manager = None
         self._val_batches = None
         self._fpt = None
+        self.router_metrics: dict = {}
+        self.final_evaluate = final_evaluate
 
     # -- one optimizer step ---------------------------------------------------------------------------------------
+    def _mark_supervised(self, batch):
+        "Tell a model with routing losses (MoE) which tokens are supervised, for its next forward."
+        set_mask = getattr(unwrap(self.model), "set_loss_mask", None)
+        if callable(set_mask) and "labels" in batch: set_mask(batch["labels"] != -100)
+
     def _forward_loss(self, batch) -> tuple[torch.Tensor, dict]:
         "Sum of the task loss over the micro-batch, plus the model's auxiliary loss when it has one."
+        self._mark_supervised(batch)
         with autocast_context(self.env.device, self.cfg.runtime.precision):
             loss_sum, metrics = self.task.loss(self.model, batch)
         aux = getattr(unwrap(self.model), "aux_loss", None)
@@ -299,14 +310,18 @@ class Trainer:
         if self._val_batches is None:  # `validation.steps` global batches: the same windows on any number of ranks
             self._val_batches = self.val_loader.fixed_batches(self.cfg.validation.steps * self.grad_accum)
         self.model.eval()
-        dev = self.env.device
+        dev, inner = self.env.device, unwrap(self.model)
+        if hasattr(inner, "reset_router_stats"): inner.reset_router_stats()  # count validation routing only
         tot, cnt = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
         try:
             for b in self._val_batches:
                 b = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in b.items()}
+                self._mark_supervised(b)
                 with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
                 tot += loss_sum.double(); cnt += float(self.task.count(b))
         finally: self.model.train()
+        # router load, effective/dead experts, max share (a collective: every rank calls it)
+        self.router_metrics = inner.router_metrics() if hasattr(inner, "router_metrics") else {}
         return (all_reduce(tot) / all_reduce(cnt)).item()
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -359,7 +374,7 @@ class Trainer:
         if self.tokenizer is None: return []
         from gradient_garden.generation import encode_prompts, generate
         g, tok = self.cfg.generation, self.tokenizer
-        prompts = g.test_prompts or DEFAULT_TEST_PROMPTS[self.cfg.training.stage]
+        prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
         m = self.model if is_fsdp(self.model) else unwrap(self.model)
         # FSDP2 forwards are collectives: decode the full budget on every rank (no early stop that numerics could
         # time differently per rank), then cut at the stop tokens
@@ -425,9 +440,13 @@ class Trainer:
                     val_loss = self.validate(); last_val = val_loss
                     self.state.val_history.append([step, val_loss])
                     self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
-                    rec = (rec or dict(step=step)) | dict(val_loss=val_loss)
+                    rec = (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics
                     if self.log_to_console: bar.write(f"step {step}: val_loss {val_loss:.4f}")
                     if self.early and self.early.update(step, val_loss): stopped_early = True
+                last = step == t.max_steps or stopped_early
+                if last and self.final_evaluate is not None:
+                    m = self.model if is_fsdp(self.model) else unwrap(self.model)
+                    rec = (rec or dict(step=step)) | self.final_evaluate(m)
                 if e.every and step % e.every == 0 and self.tokenizer is not None:
                     rec = (rec or dict(step=step)) | self.run_evals()
                 if g.every and step % g.every == 0 and self.tokenizer is not None:
@@ -437,7 +456,6 @@ class Trainer:
                             for s in samples: f.write(json.dumps(s) + "\n")
                 if rec is not None: logger.log(rec)
                 for cb in self.callbacks: cb(self, rec)
-                last = step == t.max_steps or stopped_early
                 if c.every and (step % c.every == 0 or (last and c.save_final)): self.save_checkpoint(val_loss)
                 if stopped_early:
                     if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")

@@ -37,10 +37,12 @@ class CausalLMTask:
 # %% ../../nbs/30_pretraining.ipynb #828b319e
 @register_stage("pretraining")
 def build_pretraining(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
-    "Causal task plus train/val `PretrainLoader`s for this rank."
+    "Causal task (distilled from a teacher when configured) plus train/val `PretrainLoader`s for this rank."
     from gradient_garden.data.loaders import pretraining_loaders
+    from gradient_garden.tasks.distillation import wrap_with_distillation
     train, val = pretraining_loaders(cfg, env.rank, env.world_size, tokenizer_identity=getattr(tokenizer, "identity", None))
-    return StageParts(CausalLMTask(), train, val if cfg.validation.enabled else None)
+    task = wrap_with_distillation(CausalLMTask(), cfg, tokenizer, env.device)  # KL to a teacher when distillation.enabled
+    return StageParts(task, train, val if cfg.validation.enabled else None)
 
 # %% ../../nbs/30_pretraining.ipynb #86925903
 def unigram_baseline(data_dir) -> float:

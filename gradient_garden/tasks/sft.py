@@ -374,7 +374,11 @@ def build_instruct(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
     check_identity(tokenizer, train.tokenizer_identity, d, cfg.tokenizer.path)
     val = SFTLoader(d, "val", **kw) if (d/"val"/"meta.json").is_file() and cfg.validation.enabled else None
     from gradient_garden.tasks.distillation import wrap_with_distillation
-    return StageParts(wrap_with_distillation(SFTTask(), cfg, tokenizer, env.device), train, val)
+    def held_out_exact_match(m):
+        "Exact match on held-out verifiable prompts, overall and per task."
+        r = evaluate_exact_match(m, tokenizer)
+        return {"exact_match": r["exact_match"], **{f"exact_match/{k}": v for k, v in r["per_task"].items()}}
+    return StageParts(wrap_with_distillation(SFTTask(), cfg, tokenizer, env.device), train, val, evaluate=held_out_exact_match)
 
 # %% ../../nbs/31_sft.ipynb #3a7c3400
 def prompt_ids(tokenizer, ex: VerifiableExample, system: Optional[str] = None) -> list[int]:
