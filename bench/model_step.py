@@ -2,7 +2,7 @@
 
 One step = forward + cross-entropy on the logits + backward + AdamW step, on a fixed batch. The contenders run
 side by side in one process, in alternating (rotated) order each round; figures are medians over rounds. Peak
-memory comes from a fresh child process per contender on CPU (peak RSS growth) and from the CUDA allocator on GPU.
+memory comes from a fresh child process per contender on CPU (growth of its peak RSS, VmHWM) and from the CUDA allocator on GPU.
 MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (and the datasheet peak on GPU).
 
     python bench/model_step.py                       # CPU fp32, the issue's shape
@@ -11,7 +11,7 @@ MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (
 The last line of stdout is one JSON object with the figures.
 """
 from __future__ import annotations
-import argparse, copy, gc, json, os, resource, statistics, subprocess, sys, time
+import argparse, copy, gc, json, os, statistics, subprocess, sys, time
 import torch
 import torch.nn.functional as F
 
@@ -92,7 +92,13 @@ def matmul_peak_flops(device, dtype) -> float:
     return 2 * n ** 3 / best
 
 def rss_mb() -> float:
+    "Resident memory of this process now (MB)."
     with open("/proc/self/statm") as f: return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+def peak_rss_mb() -> float:
+    "High-water mark of this process's resident memory (MB); unlike ru_maxrss it is not inherited across exec."
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
 
 def memory_child(args):
     "Peak RSS growth (MB) of building and training one contender for a few steps, in this fresh process."
@@ -112,14 +118,17 @@ def memory_child(args):
             for block in (model.layers if name.startswith("tendril") else model.model.layers): block.compile()
     x, y = make_batch(cfg, args)
     for _ in range(3): step(model, opt, x, y, None, "cpu")
-    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}))
+    print(json.dumps({"peak_mb": peak_rss_mb() - base}))
 
 def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda"):   # the other contenders' weights stay resident: count only this one's
         model, opt = contenders[name]
         gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        own = sum(t.numel() * t.element_size() for t in list(model.parameters()) +
+                  [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda])
         step(model, opt, x, y, autocast_dtype, dev_type); sync(args.device)
-        return torch.cuda.max_memory_allocated() / 2**20
+        return (torch.cuda.max_memory_allocated() - before + own) / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     if args.threads: cmd += ["--threads", str(args.threads)]
     cmd += ["--compile-mode", args.compile_mode]
