@@ -188,6 +188,7 @@ def main(argv=None):
         q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med[n]] * 3
         print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['llama']:8.2f}x {mfu[n]*100:6.2f}% "
               f"{mem.get(n, float('nan')):8.0f} {cpu_med[n]*1e3:8.1f} {cpu_med['llama']/cpu_med[n]:8.2f}x  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
+    print("fastest step (a quiet-machine estimate): " + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['llama'])/min(v):.2f}x)" for n, v in times.items()))
     print(f"params {count_parameters(contenders['tendril'][0]):,}; {fpt/1e6:.1f} MFLOP/token; "
           f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
     result = dict(bench="model_step", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
@@ -196,6 +197,8 @@ def main(argv=None):
                              vocab=cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
                   rounds=args.rounds, steps_per_round=args.steps_per_round, compile_mode=args.compile_mode,
                   step_ms={n: round(v * 1e3, 2) for n, v in med.items()},
+                  step_ms_min={n: round(min(v) * 1e3, 2) for n, v in times.items()},
+                  ratio_vs_llama_min={n: round(min(times["llama"]) / min(v), 3) for n, v in times.items()},
                   step_cpu_ms={n: round(v * 1e3, 2) for n, v in cpu_med.items()},
                   ratio_vs_llama_cpu_time={n: round(cpu_med["llama"] / v, 3) for n, v in cpu_med.items()},
                   tokens_per_s={n: round(v, 1) for n, v in tps.items()},
