@@ -46,6 +46,8 @@ def run_train(args) -> int:
     res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
                        reset_loader=args.reset_loader, reset_val_history=args.reset_val_history)
     if int(os.environ.get("RANK", 0)) == 0: print(f"done: {res}")
+    from gradient_garden.engine.distributed import destroy_distributed
+    destroy_distributed()
     return 0
 
 # %% ../nbs/50_cli.ipynb #e99d65a5

@@ -63,8 +63,10 @@ def init_distributed(runtime: RuntimeConfig | None = None) -> DistEnv:
     return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
 
 def destroy_distributed():
-    "Tear down the process group if there is one."
-    if dist.is_initialized(): dist.destroy_process_group()
+    "Tear down the process group if there is one, after every rank has arrived (no rank exits mid-collective)."
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 # %% ../../nbs/22_distributed.ipynb #1a64e9f8
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
