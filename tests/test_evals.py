@@ -125,10 +125,10 @@ def _slow_after_prefix(model, prefix, cont):
 def test_truncation_matches_lm_eval(model, tok):
     exs = E.load_examples("hellaswag")[:4]
     enc = E.text_encoder(tok)
-    assert max(len(enc(c + k)) for ex in exs for c, k in ex.requests) > 40    # so truncation happens
-    slow = [[slow_loglikelihood(model, enc, c, k, max_len=40) for c, k in ex.requests] for ex in exs]
+    assert max(len(enc(c + k)) for ex in exs for c, k in ex.requests) > 48    # so truncation happens
+    slow = [[slow_loglikelihood(model, enc, c, k, max_len=48) for c, k in ex.requests] for ex in exs]
     for share in (False, True):    # shared rows longer than max_len fall back to plain, truncated rows
-        got = E.score_examples(model, tok, exs, batch_size=4, max_len=40, share_context=share)
+        got = E.score_examples(model, tok, exs, batch_size=4, max_len=48, share_context=share)
         np.testing.assert_allclose(np.array(sum(got, [])), np.array(sum(slow, [])), atol=1e-4, rtol=0)
 
 # -- metrics ---------------------------------------------------------------------------------------------------------
