@@ -13,13 +13,13 @@ The last line of stdout is one JSON object with the figures.
 from __future__ import annotations
 import argparse, json, statistics, time
 import torch
+from gradient_garden.engine.trainer import gpu_datasheet_flops, measure_matmul_peak
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.generation import generate
 from gradient_garden.models.tendril import Tendril, flops_per_token
 from gradient_garden.models.hf import to_hf_model
 
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv=None):
@@ -40,13 +40,9 @@ def sync(device):
     if device.startswith("cuda"): torch.cuda.synchronize()
 
 def matmul_peak_flops(device, dtype) -> float:
-    n = 2048 if device == "cpu" else 8192
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(8 if device == "cpu" else 20):
-        sync(device); t = time.perf_counter(); a @ b; sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    "Best FLOP/s of a large square matmul on this device (the measured peak MFU is quoted against)."
+    cpu = device == "cpu"
+    return measure_matmul_peak(torch.device(device), n=2048 if cpu else 8192, reps=8 if cpu else 20, dtype=dtype, refresh=True)
 
 def main(argv=None):
     args = parse_args(argv)
@@ -104,9 +100,7 @@ def main(argv=None):
     mfu = {n: fwd_flops * v / peak for n, v in tps.items()}
     datasheet = None
     if dev_type == "cuda":
-        name = torch.cuda.get_device_name()
-        datasheet = next((v * 1e12 for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
-        if datasheet and dtype == "fp32": datasheet /= 2
+        datasheet = gpu_datasheet_flops(torch.cuda.get_device_name(), dtype)
 
     print(f"{'contender':18s} {'ms/batch':>9s} {'tokens/s':>10s} {'vs hf':>7s} {'MFU':>8s} {'cpu ms':>8s} {'vs hf':>7s}")
     for n in names:

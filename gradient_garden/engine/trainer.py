@@ -23,9 +23,9 @@ from .checkpoints import rng_state, set_rng_state
 
 # %% auto #0
 __all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'PRETRAINING_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
-           'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
-           'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
-           'load_full_state', 'default_test_prompts', 'TrainState', 'Trainer']
+           'gpu_datasheet_flops', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
+           'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything',
+           'make_profiler', 'full_state', 'load_full_state', 'default_test_prompts', 'TrainState', 'Trainer']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,13 +61,17 @@ def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 102
     _MEASURED_PEAK[key] = max(_MEASURED_PEAK.get(key, 0.0), 2 * n**3 / best)
     return _MEASURED_PEAK[key]
 
+def gpu_datasheet_flops(name: str, precision: str = "bf16") -> float | None:
+    "Datasheet peak FLOP/s of the GPU called `name` (TF32, half the bf16 figure, for fp32), or None if unknown."
+    for k, v in GPU_PEAK_FLOPS.items():
+        if k in name: return v if precision != "fp32" else v / 2
+    return None
+
 def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = False) -> float:
     "Peak FLOP/s of one device: the datasheet for known GPUs, otherwise measured (a busy CPU under-reads: `refresh`)."
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for k, v in GPU_PEAK_FLOPS.items():
-            if k in name: return v if precision != "fp32" else v / 2
-        return measure_matmul_peak(device, 4096, dtype=DTYPES[precision], refresh=refresh)
+        return (gpu_datasheet_flops(torch.cuda.get_device_name(device), precision)
+                or measure_matmul_peak(device, 4096, dtype=DTYPES[precision], refresh=refresh))
     return measure_matmul_peak(device, refresh=refresh)
 
 # %% ../../nbs/24_trainer.ipynb #d1a4d1f2
