@@ -528,7 +528,7 @@ def run_evaluate(args) -> int:
     if args.validation and args.hf_checkpoint:
         raise ConfigError("--validation needs --checkpoint: the validation shards are tokenized with the run's tokenizer")
     from gradient_garden.config import RuntimeConfig
-    from gradient_garden.engine.distributed import init_distributed, resolve_device
+    from gradient_garden.engine.distributed import init_distributed, resolve_device, destroy_distributed
     started_dist = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not torch.distributed.is_initialized()
     name = args.device.split(":")[0]
     env = init_distributed(RuntimeConfig(device=name if name in ("auto", "cpu", "cuda", "mps") else "auto"))
@@ -568,5 +568,5 @@ def run_evaluate(args) -> int:
                       f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
             print(f"results: {out}")
     finally:
-        if started_dist: torch.distributed.destroy_process_group()
+        if started_dist: destroy_distributed()
     return 0

@@ -249,6 +249,7 @@ WORKER = textwrap.dedent('''
                                batch_size=2, share_context=share)
         out[str(share)] = {{"res": res, "forwards": len(calls)}}
     json.dump(out, open(os.path.join({out!r}, f"rank{{dist.get_rank()}}.json"), "w"))
+    dist.barrier()  # no rank tears down the store while the other still uses it
     dist.destroy_process_group()
 ''')
 
