@@ -132,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(verb if verb in _verbs() else None)
     args = parser.parse_args(argv)
     try:
-        return args._run(args) or 0
+        rc = args._run(args) or 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # under torchrun the work is done and written: skip interpreter teardown, where gloo's threads can abort
+        sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
+    return rc
 
 # %% ../nbs/50_cli.ipynb #c3fa3c06
 if __name__ == "__main__": sys.exit(main())
