@@ -7,8 +7,8 @@ Docs: https://gradient-garden.github.io/gradient-garden/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #cb1d43da
 from __future__ import annotations
-import dataclasses, os, types, typing
-from dataclasses import dataclass, field, fields, asdict, is_dataclass
+import os, types
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 import yaml

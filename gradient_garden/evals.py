@@ -8,7 +8,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/evals.html.md"""
 # %% ../nbs/40_evals.ipynb #ce03440a
 from __future__ import annotations
 import argparse, json, math, os, random, re, sys, time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 import torch

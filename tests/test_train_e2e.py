@@ -21,7 +21,7 @@ def losses(run_dir):
 
 def test_train_writes_the_run_directory(prepared, tmp_path):
     evals = ["evals.every=8", "evals.hellaswag_examples=8", "evals.winogrande_examples=8", "evals.arc_challenge_examples=8"]
-    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), *evals, env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), *evals, env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
     run_dir = tmp_path/"runs"/"pretraining"/"debug"
     for f in ["config.yaml", "snapshot.json", "metrics.jsonl", "samples.jsonl"]: assert (run_dir/f).is_file(), f
     recs = [json.loads(l) for l in (run_dir/"metrics.jsonl").read_text().splitlines()]

@@ -8,7 +8,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/verifiable.html.md"""
 # %% ../../nbs/04_verifiable.ipynb #141d44d6
 from __future__ import annotations
 import hashlib, random, re
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from typing import Callable, Optional
 from ..config import ConfigError
 

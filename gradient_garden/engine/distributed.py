@@ -52,7 +52,7 @@ def init_distributed(runtime: RuntimeConfig | None = None) -> DistEnv:
     "Initialise the process group from torchrun's environment (NCCL on CUDA, gloo on CPU), or run as one process."
     runtime = runtime or RuntimeConfig()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(runtime.device, local_rank)
     if world == 1 and not dist.is_initialized(): return DistEnv(device=device)
     backend = runtime.backend if runtime.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")

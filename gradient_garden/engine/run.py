@@ -7,9 +7,8 @@ Docs: https://gradient-garden.github.io/gradient-garden/run.html.md"""
 
 # %% ../../nbs/25_run.ipynb #449151b2
 from __future__ import annotations
-import importlib, os
+import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 import torch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv

@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib, json, math, os, platform, random, subprocess, sys, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable
 import numpy as np
 import torch
 from torch import nn
-import torch.nn.functional as F
-from ..config import ConfigError, GlobalConfig, grad_accum_steps, save_config, redact, SECRET_KEYS
+from ..config import GlobalConfig, grad_accum_steps, redact
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
-                                                broadcast_object, clip_grad_norm_)
+                                                clip_grad_norm_)
 from .checkpoints import rng_state, set_rng_state
 
 # %% auto #0

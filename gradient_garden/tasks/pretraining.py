@@ -7,10 +7,9 @@ Docs: https://gradient-garden.github.io/gradient-garden/pretraining.html.md"""
 
 # %% ../../nbs/30_pretraining.ipynb #ab0fdad2
 from __future__ import annotations
-from pathlib import Path
 import torch
 import torch.nn.functional as F
-from ..config import ConfigError, GlobalConfig
+from ..config import GlobalConfig
 from ..engine.run import StageParts, register_stage
 
 # %% auto #0

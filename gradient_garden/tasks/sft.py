@@ -15,7 +15,7 @@ import torch
 from ..config import ConfigError, GlobalConfig
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
                                              SPLITS)
-from .pretraining import CausalLMTask, MODEL_INPUTS
+from .pretraining import CausalLMTask
 from ..engine.run import StageParts, register_stage
 
 # %% auto #0
