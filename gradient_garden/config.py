@@ -7,7 +7,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #cb1d43da
 from __future__ import annotations
-import os, types
+import json, os, types
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -19,7 +19,7 @@ __all__ = ['RECIPE_KEYS', 'STAGE_FLAGS', 'SECRET_KEYS', 'ConfigError', 'RunConfi
            'ValidationConfig', 'EvalsConfig', 'GenerationConfig', 'CheckpointingConfig', 'TokenizerConfig',
            'LoraConfig', 'DistillationConfig', 'DPOConfig', 'WandbConfig', 'TorchProfilerConfig', 'GlobalConfig',
            'from_plain', 'to_plain', 'grad_accum_steps', 'validate', 'parse_override', 'apply_overrides', 'Recipe',
-           'read_yaml', 'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
+           'read_data_file', 'read_yaml', 'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
 
 # %% ../nbs/00_config.ipynb #b3a413df
 class ConfigError(ValueError):
@@ -420,12 +420,18 @@ class Recipe:
 
 RECIPE_KEYS = ("name", "description", "config", "data")
 
+def read_data_file(path, fmt: str = "yaml", flag: str = "") -> Any:
+    "Parse a YAML or JSON file; a missing file or bad syntax is a one-line error naming `flag` and the path."
+    p = Path(path)
+    where = f"{flag} {p}" if flag else str(p)
+    if not p.is_file(): raise ConfigError(f"{where}: file not found")
+    try: return yaml.safe_load(p.read_text()) if fmt == "yaml" else json.loads(p.read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as e: raise ConfigError(f"{where}: not valid {fmt.upper()} ({e})") from None
+
 def read_yaml(path) -> dict:
     "Read a YAML mapping from `path`, with a clear error when it is missing or not a mapping."
     p = Path(path)
-    if not p.is_file(): raise ConfigError(f"{p}: file not found")
-    try: data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e: raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    data = read_data_file(p)
     if data is None: data = {}
     if not isinstance(data, dict): raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
     return data

@@ -11,7 +11,7 @@ import argparse, inspect, json, warnings
 from pathlib import Path
 import torch
 import torch.nn as nn
-from .config import ConfigError
+from .config import ConfigError, read_data_file
 
 # %% auto #0
 __all__ = ['apply_repetition_penalty', 'sample_next', 'generate', 'encode_prompts', 'generate_text', 'load_prompts',
@@ -147,9 +147,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def load_prompts(path) -> list:
     "Prompts from a JSON file: a list of strings / `{prompt}` / `{messages}` objects, or `{\"prompts\": [...]}`."
     p = Path(path)
-    if not p.is_file(): raise ConfigError(f"--prompts: {p} not found")
-    try: data = json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise ConfigError(f"--prompts: {p} is not valid JSON ({e})") from None
+    data = read_data_file(p, "json", flag="--prompts")
     if isinstance(data, dict): data = data.get("prompts")
     if not isinstance(data, list) or not data:
         raise ConfigError(f"--prompts: {p} must hold a non-empty list of prompts (or an object with a 'prompts' list)")

@@ -15,7 +15,7 @@ import numpy as np
 import datasets
 from tqdm.auto import tqdm
 from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_overrides, from_plain,
-                                    load_config, to_plain)
+                                    load_config, read_data_file, to_plain)
 from ..tokenizer import Tokenizer, ensure_tokenizer
 
 # %% auto #0
@@ -173,9 +173,7 @@ DEFAULT_PRETRAINING_DATA = {
 def load_mix_file(path) -> dict:
     "Read a `--mix-file` JSON mapping, with clear errors for a missing file or invalid JSON."
     p = Path(path)
-    if not p.is_file(): raise ConfigError(f"--mix-file {p}: file not found")
-    try: data = json.loads(p.read_text())
-    except json.JSONDecodeError as e: raise ConfigError(f"--mix-file {p}: not valid JSON ({e})") from None
+    data = read_data_file(p, "json", flag="--mix-file")
     if not isinstance(data, dict): raise ConfigError(f"--mix-file {p}: expected a JSON object with a 'mix' list, got {type(data).__name__}")
     return data
 
