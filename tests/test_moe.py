@@ -3,7 +3,7 @@ import copy, dataclasses, io, os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -213,27 +213,21 @@ def _reference(batches, world, steps=2):
     return model.state_dict()
 
 
-def _dist_worker(rank, world, init_file, out_dir):
+def _dist_worker(rank, world, out_dir):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from gradient_garden.engine.distributed import apply_fsdp
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        g = torch.Generator().manual_seed(5)
-        batches = [torch.randint(0, 128, (4, 17), generator=g) for _ in range(2)]
-        ddp = _train(DDP(moe()), batches, rank, world)
-        fsdp = _train(apply_fsdp(moe()), batches, rank, world)
-        ref = _reference(batches, world)
-        diffs = [max((a[k] - ref[k]).abs().max().item() for k in ref) for a in (ddp, fsdp)]
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f: f.write(" ".join(map(str, diffs)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 128, (4, 17), generator=g) for _ in range(2)]
+    ddp = _train(DDP(moe()), batches, rank, world)
+    fsdp = _train(apply_fsdp(moe()), batches, rank, world)
+    ref = _reference(batches, world)
+    diffs = [max((a[k] - ref[k]).abs().max().item() for k in ref) for a in (ddp, fsdp)]
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f: f.write(" ".join(map(str, diffs)))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 def test_ddp_and_fsdp2_match_one_process(tmp_path):
-    mp.spawn(_dist_worker, args=(2, str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_dist_worker, 2, tmp_path / "pg", str(tmp_path))
     for r in range(2):
         ddp, fsdp = map(float, (tmp_path / f"rank{r}.txt").read_text().split())
         assert ddp < 1e-5 and fsdp < 1e-5, (r, ddp, fsdp)

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo_ranks import run_ranks
 
 from gradient_garden.config import GlobalConfig
 from gradient_garden.engine.optim import Muon, build_optimizers, classify_parameters, set_learning_rates
@@ -17,37 +18,31 @@ def _model():
                          nn.Linear(5, 12, bias=False))
 
 
-def _fsdp_worker(rank, world_size, init_file, out_dir):
+def _fsdp_worker(rank, world_size, out_dir):
     "Step Muon on a fully_shard-ed model and on an unsharded copy; write the max parameter difference."
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    torch.set_num_threads(1)  # two ranks on two cores: no oversubscription
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        ref = _model()
-        model = copy.deepcopy(ref)
-        for layer in model:
-            if isinstance(layer, nn.Linear): fully_shard(layer)
-        fully_shard(model)
-        assert all(isinstance(p, DTensor) for p in model.parameters())
-        opt, ref_opt = Muon(model.parameters(), lr=0.05, weight_decay=0.1), Muon(ref.parameters(), lr=0.05, weight_decay=0.1)
-        g = torch.Generator().manual_seed(123)
-        for _ in range(4):
-            x = torch.randn(8, 6, generator=g)  # the same batch on every rank: averaged grads equal the reference
-            for m, o in ((model, opt), (ref, ref_opt)):
-                m(x).pow(2).mean().backward()
-                o.step(); o.zero_grad(set_to_none=True)
-        diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-        moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), _model().parameters()))
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f: f.write(f"{diff} {moved}")
-        dist.barrier()  # no rank tears down the store while the other still uses it
-    finally:
-        dist.destroy_process_group()
+    ref = _model()
+    model = copy.deepcopy(ref)
+    for layer in model:
+        if isinstance(layer, nn.Linear): fully_shard(layer)
+    fully_shard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    opt, ref_opt = Muon(model.parameters(), lr=0.05, weight_decay=0.1), Muon(ref.parameters(), lr=0.05, weight_decay=0.1)
+    g = torch.Generator().manual_seed(123)
+    for _ in range(4):
+        x = torch.randn(8, 6, generator=g)  # the same batch on every rank: averaged grads equal the reference
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step(); o.zero_grad(set_to_none=True)
+    diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), _model().parameters()))
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f: f.write(f"{diff} {moved}")
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 def test_muon_fsdp2_matches_single_process(tmp_path):
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg_init"), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_fsdp_worker, 2, tmp_path / "pg_init", str(tmp_path))
     for r in range(2):
         diff, moved = map(float, (tmp_path / f"rank{r}.txt").read_text().split())
         assert moved > 1e-3, "parameters did not move"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 import torch.nn.functional as F
 
 from gradient_garden.config import (ConfigError, DPOConfig, DistillationConfig, GlobalConfig, LoraConfig, ModelConfig,
@@ -290,25 +290,20 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
 
 
 # -- DPO under FSDP2 on two ranks ---------------------------------------------------------------------------------------
-def _dpo_fsdp_worker(rank, world, init_file, dpo_dir, out_dir):
+def _dpo_fsdp_worker(rank, world, dpo_dir, out_dir):
     from gradient_garden.engine.distributed import apply_fsdp
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        policy = apply_fsdp(tiny_tendril())
-        ref = PrecomputedReference(policy, {"val": PairDataset(dpo_dir, "val")}, SEQ, 7, rank, world)
-        loader = DPOLoader(dpo_dir, "val", 4, SEQ, rank, world, reference=ref)
-        batch = loader.next_batch()
-        loss_sum, _ = DPOTask(DPOConfig(beta=0.3), ref).loss(policy, batch)
-        total = loss_sum.detach().clone(); dist.all_reduce(total)
-        torch.save({"table": ref.table("val"), "loss": total, "pairs": batch["pair_index"]}, os.path.join(out_dir, f"r{rank}.pt"))
-        dist.barrier()
-    finally: dist.destroy_process_group()
+    policy = apply_fsdp(tiny_tendril())
+    ref = PrecomputedReference(policy, {"val": PairDataset(dpo_dir, "val")}, SEQ, 7, rank, world)
+    loader = DPOLoader(dpo_dir, "val", 4, SEQ, rank, world, reference=ref)
+    batch = loader.next_batch()
+    loss_sum, _ = DPOTask(DPOConfig(beta=0.3), ref).loss(policy, batch)
+    total = loss_sum.detach().clone(); dist.all_reduce(total)
+    torch.save({"table": ref.table("val"), "loss": total, "pairs": batch["pair_index"]}, os.path.join(out_dir, f"r{rank}.pt"))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 def test_dpo_reference_and_loss_under_fsdp2_match_one_process(data, tmp_path):
-    mp.spawn(_dpo_fsdp_worker, args=(2, str(tmp_path/"pg"), str(data["dpo"]), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_dpo_fsdp_worker, 2, tmp_path/"pg", str(data["dpo"]), str(tmp_path))
     r = [torch.load(tmp_path/f"r{i}.pt") for i in range(2)]
     policy = tiny_tendril()
     ds = PairDataset(data["dpo"], "val")
