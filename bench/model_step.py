@@ -1,6 +1,9 @@
 """Training-step throughput: Tendril (eager and torch.compile) vs transformers' LlamaForCausalLM, same weights.
 
-One step = forward + cross-entropy on the logits + backward + AdamW step, on a fixed batch. The contenders run
+One step = forward with each model's own training loss + backward + AdamW step, on a fixed batch: Tendril's
+`model(x, labels=y)` (the fused, chunked head + cross-entropy that training uses) and Llama's
+`model(input_ids=x, labels=y, shift_labels=y).loss` (logits, then transformers' cross-entropy). `tendril_logits`
+is Tendril with the Llama-style loss (logits, then `F.cross_entropy`), to show what the fused loss adds. The contenders run
 side by side in one process, in alternating (rotated) order each round; figures are medians over rounds. Peak
 memory comes from a fresh child process per contender on CPU (growth of its peak RSS, VmHWM) and from the CUDA allocator on GPU.
 MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (and the datasheet peak on GPU).
@@ -65,14 +68,17 @@ def make_contenders(cfg, args, names):
 def make_batch(cfg, args):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(args.device)
-    return x[:, :-1], x[:, 1:]
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
-def step(model, opt, x, y, autocast_dtype, device_type):
-    "Forward, cross-entropy on the logits, backward, AdamW; returns the loss."
+def step(model, opt, x, y, autocast_dtype, device_type, own_loss=True):
+    "Forward with the model's own loss (or logits then `F.cross_entropy`), backward, AdamW; returns the mean loss."
+    tendril = getattr(getattr(model, "_orig_mod", model), "loss_from_labels", False)
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = model(x)
-        logits = out if torch.is_tensor(out) else out.logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        if own_loss and tendril: loss = model(x, labels=y) / y.numel()
+        elif own_loss: loss = model(input_ids=x, labels=y, shift_labels=y).loss
+        else:
+            out = model(x) if tendril else model(input_ids=x).logits
+            loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -112,7 +118,7 @@ def memory_child(args):
         else:
             for block in (model.layers if name.startswith("tendril") else model.model.layers): block.compile()
     x, y = make_batch(cfg, args)
-    for _ in range(3): step(model, opt, x, y, None, "cpu")
+    for _ in range(3): step(model, opt, x, y, None, "cpu", own_loss=not name.endswith("_logits"))
     print(json.dumps({"peak_mb": peak_rss_mb() - base}))
 
 def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
@@ -122,7 +128,7 @@ def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
         before = torch.cuda.memory_allocated()
         own = sum(t.numel() * t.element_size() for t in list(model.parameters()) +
                   [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda])
-        step(model, opt, x, y, autocast_dtype, dev_type); sync(args.device)
+        step(model, opt, x, y, autocast_dtype, dev_type, own_loss=not name.endswith("_logits")); sync(args.device)
         return (torch.cuda.max_memory_allocated() - before + own) / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     if args.threads: cmd += ["--threads", str(args.threads)]
@@ -139,7 +145,7 @@ def main(argv=None):
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     cfg = model_config(args)
-    names = ["tendril", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
+    names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
     contenders = make_contenders(cfg, args, names)
     x, y = make_batch(cfg, args)
     tokens = x.numel()
@@ -148,7 +154,7 @@ def main(argv=None):
     for n, (m, o) in contenders.items():       # warm-up (and compilation); first losses must agree: same weights
         t = time.perf_counter()
         for i in range(args.warmup):
-            loss = step(m, o, x, y, autocast_dtype, dev_type)
+            loss = step(m, o, x, y, autocast_dtype, dev_type, own_loss=not n.endswith("_logits"))
             if i == 0: first[n] = loss.item()
         sync(args.device)
         print(f"warm-up {n}: {time.perf_counter() - t:.1f}s, first loss {first[n]:.5f}", flush=True)
@@ -159,7 +165,7 @@ def main(argv=None):
         for n in order:
             m, o = contenders[n]
             sync(args.device); t, c = time.perf_counter(), time.process_time()
-            for _ in range(args.steps_per_round): step(m, o, x, y, autocast_dtype, dev_type)
+            for _ in range(args.steps_per_round): step(m, o, x, y, autocast_dtype, dev_type, own_loss=not n.endswith("_logits"))
             sync(args.device)
             times[n].append((time.perf_counter() - t) / args.steps_per_round)
             cpu_times[n].append((time.process_time() - c) / args.steps_per_round)

@@ -252,8 +252,8 @@ class TendrilMoE(Tendril):
 
     def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, kv_cache=None, start_pos: int = 0,
-                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        "Logits `[B, T, vocab]`, as `Tendril.forward`; `loss_mask [B, T]` selects the tokens the router losses see."
+                loss_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        "Logits (or with `labels` the summed loss), as `Tendril.forward`; `loss_mask [B, T]` selects the tokens the router losses see."
         mask = loss_mask if loss_mask is not None else self._next_loss_mask
         self._next_loss_mask = None
         if mask is None and attn_mask is not None and attn_mask.dim() == 2:
@@ -263,7 +263,7 @@ class TendrilMoE(Tendril):
         layers = self.moe_layers()
         for m in layers: m.loss_mask = mask
         try: return super().forward(tokens, position_ids=position_ids, doc_ids=doc_ids, attn_mask=attn_mask,
-                                    kv_cache=kv_cache, start_pos=start_pos)
+                                    kv_cache=kv_cache, start_pos=start_pos, labels=labels)
         finally:
             for m in layers: m.loss_mask = None
 

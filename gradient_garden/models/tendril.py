@@ -17,9 +17,10 @@ from .attention import (Attention, KVCache, attention_mask, positions_from_doc_i
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, _fusable)
 
 # %% auto #0
-__all__ = ['MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim', 'RMSNormFunction', 'rms_norm', 'RMSNorm', 'SwiGLUFunction',
-           'swiglu', 'FeedForward', 'TransformerBlock', 'check_model_config', 'Tendril', 'register_model',
-           'build_model', 'count_parameters', 'dense_matmul_params', 'flops_per_token']
+__all__ = ['LOSS_CHUNK_ELEMENTS', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim', 'RMSNormFunction', 'rms_norm',
+           'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward', 'LinearCrossEntropyFunction', 'linear_cross_entropy',
+           'TransformerBlock', 'check_model_config', 'Tendril', 'register_model', 'build_model', 'count_parameters',
+           'dense_matmul_params', 'flops_per_token']
 
 # %% ../../nbs/11_tendril.ipynb #2fc6111d
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -113,6 +114,62 @@ class FeedForward(nn.Module):
             return self.w2(swiglu(F.linear(x, torch.cat([self.w1.weight, self.w3.weight]))))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+# %% ../../nbs/11_tendril.ipynb #ae77ae28
+LOSS_CHUNK_ELEMENTS = 1 << 21   # logits per chunk: 8 MiB in fp32
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    "Summed cross-entropy of `h @ weight.T` against `labels`, chunk by chunk, with the gradients formed in the forward."
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk_rows: int, ignore_index: int):
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk_rows):
+            hc, keep = h[s:s + chunk_rows], labels[s:s + chunk_rows] != ignore_index
+            target = torch.where(keep, labels[s:s + chunk_rows], 0)[:, None]
+            logits = (hc @ weight.T).float()
+            lse = torch.logsumexp(logits, -1, keepdim=True)
+            total += torch.where(keep, (lse - logits.gather(1, target)).squeeze(1), 0).sum()
+            grad = logits.sub_(lse).exp_()                                  # softmax, in place of the logits
+            grad.scatter_add_(1, target, -keep[:, None].to(grad.dtype))     # minus the one-hot label
+            if h.device.type != "cpu" or not bool(keep.all()): grad.mul_(keep[:, None])
+            grad = grad.to(h.dtype)
+            if grad_h is not None: torch.mm(grad, weight, out=grad_h[s:s + chunk_rows])
+            if grad_w is not None:
+                if grad.dtype == torch.float32: grad_w.addmm_(grad.T, hc)
+                else: grad_w.add_(grad.T @ hc)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
+        return gh, gw, None, None, None
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                         chunk_rows: int | None = None) -> torch.Tensor:
+    "Summed cross-entropy (fp32) of the logits `h @ weight.T` against `labels`, without materialising all the logits."
+    h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    if h.shape[0] != labels.shape[0]:
+        raise ValueError(f"labels: {labels.shape[0]} positions for {h.shape[0]} hidden states")
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        h, weight = h.to(dtype), weight.to(dtype)
+    rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    with torch.autocast(dev, enabled=False):
+        if torch.compiler.is_compiling():
+            return F.cross_entropy((h @ weight.T).float(), labels, ignore_index=ignore_index, reduction="sum")
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            return LinearCrossEntropyFunction.apply(h, weight, labels, rows, ignore_index)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], rows):
+            total += F.cross_entropy((h[s:s + rows] @ weight.T).float(), labels[s:s + rows], ignore_index=ignore_index, reduction="sum")
+        return total
+
 # %% ../../nbs/11_tendril.ipynb #1750db24
 class TransformerBlock(nn.Module):
     "Pre-norm decoder block: attention then feed-forward, each added to the residual stream."
@@ -148,6 +205,7 @@ _RESIDUAL_OUT = ("wo.weight", "w2.weight")
 
 class Tendril(nn.Module):
     "Llama-style decoder: embeddings, pre-norm GQA/SwiGLU blocks, final RMSNorm, linear head (optionally tied)."
+    loss_from_labels = True   # `forward(tokens, labels=...)` returns the summed loss
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = check_model_config(cfg)
@@ -182,8 +240,10 @@ class Tendril(nn.Module):
 
     def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, start_pos: int = 0,
-                logits_to_keep: int = 0) -> torch.Tensor:
-        "Logits `[B, T, vocab]` for `tokens` `[B, T]` (only the last `logits_to_keep` positions if > 0)."
+                logits_to_keep: int = 0, labels: torch.Tensor | None = None) -> torch.Tensor:
+        "Logits `[B, T, vocab]` for `tokens` `[B, T]`; with `labels` `[B, T]`, their summed cross-entropy instead."
+        if labels is not None and logits_to_keep:
+            raise ValueError("labels (the loss over every position) cannot be combined with logits_to_keep")
         T = tokens.shape[1]
         end = start_pos + T
         if end > self.rope_cos.shape[0]:
@@ -203,7 +263,13 @@ class Tendril(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers: h = layer(h, cos, sin, mask, kv_cache, start_pos)
         if logits_to_keep: h = h[:, -logits_to_keep:]
+        if labels is not None: return self.loss_sum(self.norm(h), labels)
         return self.head(self.norm(h))
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        "Summed cross-entropy (fp32) of the head's logits for final hidden states `h` against `labels` (-100 = none)."
+        if plain_linear(self.output): return linear_cross_entropy(h, self.output.weight, labels)
+        return F.cross_entropy(self.output(h).flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         "The output projection; for a few tokens of CPU inference computed as `W @ h.T` (see the notebook)."

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ..config import GlobalConfig
+from ..engine.distributed import unwrap
 from ..engine.run import StageParts, register_stage
 
 # %% auto #0
@@ -27,6 +28,7 @@ class CausalLMTask:
     def loss(self, model, batch: dict):
         "Summed cross-entropy of the micro-batch and no extra metrics."
         kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        if getattr(unwrap(model), "loss_from_labels", False): return model(batch["input_ids"], labels=batch["labels"], **kw), {}
         return causal_lm_loss_sum(model(batch["input_ids"], **kw), batch["labels"]), {}
 
     def count(self, batch: dict) -> torch.Tensor:
