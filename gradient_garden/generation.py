@@ -11,7 +11,9 @@ import argparse, inspect, json, warnings
 from pathlib import Path
 import torch
 import torch.nn as nn
+from contextlib import nullcontext
 from .config import ConfigError, read_data_file
+from .models.attention import hold_fused_weights
 
 # %% auto #0
 __all__ = ['apply_repetition_penalty', 'sample_next', 'generate', 'encode_prompts', 'generate_text', 'load_prompts',
@@ -26,7 +28,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     "Next token `[B]` from logits `[B, V]`: greedy at temperature 0, else sampled after top-k / top-p filtering."
-    if temperature <= 0: return logits.argmax(-1)
+    if temperature <= 0: return logits.max(-1).indices   # the first maximum, as argmax (and faster on CPU)
     logits = logits.float() / temperature
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
@@ -111,16 +113,17 @@ def generate(model: nn.Module, tokenizer, prompts: list[list[int]], max_new_toke
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     bs = batch_size or len(prompts)
     out: list = [None] * len(prompts)
-    for s in range(0, len(order), bs):
-        idx = order[s:s + bs]
-        batch = [list(prompts[i]) for i in idx]
-        budget = min(max_new_tokens, limit - max(len(p) for p in batch))
-        if budget <= 0:
-            for i in idx: out[i] = []
-            continue
-        for i, o in zip(idx, _generate_batch(model, batch, budget, temperature, top_p, top_k, repetition_penalty,
-                                             stop_ids, use_kv_cache, pad_id, generator)):
-            out[i] = o
+    with hold_fused_weights(model) if _model_device(model).type == "cpu" else nullcontext():
+        for s in range(0, len(order), bs):
+            idx = order[s:s + bs]
+            batch = [list(prompts[i]) for i in idx]
+            budget = min(max_new_tokens, limit - max(len(p) for p in batch))
+            if budget <= 0:
+                for i in idx: out[i] = []
+                continue
+            for i, o in zip(idx, _generate_batch(model, batch, budget, temperature, top_p, top_k, repetition_penalty,
+                                                 stop_ids, use_kv_cache, pad_id, generator)):
+                out[i] = o
     return out
 
 # %% ../nbs/14_generation.ipynb #fddf5fe7
@@ -180,6 +183,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True, help="decode with a KV cache")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model's forward (slow start, faster decoding)")
     parser.add_argument("--output-file-name", default=None, help="write prompts and completions to this JSON file")
     return parser
 
@@ -206,6 +210,7 @@ def run_generate(args) -> int:
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     model, cfg = load_model_from_checkpoint(args.checkpoint, device, _DTYPES[args.dtype])
+    if args.compile: model.forward = torch.compile(model.forward, dynamic=True)
     tokenizer = init_tokenizer(cfg.tokenizer)
     instruct = args.instruct or (args.prompts is None and cfg.training.stage != "pretraining")
     prompts = load_prompts(args.prompts) if args.prompts else _default_prompts(cfg, instruct)

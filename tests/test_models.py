@@ -55,6 +55,20 @@ def test_gg_generate(run, capsys):
     assert run_generate(args) == 0
     assert "=== def main(" in capsys.readouterr().out
 
+def test_gg_generate_compiled_matches_eager(run):
+    "`gg generate --compile` gives the eager completions (greedy, KV cache, mixed prompt lengths)."
+    from gradient_garden.generation import add_generate_args, run_generate
+    base = run["base"]
+    (base / "prompts_c.json").write_text(json.dumps(["def main(", "import os, sys", "x"]))
+    outs = {}
+    for flag in ([], ["--compile"]):
+        out = base / "out" / f"gen{len(flag)}.json"
+        args = _args(add_generate_args, ["--checkpoint", str(run["ckpt"]), "--prompts", str(base / "prompts_c.json"),
+                                         "--max-gen-len", "10", "--device", "cpu", "--output-file-name", str(out), *flag])
+        assert run_generate(args) == 0
+        outs[len(flag)] = [r["completion"] for r in json.loads(out.read_text())["results"]]
+    assert outs[1] == outs[0] and any(outs[0])
+
 def test_gg_export(run):
     "`run_export` writes a folder that transformers loads, with equal logits and a working tokenizer."
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -8,6 +8,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/attention.html.md"""
 
 # %% ../../nbs/10_attention.ipynb #a0180e4a
 from __future__ import annotations
+from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops',
            'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'KVCache', 'sdpa_gqa',
-           'plain_linear', 'Attention']
+           'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -149,6 +150,26 @@ def _fusable(x: torch.Tensor, *linears: nn.Module) -> bool:
     "True when `x` has enough tokens to amortise a weight copy and every module is a plain linear."
     return x.numel() >= FUSE_MIN_TOKENS * x.shape[-1] and all(plain_linear(m) for m in linears)
 
+def fused_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    "Concatenated weights of `module.fused_linears()` for one matmul on `x`: held, freshly copied, or None (unfused)."
+    if not module.fuse_projections: return None
+    held = module.__dict__.get("_held_weight")
+    if held is not None and not torch.is_grad_enabled(): return held
+    linears = module.fused_linears()
+    return torch.cat([m.weight for m in linears]) if _fusable(x, *linears) else None
+
+@contextmanager
+def hold_fused_weights(model: nn.Module):
+    "Within the block, modules with `fused_linears` keep their concatenated weights (no-gradient forwards use them)."
+    held = []
+    for m in model.modules():
+        linears = m.fused_linears() if hasattr(m, "fused_linears") else None
+        if linears and all(plain_linear(l) and type(l.weight.detach()) is torch.Tensor for l in linears):
+            m._held_weight = torch.cat([l.weight.detach() for l in linears]); held.append(m)
+    try: yield model
+    finally:
+        for m in held: m._held_weight = None
+
 class Attention(nn.Module):
     "Grouped-query self-attention with RoPE on SDPA; `layer_id` selects this layer's slot in a `KVCache`."
     fuse_projections = True
@@ -161,12 +182,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
+    def fused_linears(self) -> tuple[nn.Module, ...]:
+        "The projections that can run as one matmul."
+        return self.wq, self.wk, self.wv
+
     def _qkv(self, x, cos, sin):
         "Queries, keys, values `[B, T, heads, head_dim]`, with RoPE applied to queries and keys."
         B, T, _ = x.shape
         H, KV, d = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.fuse_projections and _fusable(x, self.wq, self.wk, self.wv):
-            qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])).view(B, T, H + 2 * KV, d)
+        w = fused_weight(self, x)
+        if w is not None:
+            qkv = F.linear(x, w).view(B, T, H + 2 * KV, d)
             qk, v = rotate_heads(qkv, cos, sin, H + KV)
             q, k = qk.split([H, KV], dim=2)
             return q, k, v

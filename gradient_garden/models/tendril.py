@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
 from .attention import (Attention, KVCache, attention_mask, positions_from_doc_ids,
-                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, _fusable)
+                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
 __all__ = ['LOSS_CHUNK_ELEMENTS', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim', 'RMSNormFunction', 'rms_norm',
@@ -109,9 +109,13 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
+    def fused_linears(self) -> tuple[nn.Module, ...]:
+        "The projections that can run as one matmul."
+        return self.w1, self.w3
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fuse_projections and _fusable(x, self.w1, self.w3):
-            return self.w2(swiglu(F.linear(x, torch.cat([self.w1.weight, self.w3.weight]))))
+        w = fused_weight(self, x)
+        if w is not None: return self.w2(swiglu(F.linear(x, w)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 # %% ../../nbs/11_tendril.ipynb #ae77ae28
@@ -259,8 +263,12 @@ class Tendril(nn.Module):
             elif pad_mask is not None: position_ids = positions_from_pad_mask(pad_mask)[:, start_pos:]
         if position_ids is None: cos, sin = self.rope_cos[start_pos:end, None], self.rope_sin[start_pos:end, None]
         else: cos, sin = self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2)
-        mask = full_mask if full_mask is not None else attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
         h = self.tok_embeddings(tokens)
+        mask = full_mask
+        if mask is None:
+            mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
+            if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
+                mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         for layer in self.layers: h = layer(h, cos, sin, mask, kv_cache, start_pos)
         if logits_to_keep: h = h[:, -logits_to_keep:]
         if labels is not None: return self.loss_sum(self.norm(h), labels)
