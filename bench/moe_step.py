@@ -13,7 +13,6 @@ The last line of stdout is one JSON object with the figures (ratio = MoE tokens/
 from __future__ import annotations
 import argparse, dataclasses, json, statistics, time
 import torch
-import torch.nn.functional as F
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import build_model, count_parameters, ffn_hidden_dim, flops_per_token
@@ -51,10 +50,9 @@ def configs(args) -> dict[str, ModelConfig]:
 
 
 def step(model, opt, x, y, autocast_dtype, device_type):
-    "Forward, cross-entropy (+ aux loss when the model has one), backward, AdamW; returns the loss."
+    "Forward with the model's own (fused) loss (+ aux loss when the model has one), backward, AdamW; returns the loss."
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits = model(x)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss = model(x, labels=y) / y.numel()
     aux = getattr(model, "aux_loss", None)
     (loss + aux() if callable(aux) else loss).backward()
     opt.step()
