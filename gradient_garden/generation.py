@@ -13,11 +13,12 @@ import torch
 import torch.nn as nn
 from contextlib import nullcontext
 from .config import ConfigError, read_data_file
-from .models.attention import hold_fused_weights
+import torch.nn.functional as F
+from .models.attention import Attention, KVCache, apply_rope, hold_fused_weights, plain_linear, sdpa_gqa
 
 # %% auto #0
-__all__ = ['apply_repetition_penalty', 'sample_next', 'generate', 'encode_prompts', 'generate_text', 'load_prompts',
-           'resolve_device', 'add_generate_args', 'run_generate']
+__all__ = ['apply_repetition_penalty', 'sample_next', 'decode_step_applies', 'decode_step', 'generate', 'encode_prompts',
+           'generate_text', 'load_prompts', 'resolve_device', 'add_generate_args', 'run_generate']
 
 # %% ../nbs/14_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -41,6 +42,48 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 # %% ../nbs/14_generation.ipynb #595c245d
+def decode_step_applies(model: nn.Module) -> bool:
+    "True when `decode_step` reproduces `model.forward`: a plain dense Tendril holding fused weights, no hooks or autocast."
+    from gradient_garden.models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock
+    if not isinstance(model, Tendril) or type(model).forward is not Tendril.forward or "forward" in model.__dict__: return False
+    if torch.is_autocast_enabled(model.rope_cos.device.type) or nn.modules.module._global_forward_hooks \
+            or nn.modules.module._global_forward_pre_hooks: return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()): return False
+    if type(model.tok_embeddings) is not nn.Embedding or type(model.norm) is not RMSNorm: return False
+    for b in model.layers:
+        parts_plain = (type(b) is TransformerBlock and type(b.attention) is Attention and type(b.feed_forward) is FeedForward
+                       and type(b.attention_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm)
+        if not parts_plain or not (plain_linear(b.attention.wo) and plain_linear(b.feed_forward.w2)): return False
+        if b.attention.__dict__.get("_held_weight") is None or b.feed_forward.__dict__.get("_held_weight") is None: return False
+    return True
+
+def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
+                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+    "Logits `[B, vocab]` for one new token per row at `start_pos` (`pad_mask` `[B, start_pos + 1]`, True = real)."
+    from gradient_garden.models.tendril import rms_norm
+    B = tokens.shape[0]
+    if pad_mask is None:
+        cos, sin, mask = model.rope_cos[start_pos:start_pos + 1, None], model.rope_sin[start_pos:start_pos + 1, None], None
+    else:
+        pos = pad_mask.sum(-1, keepdim=True) - 1                     # positions count real tokens only
+        cos, sin = model.rope_cos[pos].unsqueeze(2), model.rope_sin[pos].unsqueeze(2)
+    h = F.embedding(tokens, model.tok_embeddings.weight)
+    if pad_mask is not None:
+        mask = torch.zeros(pad_mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~pad_mask, float("-inf"))[:, None, None, :]
+    for layer in model.layers:
+        att, ff = layer.attention, layer.feed_forward
+        H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
+        qkv = F.linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att._held_weight)
+        qkv = qkv.view(B, 1, H + 2 * KV, d)
+        qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
+        k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
+        out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)
+        h = h + F.linear(out.transpose(1, 2).reshape(B, 1, H * d), att.wo.weight)
+        gate, up = F.linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff._held_weight).chunk(2, -1)
+        h = h + F.linear(F.silu(gate) * up, ff.w2.weight)
+    return model.head(rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
+
+# %% ../nbs/14_generation.ipynb #5d3c92f4
 def _model_device(model: nn.Module) -> torch.device:
     "The device of the model's parameters."
     return next(model.parameters()).device
@@ -65,14 +108,16 @@ def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, top_k, r
         seen.scatter_(1, tokens[:, :L], real[:, :L])
     cache = model.new_kv_cache(B, total) if use_kv_cache else None
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    fast = cache is not None and decode_step_applies(model)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     new = []
     for pos in range(L, total):
         mask = real[:, :pos] if padded else None
-        if cache is None: logits = model(tokens[:, :pos], attn_mask=mask, **last)
-        elif pos == L: logits = model(tokens[:, :L], attn_mask=mask, kv_cache=cache, **last)
-        else: logits = model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)
-        logits = logits[:, -1].float()
+        if cache is None: logits = model(tokens[:, :pos], attn_mask=mask, **last)[:, -1]
+        elif pos == L: logits = model(tokens[:, :L], attn_mask=mask, kv_cache=cache, **last)[:, -1]
+        elif fast: logits = decode_step(model, tokens[:, pos - 1:pos], cache, pos - 1, mask)
+        else: logits = model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)[:, -1]
+        logits = logits.float()
         if seen is not None: logits = apply_repetition_penalty(logits, seen, repetition_penalty)
         nxt = sample_next(logits, temperature, top_p, top_k, generator)
         if stop_ids: nxt = torch.where(finished, pad_id, nxt)

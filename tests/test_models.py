@@ -130,3 +130,24 @@ def test_compiled_training_step_matches_eager():
     l2, g2 = loss_grads(torch.compile(model))
     torch.testing.assert_close(l1, l2, rtol=1e-4, atol=1e-5)
     for a, b in zip(g1, g2): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatch):
+    """Plain Tendril on CPU: every step after the prefill goes through `decode_step` and the tokens equal cache-free
+    decoding; a LoRA-adapted model and the MoE model decode through `forward` and agree with their cache-free decoding."""
+    import gradient_garden.generation as G
+    from gradient_garden.config import LoraConfig
+    from gradient_garden.models.lora import apply_lora
+    calls = []
+    real_step = G.decode_step
+    monkeypatch.setattr(G, "decode_step", lambda *a, **k: calls.append(1) or real_step(*a, **k))
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=48, init_std=0.1)
+    prompts = [[5, 6, 7, 8, 9], [9, 10], [3]]
+    torch.manual_seed(0)
+    plain = Tendril(cfg).eval()
+    adapted = apply_lora(Tendril(cfg), LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["wq", "wv", "w1"])).eval()
+    moe = build_model(ModelConfig(**{**cfg.__dict__, "architecture": "tendril_moe", "n_experts": 4, "n_experts_per_token": 2})).eval()
+    for model, expect_calls in ((plain, 9), (adapted, 0), (moe, 0)):
+        calls.clear()
+        cached = generate(model, None, prompts, max_new_tokens=10, stop_ids=[])
+        assert len(calls) == expect_calls, (type(model).__name__, len(calls))
+        assert cached == generate(model, None, prompts, max_new_tokens=10, stop_ids=[], use_kv_cache=False)
