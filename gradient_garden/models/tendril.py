@@ -163,7 +163,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
         h, weight = h.to(dtype), weight.to(dtype)
-    rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0], h.numel() // weight.shape[0])
     with torch.autocast(dev, enabled=False):
         if torch.compiler.is_compiling():
             return F.cross_entropy((h @ weight.T).float(), labels, ignore_index=ignore_index, reduction="sum")
