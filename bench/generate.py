@@ -13,7 +13,8 @@ The last line of stdout is one JSON object with the figures.
 from __future__ import annotations
 import argparse, json, statistics, time
 import torch
-from gradient_garden.engine.trainer import gpu_datasheet_flops, measure_matmul_peak
+from gradient_garden.engine.trainer import gpu_datasheet_flops
+from common import matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.generation import generate
@@ -35,14 +36,6 @@ def parse_args(argv=None):
     p.add_argument("--no-cache-too", action="store_true", help="also time Tendril without the KV cache")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     return p.parse_args(argv)
-
-def sync(device):
-    if device.startswith("cuda"): torch.cuda.synchronize()
-
-def matmul_peak_flops(device, dtype) -> float:
-    "Best FLOP/s of a large square matmul on this device (the measured peak MFU is quoted against)."
-    cpu = device == "cpu"
-    return measure_matmul_peak(torch.device(device), n=2048 if cpu else 8192, reps=8 if cpu else 20, dtype=dtype, refresh=True)
 
 def main(argv=None):
     args = parse_args(argv)

@@ -16,7 +16,8 @@ The last line of stdout is one JSON object with the figures.
 from __future__ import annotations
 import argparse, copy, gc, json, os, statistics, subprocess, sys, time
 import torch
-from gradient_garden.engine.trainer import gpu_datasheet_flops, measure_matmul_peak
+from gradient_garden.engine.trainer import gpu_datasheet_flops
+from common import bench_parser, matmul_peak_flops, sync
 import torch.nn.functional as F
 
 from gradient_garden.config import ModelConfig
@@ -25,20 +26,12 @@ from gradient_garden.models.hf import to_hf_model
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 autocast on CUDA")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--steps-per-round", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=3)
+    p = bench_parser(__doc__, rounds=12, steps_per_round=2, warmup=3)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--compile-llama", action="store_true", help="also time LlamaForCausalLM under torch.compile")
     p.add_argument("--compile-mode", default="model", choices=["model", "blocks"],
                    help="torch.compile the whole model, or each block in place (as runtime.compile does in training)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -83,14 +76,6 @@ def step(model, opt, x, y, autocast_dtype, device_type, own_loss=True):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
-
-def sync(device):
-    if device.startswith("cuda"): torch.cuda.synchronize()
-
-def matmul_peak_flops(device, dtype) -> float:
-    "Best FLOP/s of a large square matmul on this device (the measured peak MFU is quoted against)."
-    cpu = device == "cpu"
-    return measure_matmul_peak(torch.device(device), n=2048 if cpu else 8192, reps=8 if cpu else 20, dtype=dtype, refresh=True)
 
 def rss_mb() -> float:
     "Resident memory of this process now (MB)."

@@ -11,8 +11,9 @@ fixed batch. Contenders run side by side in one process in rotated order each ro
 The last line of stdout is one JSON object with the figures (ratio = MoE tokens/s / dense tokens/s; target >= 0.7).
 """
 from __future__ import annotations
-import argparse, dataclasses, json, statistics, time
+import dataclasses, json, statistics, time
 import torch
+from common import bench_parser, sync
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import build_model, count_parameters, ffn_hidden_dim, flops_per_token
@@ -20,17 +21,10 @@ from gradient_garden.models.moe import moe_active_matmul_params
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 autocast on CUDA")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p = bench_parser(__doc__, rounds=8, steps_per_round=2, warmup=2)
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="also time the capacity (padded bmm) path; 0 = skip")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps-per-round", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=2)
     return p.parse_args(argv)
 
 
@@ -60,12 +54,9 @@ def step(model, opt, x, y, autocast_dtype, device_type):
     return loss.detach()
 
 
-def sync(device):
-    if device.startswith("cuda"): torch.cuda.synchronize()
-
-
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads: torch.set_num_threads(args.threads)
     dev_type = torch.device(args.device).type
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None

@@ -13,9 +13,10 @@ over rounds of (supervised tokens in the round / time of the round).
 The last line of stdout is one JSON object with the figures.
 """
 from __future__ import annotations
-import argparse, json, statistics, sys, tempfile, time
+import json, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
+from common import bench_parser, sync
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig
 from gradient_garden.data.verifiable import WORDS, sample_conversations
@@ -26,17 +27,10 @@ from gradient_garden.tokenizer import init_tokenizer, train_bpe
 DEFAULT_TOKENIZER = Path("data/tokenizers/garden-bpe-4k")
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 autocast on CUDA")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p = bench_parser(__doc__, rounds=8, steps_per_round=3, warmup=2)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--conversations", type=int, default=4000)
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps-per-round", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--pad-to-max", action="store_true", help="padding contender pads to --seq-len, not to the batch's longest")
     p.add_argument("--tokenizer", default=None, help=f"tokenizer folder (default: {DEFAULT_TOKENIZER} if present, else a BPE trained here)")
     return p.parse_args(argv)
@@ -49,9 +43,6 @@ def get_tokenizer(args, tmp: Path):
         path = train_bpe(texts, 1024, tmp/"tok")
     return init_tokenizer(TokenizerConfig(path=str(path)))
 
-def sync(device):
-    if device.startswith("cuda"): torch.cuda.synchronize()
-
 def step(model, opt, task, batch, autocast_dtype, device_type) -> int:
     "One SFT optimizer step; returns the supervised tokens of the batch."
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -63,6 +54,7 @@ def step(model, opt, task, batch, autocast_dtype, device_type) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads: torch.set_num_threads(args.threads)
     dev_type = torch.device(args.device).type
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
