@@ -21,6 +21,14 @@ def bench_parser(doc: str, rounds: int = 8, steps_per_round: int = 2, warmup: in
     return p
 
 
+def setup(args) -> tuple[str, str, torch.dtype | None]:
+    "Apply `--threads`; return (device type, dtype name, autocast dtype or None) for the run."
+    if args.threads: torch.set_num_threads(args.threads)
+    dev_type = torch.device(args.device).type
+    dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
+    return dev_type, dtype, torch.bfloat16 if dtype == "bf16" else None
+
+
 def sync(device: str):
     "Wait for queued GPU work, so wall-clock timings cover it."
     if device.startswith("cuda"): torch.cuda.synchronize()

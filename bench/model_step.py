@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse, copy, gc, json, os, statistics, subprocess, sys, time
 import torch
 from gradient_garden.engine.trainer import gpu_datasheet_flops
-from common import bench_parser, matmul_peak_flops, sync
+from common import bench_parser, matmul_peak_flops, setup, sync
 import torch.nn.functional as F
 
 from gradient_garden.config import ModelConfig
@@ -126,9 +126,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads: torch.set_num_threads(args.threads)
     if args.memory_child: return memory_child(args)
-    dev_type = torch.device(args.device).type
-    dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
-    autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+    dev_type, dtype, autocast_dtype = setup(args)
     cfg = model_config(args)
     names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
     contenders = make_contenders(cfg, args, names)

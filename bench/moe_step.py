@@ -13,7 +13,7 @@ The last line of stdout is one JSON object with the figures (ratio = MoE tokens/
 from __future__ import annotations
 import dataclasses, json, statistics, time
 import torch
-from common import bench_parser, sync
+from common import bench_parser, setup, sync
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import build_model, count_parameters, ffn_hidden_dim, flops_per_token
@@ -56,10 +56,7 @@ def step(model, opt, x, y, autocast_dtype, device_type):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads: torch.set_num_threads(args.threads)
-    dev_type = torch.device(args.device).type
-    dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
-    autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+    dev_type, dtype, autocast_dtype = setup(args)
     cfgs = configs(args)
     contenders = {}
     for name, cfg in cfgs.items():

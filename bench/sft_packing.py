@@ -16,7 +16,7 @@ from __future__ import annotations
 import json, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
-from common import bench_parser, sync
+from common import bench_parser, setup, sync
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig
 from gradient_garden.data.verifiable import WORDS, sample_conversations
@@ -54,10 +54,7 @@ def step(model, opt, task, batch, autocast_dtype, device_type) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads: torch.set_num_threads(args.threads)
-    dev_type = torch.device(args.device).type
-    dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
-    autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+    dev_type, dtype, autocast_dtype = setup(args)
     tmp = Path(tempfile.mkdtemp(prefix="sft_packing_"))
     tok = get_tokenizer(args, tmp)
     mcfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=max(2, args.dim // 64), n_kv_heads=max(1, args.dim // 128),
