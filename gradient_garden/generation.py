@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from .config import ConfigError, read_data_file
 import torch.nn.functional as F
 from .models.attention import Attention, KVCache, apply_rope, hold_fused_weights, plain_linear, sdpa_gqa
+from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
 # %% auto #0
 __all__ = ['apply_repetition_penalty', 'sample_next', 'decode_step_applies', 'decode_step', 'generate', 'encode_prompts',
@@ -44,7 +45,6 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
 # %% ../nbs/14_generation.ipynb #595c245d
 def decode_step_applies(model: nn.Module) -> bool:
     "True when `decode_step` reproduces `model.forward`: a plain dense Tendril holding fused weights, no hooks or autocast."
-    from gradient_garden.models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock
     if not isinstance(model, Tendril) or type(model).forward is not Tendril.forward or "forward" in model.__dict__: return False
     if torch.is_autocast_enabled(model.rope_cos.device.type) or nn.modules.module._global_forward_hooks \
             or nn.modules.module._global_forward_pre_hooks: return False
@@ -60,7 +60,6 @@ def decode_step_applies(model: nn.Module) -> bool:
 def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
                 pad_mask: torch.Tensor | None = None) -> torch.Tensor:
     "Logits `[B, vocab]` for one new token per row at `start_pos` (`pad_mask` `[B, start_pos + 1]`, True = real)."
-    from gradient_garden.models.tendril import rms_norm
     B = tokens.shape[0]
     if pad_mask is None:
         cos, sin, mask = model.rope_cos[start_pos:start_pos + 1, None], model.rope_sin[start_pos:start_pos + 1, None], None
