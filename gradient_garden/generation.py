@@ -14,7 +14,8 @@ import torch.nn as nn
 from contextlib import nullcontext
 from .config import ConfigError, read_data_file
 import torch.nn.functional as F
-from .models.attention import Attention, KVCache, apply_rope, hold_fused_weights, plain_linear, sdpa_gqa
+from .models.attention import (Attention, KVCache, additive_mask, apply_rope, hold_fused_weights,
+                                              plain_linear, sdpa_gqa)
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
 # %% auto #0
@@ -68,7 +69,7 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
         cos, sin = model.rope_cos[pos].unsqueeze(2), model.rope_sin[pos].unsqueeze(2)
     h = F.embedding(tokens, model.tok_embeddings.weight)
     if pad_mask is not None:
-        mask = torch.zeros(pad_mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~pad_mask, float("-inf"))[:, None, None, :]
+        mask = additive_mask(pad_mask[:, None, None, :], h.dtype)
     for layer in model.layers:
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops',
-           'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'KVCache', 'sdpa_gqa',
-           'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
+           'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
+           'KVCache', 'sdpa_gqa', 'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -98,6 +98,10 @@ def attention_mask(seq_len: int, start_pos: int = 0, pad_mask: torch.Tensor | No
         mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
     if pad_mask is not None: mask = (mask & pad_mask.bool()[:, None, :]) | (kpos == qpos)[None]
     return mask[:, None]
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    "The boolean `mask` as the float mask SDPA adds to the scores: 0 where attending, -inf elsewhere."
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 # %% ../../nbs/10_attention.ipynb #8d124237
 class KVCache:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
-from .attention import (Attention, KVCache, attention_mask, positions_from_doc_ids,
+from .attention import (Attention, KVCache, additive_mask, attention_mask, positions_from_doc_ids,
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
@@ -268,7 +268,7 @@ class Tendril(nn.Module):
         if mask is None:
             mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
             if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
-                mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+                mask = additive_mask(mask, h.dtype)
         for layer in self.layers: h = layer(h, cos, sin, mask, kv_cache, start_pos)
         if logits_to_keep: h = h[:, -logits_to_keep:]
         if labels is not None: return self.loss_sum(self.norm(h), labels)
