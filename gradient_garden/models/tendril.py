@@ -132,9 +132,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             hc, keep = h[s:s + chunk_rows], labels[s:s + chunk_rows] != ignore_index
             target = torch.where(keep, labels[s:s + chunk_rows], 0)[:, None]
             logits = (hc @ weight.T).float()
-            lse = torch.logsumexp(logits, -1, keepdim=True)
-            total += torch.where(keep, (lse - logits.gather(1, target)).squeeze(1), 0).sum()
-            grad = logits.sub_(lse).exp_()                                  # softmax, in place of the logits
+            top = logits.amax(-1, keepdim=True)
+            target_logit = logits.gather(1, target) - top
+            grad = logits.sub_(top).exp_()                                  # in place of the logits: one exp pass
+            denom = grad.sum(-1, keepdim=True)
+            total += torch.where(keep, (denom.log() - target_logit).squeeze(1), 0).sum()   # log-sum-exp - target logit
+            grad.div_(denom)                                                # softmax
             grad.scatter_add_(1, target, -keep[:, None].to(grad.dtype))     # minus the one-hot label
             if h.device.type != "cpu" or not bool(keep.all()): grad.mul_(keep[:, None])
             grad = grad.to(h.dtype)
