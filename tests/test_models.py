@@ -130,6 +130,10 @@ def test_compiled_training_step_matches_eager():
     l2, g2 = loss_grads(torch.compile(model))
     torch.testing.assert_close(l1, l2, rtol=1e-4, atol=1e-5)
     for a, b in zip(g1, g2): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    compiled = torch.compile(model)                      # the model's own loss: fused, outside the compiled graph
+    l3 = compiled(x[:, :-1], labels=x[:, 1:]) / x[:, 1:].numel()
+    torch.testing.assert_close(l3, l1, rtol=1e-4, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(l3, list(model.parameters())), g1): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatch):
     """Plain Tendril on CPU: every step after the prefill goes through `decode_step` and the tokens equal cache-free

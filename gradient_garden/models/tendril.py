@@ -167,9 +167,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         dtype = torch.get_autocast_dtype(dev)
         h, weight = h.to(dtype), weight.to(dtype)
     rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0], h.numel() // weight.shape[0])
-    with torch.autocast(dev, enabled=False):
-        if torch.compiler.is_compiling():
-            return F.cross_entropy((h @ weight.T).float(), labels, ignore_index=ignore_index, reduction="sum")
+    return _chunked_loss(h, weight, labels, rows, ignore_index)
+
+@torch.compiler.disable
+def _chunked_loss(h, weight, labels, rows: int, ignore_index: int) -> torch.Tensor:
+    "Outside any compiled graph, autocast off: the fused Function when gradients are wanted, else the loss by chunks."
+    with torch.autocast(h.device.type, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return LinearCrossEntropyFunction.apply(h, weight, labels, rows, ignore_index)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
