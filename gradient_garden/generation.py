@@ -19,8 +19,8 @@ from .models.attention import (Attention, KVCache, additive_mask, apply_rope, ho
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
 # %% auto #0
-__all__ = ['apply_repetition_penalty', 'sample_next', 'decode_step_applies', 'decode_step', 'generate', 'encode_prompts',
-           'generate_text', 'load_prompts', 'resolve_device', 'add_generate_args', 'run_generate']
+__all__ = ['HOLD_MAX_BYTES', 'apply_repetition_penalty', 'sample_next', 'decode_step_applies', 'decode_step', 'generate',
+           'encode_prompts', 'generate_text', 'load_prompts', 'resolve_device', 'add_generate_args', 'run_generate']
 
 # %% ../nbs/14_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -84,6 +84,8 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
     return model.head(rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
 
 # %% ../nbs/14_generation.ipynb #5d3c92f4
+HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding holds fused q/k/v and w1/w3 copies up to this size
+
 def _model_device(model: nn.Module) -> torch.device:
     "The device of the model's parameters."
     return next(model.parameters()).device
@@ -158,7 +160,8 @@ def generate(model: nn.Module, tokenizer, prompts: list[list[int]], max_new_toke
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     bs = batch_size or len(prompts)
     out: list = [None] * len(prompts)
-    with hold_fused_weights(model) if _model_device(model).type == "cpu" else nullcontext():
+    cpu = _model_device(model).type == "cpu"
+    with hold_fused_weights(model, max_bytes=HOLD_MAX_BYTES) if cpu else nullcontext():
         for s in range(0, len(order), bs):
             idx = order[s:s + bs]
             batch = [list(prompts[i]) for i in idx]

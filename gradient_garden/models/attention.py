@@ -163,13 +163,18 @@ def fused_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([m.weight for m in linears]) if _fusable(x, *linears) else None
 
 @contextmanager
-def hold_fused_weights(model: nn.Module):
+def hold_fused_weights(model: nn.Module, max_bytes: int | None = None):
     "Within the block, modules with `fused_linears` keep their concatenated weights (no-gradient forwards use them)."
-    held = []
+    todo = []
     for m in model.modules():
         linears = m.fused_linears() if hasattr(m, "fused_linears") else None
         if linears and all(plain_linear(l) and type(l.weight.detach()) is torch.Tensor for l in linears):
-            m._held_weight = torch.cat([l.weight.detach() for l in linears]); held.append(m)
+            todo.append((m, linears))
+    size = sum(l.weight.numel() * l.weight.element_size() for _, linears in todo for l in linears)
+    if max_bytes is not None and size > max_bytes: todo = []    # the copies would cost more memory than allowed
+    held = []
+    for m, linears in todo:
+        m._held_weight = torch.cat([l.weight.detach() for l in linears]); held.append(m)
     try: yield model
     finally:
         for m in held: m._held_weight = None
