@@ -119,7 +119,7 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 # %% ../../nbs/11_tendril.ipynb #ae77ae28
-LOSS_CHUNK_ELEMENTS = 1 << 21   # logits per chunk: 8 MiB in fp32
+LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "default": 1 << 26}   # logits per chunk, by device type
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     "Summed cross-entropy of `h @ weight.T` against `labels`, chunk by chunk, with the gradients formed in the forward."
@@ -166,7 +166,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
         h, weight = h.to(dtype), weight.to(dtype)
-    rows = chunk_rows or max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0], h.numel() // weight.shape[0])
+    budget = LOSS_CHUNK_ELEMENTS.get(dev, LOSS_CHUNK_ELEMENTS["default"])
+    rows = chunk_rows or max(1, budget // weight.shape[0], h.numel() // weight.shape[0])
     return _chunked_loss(h, weight, labels, rows, ignore_index)
 
 @torch.compiler.disable
