@@ -1,5 +1,6 @@
-"""RMSNorm, the SwiGLU feed-forward, pre-norm blocks, optional tied embeddings, the initialisation, a model
-registry that lets a new architecture plug in by name, and the parameter / FLOP counts the trainer reports.
+"""RMSNorm, the SwiGLU feed-forward, the training loss computed without materialising the logits, pre-norm blocks,
+optional tied embeddings, the initialisation, a model registry that lets a new architecture plug in by name, and
+the parameter / FLOP counts the trainer reports.
 
 Docs: https://gradient-garden.github.io/gradient-garden/tendril.html.md"""
 
