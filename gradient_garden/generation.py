@@ -1,5 +1,6 @@
 """Greedy, temperature, top-k and top-p sampling with a repetition penalty; batches of prompts of different lengths
-decoded together with left padding and a preallocated KV cache; stop tokens; and `gg generate`.
+decoded together with left padding and a preallocated KV cache; stop tokens; a lean one-token decoding step for
+CPU; and `gg generate`.
 
 Docs: https://gradient-garden.github.io/gradient-garden/generation.html.md"""
 
