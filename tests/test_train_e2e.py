@@ -49,6 +49,16 @@ def test_resume_is_exact(prepared, tmp_path):
     assert sorted(b) == [4, 5, 6, 7, 8]
     for s in b: assert a[s] == b[s], (s, a[s], b[s])
 
+def test_compiled_blocks_train_like_eager(prepared, tmp_path):
+    "`runtime.compile=true` (each block through torch.compile, the fused loss eager) follows the eager losses."
+    eager, compiled = tmp_path/"eager", tmp_path/"compiled"
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, eager, steps=4))
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, compiled, steps=4), "runtime.compile=true")
+    a, b = losses(eager/"runs"/"pretraining"/"debug"), losses(compiled/"runs"/"pretraining"/"debug")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a: assert abs(a[s] - b[s]) < 1e-4 * a[s], (s, a[s], b[s])
+    assert a[4] < a[1]
+
 def test_bad_inputs_are_one_line_errors(prepared, tmp_path):
     r = run_gg("train", "--recipe", RECIPE, "--pretraining", check=False)
     assert r.returncode == 2 and r.stderr.strip() == "error: --pretraining cannot be combined with --recipe: the recipe defines the training stage"
