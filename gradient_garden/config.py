@@ -115,6 +115,7 @@ class MuonConfig:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
+    ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"   # Newton-Schulz precision; auto: bf16 on CUDA, fp32 elsewhere
     weight_decay: float = 0.0
 
 @dataclass

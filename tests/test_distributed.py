@@ -63,13 +63,13 @@ def test_ddp_and_fsdp2_match_one_process(prepared, tmp_path):
 
 @pytest.fixture(scope="module")
 def muon_runs(prepared, tmp_path_factory):
-    """Muon, one process vs DDP vs FSDP2 (which gathers each matrix for Newton-Schulz). 512 tokens per step: 2
-    micro-steps in one process, 1 per rank. Muon orthogonalises in bf16, which magnifies a one-ulp difference in the
-    gradient into ~1e-5 loss differences within 20 steps, so the gradient sums must not be reassociated: with one
-    micro-step per rank the 2-rank reduction adds the same two terms one process adds. The FSDP2 run checkpoints at
-    step 10 for the resume test."""
+    """Muon, one process vs DDP vs FSDP2 (which gathers each matrix for Newton-Schulz), with the recipe's gradient
+    accumulation: 4 micro-steps in one process, 2 per rank, so the 2-rank all-reduce sums the micro-batch gradients
+    in another order than one process does. On CPU Newton-Schulz runs in fp32 (`ns_dtype: auto`), which keeps those
+    one-ulp differences one-ulp (bf16 would magnify them to ~1e-5 in the loss). The FSDP2 run checkpoints at step 10
+    for the resume test."""
     base = tmp_path_factory.mktemp("muon")
-    extra = {"optimizers.muon.enabled": "true", "training.total_batch_size": 512}
+    extra = {"optimizers.muon.enabled": "true"}
     run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"one", **extra))
     torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"ddp", **extra))
     torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"fsdp2", **extra, **{

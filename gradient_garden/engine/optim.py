@@ -14,8 +14,8 @@ from ..config import OptimizersConfig, ConfigError
 from .schedules import learning_rate
 
 # %% auto #0
-__all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'classify_parameters', 'zeropower_via_newtonschulz', 'muon_lr', 'Muon',
-           'build_optimizers', 'param_group_summary', 'set_learning_rates']
+__all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
+           'muon_lr', 'Muon', 'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
 
 # %% ../../nbs/20_optim.ipynb #5e273563
 try: from torch.distributed.tensor import DTensor, Replicate
@@ -45,11 +45,12 @@ def classify_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parame
 # %% ../../nbs/20_optim.ipynb #248f588e
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
-def zeropower_via_newtonschulz(G: Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = 1e-7) -> Tensor:
-    "Approximately orthogonalise the last two dims of `G` (i.e. U V^T of its SVD) with quintic Newton-Schulz, in bf16."
+def zeropower_via_newtonschulz(G: Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
+                                dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    "Approximately orthogonalise the last two dims of `G` (i.e. U V^T of its SVD) with quintic Newton-Schulz in `dtype`."
     a, b, c = coefficients
     shape, tall = G.shape, G.size(-2) > G.size(-1)
-    X = G.bfloat16().reshape(-1, *shape[-2:]) if G.ndim > 3 else G.bfloat16()
+    X = G.to(dtype).reshape(-1, *shape[-2:]) if G.ndim > 3 else G.to(dtype)
     if tall: X = X.mT
     addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     X = X / (X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)).clamp(min=eps)
@@ -61,6 +62,8 @@ def zeropower_via_newtonschulz(G: Tensor, steps: int = 5, coefficients=NS_COEFFI
     return X.reshape(shape)
 
 # %% ../../nbs/20_optim.ipynb #5bf09247
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
 def muon_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     "Muon's shape-dependent learning rate for an A x B weight (torch.optim.Muon's `adjust_lr_fn`)."
     A, B = shape[-2:]
@@ -72,7 +75,8 @@ def _orthogonalised(update: Tensor, p: Tensor, group: dict) -> Tensor:
     "NS of `update` on the full matrix; for a DTensor parameter, gather it and return this rank's shard."
     is_dt = DTensor is not None and isinstance(update, DTensor)
     full = update.full_tensor() if is_dt else update
-    O = zeropower_via_newtonschulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
+    dtype = NS_DTYPES[group.get("ns_dtype", "bf16")]
+    O = zeropower_via_newtonschulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"], dtype)
     if not is_dt: return O
     mesh = p.device_mesh
     return DTensor.from_local(O, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, p.placements)
@@ -82,10 +86,12 @@ class Muon(torch.optim.Optimizer):
     "Muon (momentum orthogonalised by Newton-Schulz) for 2-D (or batched 3-D) weights; DTensor/FSDP2-aware."
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
-                 adjust_lr_fn: str | None = None):
+                 adjust_lr_fn: str | None = None, ns_dtype: str = "bf16"):
         muon_lr(1.0, (1, 1), adjust_lr_fn)  # validates adjust_lr_fn
+        if ns_dtype not in NS_DTYPES: raise ValueError(f"ns_dtype: got {ns_dtype!r}; expected one of {', '.join(NS_DTYPES)}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        ns_dtype=ns_dtype)
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
@@ -118,6 +124,11 @@ def _adamw_impl(fused: str, device_type: str) -> dict:
     if fused in ("no", "auto"): return {"foreach": True}
     raise ConfigError(f"optimizers.adamw.fused: got {fused!r}; expected one of 'auto', 'yes', 'no'")
 
+def muon_ns_dtype(setting: str, device_type: str) -> str:
+    "`optimizers.muon.ns_dtype` resolved for the device: `auto` is bf16 on CUDA, fp32 elsewhere."
+    if setting == "auto": return "bf16" if device_type == "cuda" else "fp32"
+    return setting
+
 def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig, device_type: str = "cpu") -> list[torch.optim.Optimizer]:
     "AdamW for embeddings, output, vectors and adapters (and matrices unless Muon is on); Muon for hidden matrices."
     groups, a, m = classify_parameters(model), opt_cfg.adamw, opt_cfg.muon
@@ -135,7 +146,7 @@ def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig, device_type: s
                                       **_adamw_impl(a.fused, device_type)))
     if m.enabled and groups["matrices"]:
         opts.append(Muon([group("matrices", m.weight_decay, "muon")], lr=m.max_lr, momentum=m.momentum,
-                         nesterov=m.nesterov, ns_steps=m.ns_steps))
+                         nesterov=m.nesterov, ns_steps=m.ns_steps, ns_dtype=muon_ns_dtype(m.ns_dtype, device_type)))
     return opts
 
 # %% ../../nbs/20_optim.ipynb #dbf91bdb
