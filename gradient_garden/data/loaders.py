@@ -30,6 +30,9 @@ def load_meta(data_dir) -> dict:
     meta = json.loads((d/"meta.json").read_text())
     if meta.get("format") != "gradient-garden-shards":
         raise ConfigError(f"{d/'meta.json'}: not a gradient-garden shard folder (format={meta.get('format')!r})")
+    if "version" in meta:                                    # hand-made folders without one are taken as they are
+        from gradient_garden.data.prepare import check_shard_version
+        check_shard_version(meta, d)
     return meta
 
 def open_shards(data_dir, meta: dict, split: str) -> list[np.memmap]:
