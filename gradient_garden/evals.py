@@ -228,7 +228,7 @@ def default_prefix(tokenizer) -> list[int]:
                           "pass add_bos=True/False (--add-bos / --no-add-bos) to choose the prefix")
     return full[:len(full) - len(plain)]
 
-# %% ../nbs/40_evals.ipynb #8e90d3a0
+# %% ../nbs/40_evals.ipynb #223e5ce6
 def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str,
                 prefix_id: Optional[int] = None, lead: Sequence[int] = ()) -> tuple[list[int], list[int]]:
     "Token ids of (context, continuation), split as lm-eval splits them; `lead`: special tokens before the context."
@@ -402,7 +402,7 @@ def mc_metrics(lls: Sequence[Sequence[float]], examples: Sequence[MCExample]) ->
     return {"acc": mean(acc), "acc_stderr": mean_stderr(acc), "acc_norm": mean(norm),
             "acc_norm_stderr": mean_stderr(norm), "n": len(acc)}
 
-# %% ../nbs/40_evals.ipynb #fc751553
+# %% ../nbs/40_evals.ipynb #3d379a2a
 def sample_record(doc_id: int, ex: MCExample, lls: Sequence[float], pairs: Sequence[tuple[list[int], list[int]]]) -> dict:
     "One scored example as `--log-samples` writes it."
     pred, pred_norm = _argmax(lls), _argmax([l / max(n, 1.0) for l, n in zip(lls, ex.lengths)])
@@ -653,7 +653,7 @@ def run_evaluate(args) -> int:
             print(f"results: {out}")
             for name, recs in (samples or {}).items():
                 path = samples_path(out, name)
-                _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+                _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in recs))
                 print(f"samples: {path}")
     finally:
         if started_dist: destroy_distributed()
