@@ -228,7 +228,7 @@ def default_prefix(tokenizer) -> list[int]:
                           "pass add_bos=True/False (--add-bos / --no-add-bos) to choose the prefix")
     return full[:len(full) - len(plain)]
 
-# %% ../nbs/40_evals.ipynb #223e5ce6
+# %% ../nbs/40_evals.ipynb #41a42b43
 def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str,
                 prefix_id: Optional[int] = None, lead: Sequence[int] = ()) -> tuple[list[int], list[int]]:
     "Token ids of (context, continuation), split as lm-eval splits them; `lead`: special tokens before the context."
@@ -402,7 +402,7 @@ def mc_metrics(lls: Sequence[Sequence[float]], examples: Sequence[MCExample]) ->
     return {"acc": mean(acc), "acc_stderr": mean_stderr(acc), "acc_norm": mean(norm),
             "acc_norm_stderr": mean_stderr(norm), "n": len(acc)}
 
-# %% ../nbs/40_evals.ipynb #3d379a2a
+# %% ../nbs/40_evals.ipynb #9e0f1410
 def sample_record(doc_id: int, ex: MCExample, lls: Sequence[float], pairs: Sequence[tuple[list[int], list[int]]]) -> dict:
     "One scored example as `--log-samples` writes it."
     pred, pred_norm = _argmax(lls), _argmax([l / max(n, 1.0) for l, n in zip(lls, ex.lengths)])
@@ -606,6 +606,9 @@ def run_evaluate(args) -> int:
     check_evaluate_args(args)
     if args.validation and args.hf_checkpoint:
         raise ConfigError("--validation needs --checkpoint: the validation shards are tokenized with the run's tokenizer")
+    if lm_tasks and args.hf_checkpoint:
+        raise ConfigError("--lm-eval-tasks needs --checkpoint; for a Hugging Face folder use lm-eval's own model: "
+                          "lm_eval --model hf --model_args pretrained=DIR --tasks ...")
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.engine.distributed import init_distributed, resolve_device, destroy_distributed
     started_dist = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not torch.distributed.is_initialized()
@@ -621,6 +624,9 @@ def run_evaluate(args) -> int:
         batch_size = ev.batch_size if args.batch_size is None else args.batch_size
         data_dir = args.evals_dir or cfg.paths.evals
         for name in names: eval_file(name, data_dir)                    # fail before any scoring, not halfway
+        if lm_tasks:
+            from gradient_garden.lm_eval_model import lm_eval_task_manager
+            task_manager = lm_eval_task_manager(lm_tasks, args.lm_eval_include)
         results = {"checkpoint": args.checkpoint, "hf_checkpoint": args.hf_checkpoint, "device": str(device),
                    "dtype": args.dtype or "fp32", "seed": seed, "batch_size": batch_size, "world_size": world_size,
                    "context_prefix": context_prefix_name(tokenizer, args.add_bos)}
@@ -641,7 +647,7 @@ def run_evaluate(args) -> int:
             from gradient_garden.lm_eval_model import run_lm_eval_tasks
             tasks.update(run_lm_eval_tasks(model, tokenizer, lm_tasks, batch_size=batch_size, add_bos=args.add_bos,
                                            include_path=args.lm_eval_include, limit=args.lm_eval_limit,
-                                           num_fewshot=args.num_fewshot, samples=samples))
+                                           num_fewshot=args.num_fewshot, samples=samples, task_manager=task_manager))
         results["tasks"] = tasks
         results["elapsed_s"] = round(time.time() - t0, 3)
         if rank == 0:

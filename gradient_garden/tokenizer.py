@@ -298,10 +298,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_fr
         "".join(f"{base64.b64encode(bytes(to_byte[c] for c in t)).decode()} {i}\n" for t, i in ranked))
     return out
 
-# %% ../nbs/01_tokenizer.ipynb #6c82584f
+# %% ../nbs/01_tokenizer.ipynb #4318f0ec
 from fastcore.basics import patch
 
-# %% ../nbs/01_tokenizer.ipynb #6f139a86
+# %% ../nbs/01_tokenizer.ipynb #09908686
 @patch(as_prop=True)
 def adds_bos(self: Tokenizer) -> bool:
     "True when this tokenizer's family starts every text with BOS (Hugging Face: its default special tokens)."

@@ -343,7 +343,7 @@ def next_source(sources: list, counts: dict, target_tokens: int, batch_chars: in
     need = share[src.name] - c["tokens"]
     return src.name, int(min(batch_chars, max(1, need * chars_per_token)))
 
-# %% ../../nbs/02_data.ipynb #9b470507
+# %% ../../nbs/02_data.ipynb #532f327f
 SHARD_FORMAT, SHARD_VERSION = "gradient-garden-shards", 2
 
 def check_shard_version(found: dict, where) -> None:
