@@ -291,24 +291,35 @@ def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
     out = model(tokens, **kw)
     return out if isinstance(out, torch.Tensor) else out.logits
 
+def _keeps_logits(model) -> bool:
+    "True when the model's forward takes `logits_to_keep` (and so `attn_mask` / `position_ids`)."
+    import inspect
+    try: return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
+    except (TypeError, ValueError): return False
+
 def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int = 0, greedy: bool = False):
     "One forward pass over `rows`: summed target log-probs per request (float64, CPU) [and `is_greedy` flags]."
-    B, T = len(rows), max(len(r.tokens) for r in rows)
+    B, T, left = len(rows), max(len(r.tokens) for r in rows), _keeps_logits(model)
+    shift = [T - len(r.tokens) if left else 0 for r in rows]
     tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows): tokens[i, :len(r.tokens)] = torch.tensor(r.tokens)
+    br, pos = torch.full((B, T), -1, dtype=torch.long), torch.zeros((B, T), dtype=torch.long)
+    for i, (r, s) in enumerate(zip(rows, shift)):
+        n = len(r.tokens)
+        tokens[i, s:s + n] = torch.tensor(r.tokens)
+        br[i, s:s + n] = torch.tensor(r.branch if r.branch is not None else [0] * n)
+        pos[i, s:s + n] = torch.tensor(r.positions if r.positions is not None else range(n))
     kw = {}
     if any(r.branch is not None for r in rows):
-        br, pos = torch.full((B, T), -1, dtype=torch.long), torch.zeros((B, T), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            br[i, :n] = torch.tensor(r.branch if r.branch is not None else [0] * n)
-            pos[i, :n] = torch.tensor(r.positions if r.positions is not None else range(n))
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         key, query = br[:, None, :], br[:, :, None]
         kw = {"attn_mask": (causal & ((key == 0) | (key == query)))[:, None].to(device), "position_ids": pos.to(device)}
-    logits = _logits(model, tokens.to(device), **kw)
-    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p, t) for i, r in enumerate(rows)
+    elif any(shift): kw = {"attn_mask": (br >= 0).to(device), "position_ids": pos.to(device)}
+    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p + shift[i], t) for i, r in enumerate(rows)
                                                              for q, p, t in r.targets]))
+    if left:                             # the head (hidden -> vocabulary) only from the first scored position on
+        keep = T - int(p_idx.min())
+        kw["logits_to_keep"], p_idx = keep, p_idx - (T - keep)
+    logits = _logits(model, tokens.to(device), **kw)
     picked = logits[b_idx.to(device), p_idx.to(device)].float().log_softmax(-1)
     lp = picked.gather(1, tgt.to(device)[:, None])[:, 0].double().cpu()
     lls = torch.zeros(n_requests, dtype=torch.float64).index_add_(0, req, lp)
@@ -375,12 +386,14 @@ class HFCausalLM(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, *, attn_mask=None, position_ids=None, **kw):
+    def forward(self, tokens, *, attn_mask=None, position_ids=None, logits_to_keep: int = 0, **kw):
         if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.dtype == torch.bool:
             dtype = self.model.get_input_embeddings().weight.dtype
             attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=tokens.device).masked_fill(
                 ~attn_mask, torch.finfo(dtype).min)
-        return self.model(input_ids=tokens, attention_mask=attn_mask, position_ids=position_ids).logits
+        elif attn_mask is not None and attn_mask.dim() == 2: attn_mask = attn_mask.long()
+        return self.model(input_ids=tokens, attention_mask=attn_mask, position_ids=position_ids,
+                          logits_to_keep=logits_to_keep).logits
 
 # %% ../nbs/40_evals.ipynb #9971ea14
 def _argmax(xs: Sequence[float]) -> int:
