@@ -292,31 +292,29 @@ def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 def _keeps_logits(model) -> bool:
-    "True when the model's forward takes `logits_to_keep` (and so `attn_mask` / `position_ids`)."
+    "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
     import inspect
     try: return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
     except (TypeError, ValueError): return False
 
 def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int = 0, greedy: bool = False):
     "One forward pass over `rows`: summed target log-probs per request (float64, CPU) [and `is_greedy` flags]."
-    B, T, left = len(rows), max(len(r.tokens) for r in rows), _keeps_logits(model)
-    shift = [T - len(r.tokens) if left else 0 for r in rows]
+    B, T = len(rows), max(len(r.tokens) for r in rows)
     tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    br, pos = torch.full((B, T), -1, dtype=torch.long), torch.zeros((B, T), dtype=torch.long)
-    for i, (r, s) in enumerate(zip(rows, shift)):
-        n = len(r.tokens)
-        tokens[i, s:s + n] = torch.tensor(r.tokens)
-        br[i, s:s + n] = torch.tensor(r.branch if r.branch is not None else [0] * n)
-        pos[i, s:s + n] = torch.tensor(r.positions if r.positions is not None else range(n))
+    for i, r in enumerate(rows): tokens[i, :len(r.tokens)] = torch.tensor(r.tokens)
     kw = {}
     if any(r.branch is not None for r in rows):
+        br, pos = torch.full((B, T), -1, dtype=torch.long), torch.zeros((B, T), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            br[i, :n] = torch.tensor(r.branch if r.branch is not None else [0] * n)
+            pos[i, :n] = torch.tensor(r.positions if r.positions is not None else range(n))
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         key, query = br[:, None, :], br[:, :, None]
         kw = {"attn_mask": (causal & ((key == 0) | (key == query)))[:, None].to(device), "position_ids": pos.to(device)}
-    elif any(shift): kw = {"attn_mask": (br >= 0).to(device), "position_ids": pos.to(device)}
-    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p + shift[i], t) for i, r in enumerate(rows)
+    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p, t) for i, r in enumerate(rows)
                                                              for q, p, t in r.targets]))
-    if left:                             # the head (hidden -> vocabulary) only from the first scored position on
+    if _keeps_logits(model):             # the head (hidden -> vocabulary) only from the first scored position on
         keep = T - int(p_idx.min())
         kw["logits_to_keep"], p_idx = keep, p_idx - (T - keep)
     logits = _logits(model, tokens.to(device), **kw)
@@ -344,6 +342,17 @@ def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, st
     lead = default_prefix(tokenizer) if add_bos is None else [prefix] * bool(add_bos)
     return lambda context, continuation: encode_pair(encode, context, continuation, prefix, lead)
 
+def _shared_batches(enc, batch_size: int) -> list[list[tuple[int, list[int]]]]:
+    "Whole examples, longest first, `batch_size` per batch: [(example, [its choices])]."
+    order = sorted(range(len(enc)), key=lambda i: -max(len(c) + len(k) for c, k in enc[i]))
+    return [[(i, list(range(len(enc[i])))) for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
+
+def _choice_batches(enc, batch_size: int) -> list[list[tuple[int, list[int]]]]:
+    "Single choices, longest first, `batch_size` x (most choices) per batch; never more batches than `_shared_batches`."
+    flat = sorted(((i, j) for i, e in enumerate(enc) for j in range(len(e))), key=lambda ij: -sum(map(len, enc[ij[0]][ij[1]])))
+    per = batch_size * max((len(e) for e in enc), default=1)
+    return [[(i, [j]) for i, j in flat[s:s + per]] for s in range(0, len(flat), per)]
+
 @torch.no_grad()
 def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: int = 16, device="cpu", *,
                    share_context: bool = False, add_bos: Optional[bool] = None, max_len: Optional[int] = None,
@@ -352,12 +361,11 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
     pair, prefix = pair_encoder(tokenizer, add_bos), prefix_token_id(tokenizer)
     max_len = max_len or model_max_len(model)
     enc = [[pair(c, k) for c, k in ex.requests] for ex in examples]
-    order = sorted(range(len(enc)), key=lambda i: -max(len(c) + len(k) for c, k in enc[i]))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    batches = _shared_batches(enc, batch_size) if share_context else _choice_batches(enc, batch_size)
     total = max(n_batches or 0, len(batches))
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"): model.eval()
-    out: list[list[float]] = [[] for _ in enc]
+    out: list[list[float]] = [[0.0] * len(e) for e in enc]
     try:
         from tqdm.auto import tqdm
         for bi in tqdm(range(total), desc="eval", disable=not progress, leave=False):
@@ -365,16 +373,14 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
                 _forward_rows(model, [_Row([prefix or 0], [(0, 0, 0)], [0] if share_context else None,
                                            [0] if share_context else None)], 1, device)
                 continue
-            rows, spans, n = [], [], 0
-            for i in batches[bi]:
-                row = _shared_row(enc[i], n) if share_context else None
+            rows, slots = [], []                              # slots[r]: the (example, choice) of request r
+            for i, js in batches[bi]:
+                row = _shared_row(enc[i], len(slots)) if share_context else None
                 if row is None or (max_len and len(row.tokens) > max_len):
-                    rows += [_plain_row(c, k, n + j, max_len) for j, (c, k) in enumerate(enc[i])]
+                    rows += [_plain_row(*enc[i][j], len(slots) + n, max_len) for n, j in enumerate(js)]
                 else: rows.append(row)
-                spans.append((i, n, n + len(enc[i])))
-                n += len(enc[i])
-            lls = _forward_rows(model, rows, n, device)
-            for i, a, b in spans: out[i] = lls[a:b].tolist()
+                slots += [(i, j) for j in js]
+            for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
     finally:
         if was_training: model.train()
     return out
@@ -446,7 +452,7 @@ def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, 
         mine = idx[rank::world_size]
         n_batches = math.ceil(math.ceil(len(idx) / world_size) / batch_size)
         lls = score_examples(model, tokenizer, [exs[i] for i in mine], batch_size, device, share_context=share_context,
-                             add_bos=add_bos, max_len=max_len, n_batches=n_batches, progress=progress and rank == 0)
+                             add_bos=add_bos, max_len=max_len, n_batches=n_batches if world_size > 1 else None, progress=progress and rank == 0)
         scored = dict(zip(mine, lls))
         if gather:
             parts = [None] * world_size

@@ -323,19 +323,19 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
 # -- special tokens and padding layouts ------------------------------------------------------------------------------
 
 class _LogitsOnly(torch.nn.Module):
-    "A model that takes nothing but tokens (no mask, positions or logits_to_keep): it gets right-padded rows."
+    "A model that takes nothing but tokens (no logits_to_keep): its head runs at every position."
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
     def forward(self, tokens): return self.inner(tokens)
 
 
-def test_right_and_left_padding_give_the_reference(model, tok):
+def test_with_and_without_logits_to_keep_give_the_reference(model, tok):
     exs = E.load_examples("hellaswag")[:6]
     enc = E.text_encoder(tok)
     slow = [[slow_loglikelihood(model, enc, c, k) for c, k in ex.requests] for ex in exs]
     assert E._keeps_logits(model) and not E._keeps_logits(_LogitsOnly(model))
-    for m in (model, _LogitsOnly(model)):                       # left-padded + logits_to_keep, and right-padded
+    for m in (model, _LogitsOnly(model)):                       # the head from the first target on, and everywhere
         got = E.score_examples(m, tok, exs, batch_size=3)
         np.testing.assert_allclose(np.array(sum(got, [])), np.array(sum(slow, [])), atol=1e-4, rtol=0)
 
