@@ -329,6 +329,7 @@ def dcp_error(e: BaseException) -> str:
     "One line for a dcp failure: the first failing rank's own exception, not dcp's wrapper."
     if isinstance(e, CheckpointException) and e.failures:
         rank, err = next(iter(e.failures.items()))
+        if isinstance(err, tuple): err = err[0]  # (exception, traceback frames)
         return f"rank {rank}: {type(err).__name__}: {_first_line(err)}"
     return f"{type(e).__name__}: {_first_line(e)}"
 
