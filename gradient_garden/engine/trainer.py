@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
-                                                clip_grad_norm_)
-from .checkpoints import rng_state, set_rng_state
+                                                clip_grad_norm_, all_gather_objects)
+from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
+                                                load_sharded_state)
 
 # %% auto #0
 __all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'PRETRAINING_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
@@ -337,43 +338,60 @@ def validate(self: Trainer) -> float:
 
 # %% ../../nbs/24_trainer.ipynb #4594b5dd
 @patch
-def checkpoint_state(self: Trainer) -> dict:
-    "Everything an exact resume needs, with full (unsharded) tensors."
-    msd, osd = full_state(self.model, self.optimizers)
-    st = self.state
+def checkpoint_meta(self: Trainer) -> dict:
+    "Everything an exact resume needs but the model and optimizer tensors; loader and RNG states of every rank."
+    st, mine = self.state, self.train_loader.state_dict()
+    if self.env.rank: mine = {k: v for k, v in mine.items() if k != "reference"}  # DPO's reference: rank 0 keeps it
+    loaders, rngs = all_gather_objects(mine), all_gather_objects(rng_state())
     return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
-                config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
-                rng=rng_state(), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
+                config=self.cfg.to_dict(), loader=loaders[0], loaders=loaders, rng=rngs[0], rngs=rngs,
+                val_history=list(st.val_history), best_val_loss=st.best_val_loss, world_size=self.env.world_size,
                 tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
 
 @patch
+def checkpoint_state(self: Trainer) -> dict:
+    "Everything an exact resume needs, with full (unsharded) tensors."
+    msd, osd = full_state(self.model, self.optimizers)
+    return self.checkpoint_meta() | dict(model=msd, optimizers=osd)
+
+@patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
-    "Gather the state on every rank, write it atomically from rank 0, apply retention."
-    from gradient_garden.engine.checkpoints import CheckpointManager
+    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention."
+    c = self.cfg.checkpointing
+    if self.ckpt_manager is None:
+        self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
+                                              async_save=c.async_save)
+    if c.format == "sharded":
+        return self.ckpt_manager.save_sharded(self.state.step, sharded_state(self.model, self.optimizers),
+                                              self.checkpoint_meta(), val_loss=val_loss)
     state = self.checkpoint_state()
-    path = None
-    if self.env.is_main:
-        if self.ckpt_manager is None:
-            c = self.cfg.checkpointing
-            self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best)
-        path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
+    path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss) if self.env.is_main else None
     barrier()
     return path
 
 # %% ../../nbs/24_trainer.ipynb #4470034a
+def _rank_entry(ckpt: dict, plural: str, singular: str, rank: int):
+    "This rank's entry of a per-rank list in `ckpt` (rank 0's when the checkpoint had fewer ranks), or None."
+    entries = ckpt.get(plural) or [ckpt.get(singular)]
+    return entries[rank] if rank < len(entries) else entries[0]
+
 @patch
 def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, reset_loader=False,
                           reset_val_history=False, start_step: int | None = None, restore_progress: bool = True):
-    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint dict."
+    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint (either layout)."
     same_stage = ckpt.get("stage") == self.cfg.training.stage
     keep_progress = restore_progress and same_stage
-    load_full_state(self.model, None if (reset_optimizers or not keep_progress) else self.optimizers,
-                    ckpt["model"], ckpt.get("optimizers"))
+    optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
+    if "model" in ckpt: load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
+    else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
-    if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
-    if ckpt.get("rng"): set_rng_state(ckpt["rng"])
+    loader, rank = _rank_entry(ckpt, "loaders", "loader", self.env.rank), self.env.rank
+    if not reset_loader and loader:
+        ref = (ckpt.get("loader") or {}).get("reference")
+        self.train_loader.load_state_dict(loader if ref is None or "reference" in loader else loader | {"reference": ref})
+    if rng := _rank_entry(ckpt, "rngs", "rng", rank): set_rng_state(rng)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:
@@ -495,9 +513,12 @@ def fit(self: Trainer) -> dict:
             if rec is not None: logger.log(rec)
             for cb in self.callbacks: cb(self, rec)
             if c.every and (step % c.every == 0 or (last and c.save_final)): self.save_checkpoint(val_loss)
+            elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
             if stopped_early:
                 if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
                 break
+    if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
+    barrier()
     bar.close()
     logger.close()
     return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
