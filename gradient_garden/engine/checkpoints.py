@@ -123,7 +123,7 @@ def resolve_checkpoint(path) -> Path:
     if not p.exists(): raise ConfigError(f"--checkpoint {p}: no such file or directory")
     for d in (p, p/"checkpoints"):
         if ckpts := list_checkpoints(d): return ckpts[-1]
-    if (p/".metadata").exists() or (p/SHARDED_META).exists():
+    if (p/".metadata").exists() or (p/SHARDED_META).exists() or any(p.glob("*.distcp")):
         raise ConfigError(f"--checkpoint {p}: an incomplete sharded checkpoint (no {SHARDED_MARKER} marker: its save "
                           f"did not finish); use an earlier checkpoint")
     raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt or step_*/ in it or in {p/'checkpoints'})")

@@ -1,0 +1,149 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) through the real trainer on gloo ranks: a run resumed on another
+number of ranks (2->1, 1->2, 2->4, 4->2) takes the uninterrupted run's next losses (the global batch is the same on
+every world size), on the same number exactly; an asynchronous save resumes like a synchronous one; a writer killed
+in the middle of a sharded or an asynchronous save leaves the previous checkpoint the latest; and `gg generate` /
+`gg export` read a sharded checkpoint in one process."""
+import json, os, signal, subprocess, sys, textwrap, time
+from pathlib import Path
+import pytest
+import torch
+from conftest import ROOT, run_gg
+from gloo_ranks import run_ranks
+from gradient_garden.config import ConfigError, load_config
+from gradient_garden.engine.checkpoints import CheckpointManager, list_checkpoints, load_checkpoint
+
+RECIPE = str(ROOT/"recipes"/"pretraining"/"debug.yaml")
+STEPS = 8
+
+def sets(prepared, out: Path, **extra) -> list[str]:
+    """A small Tendril, micro-batches of 4 x 64 tokens and 1024 tokens per step (4 micro-steps on 1 rank, 2 on 2, 1 on
+    4), fp32, sharded checkpoints every 2 steps (all kept), under `out`."""
+    s = {"paths.runs": out/"runs", "training.max_steps": STEPS, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
+         "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.every": 4, "validation.steps": 1,
+         "generation.every": 0, "checkpointing.every": 2, "checkpointing.keep_last": 10, "checkpointing.format": "sharded",
+         "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu", "runtime.precision": "fp32", **extra}
+    return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
+
+def ckpts(out: Path) -> Path: return out/"runs"/"pretraining"/"debug"/"checkpoints"
+
+def losses(out: Path) -> dict:
+    "step -> training loss of the run under `out`."
+    recs = [json.loads(l) for l in (out/"runs"/"pretraining"/"debug"/"metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+def train(overrides: list[str], checkpoint=None, world: int = 1):
+    "One run of the trainer in this process (or on this rank of a spawned world)."
+    from gradient_garden.engine.run import run_training
+    cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
+    return run_training(cfg, checkpoint=checkpoint)
+
+def _world(rank, world, jobs):
+    "Rank body: run each `(overrides, checkpoint)` job in turn (every rank takes part in every job)."
+    for overrides, checkpoint in jobs: train(overrides, checkpoint, world)
+
+def assert_close(ref: dict, got: dict, steps, rel=1e-5):
+    assert set(steps) <= set(got), sorted(got)
+    worst = max(abs(ref[s] - got[s]) / abs(ref[s]) for s in steps)
+    assert worst <= rel, [(s, ref[s], got[s]) for s in steps]
+
+@pytest.fixture(scope="module")
+def runs(prepared, tmp_path_factory):
+    """The runs: `one` (1 process) and `two` (2 ranks, FSDP2, asynchronous saves) from scratch; resumed: `one_two`
+    (1->2 from step 2), `two_four` (2->4 from step 4, saving at 6 and 8), `four_two` (4->2 from step 6), `two_two`
+    (2->2 from step 4) and `two_one` (2->1 from step 4). Three spawned worlds in all."""
+    base = tmp_path_factory.mktemp("sharded")
+    S = lambda name, **kw: sets(prepared, base/name, **kw)
+    fsdp = {"runtime.fsdp": "true"}
+    train(S("one"))
+    run_ranks(_world, 2, base/"init2", [(S("two", **fsdp, **{"checkpointing.async_save": "true"}), None),
+                                         (S("one_two", **fsdp), ckpts(base/"one")/"step_0000002")])
+    run_ranks(_world, 4, base/"init4", [(S("two_four", **fsdp), ckpts(base/"two")/"step_0000004")])
+    run_ranks(_world, 2, base/"init2b", [(S("four_two", **fsdp), ckpts(base/"two_four")/"step_0000006"),
+                                          (S("two_two", **fsdp), ckpts(base/"two")/"step_0000004")])
+    train(S("two_one"), ckpts(base/"two")/"step_0000004")
+    return base
+
+def test_every_world_size_resumes_with_the_same_losses(runs):
+    one, two = losses(runs/"one"), losses(runs/"two")
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    assert_close(one, two, range(1, STEPS + 1))             # 2 ranks (FSDP2) = 1 process, same global batch
+    assert_close(one, losses(runs/"one_two"), range(3, STEPS + 1))   # 1 -> 2
+    assert_close(two, losses(runs/"two_four"), range(5, STEPS + 1))  # 2 -> 4
+    assert_close(two, losses(runs/"four_two"), range(7, STEPS + 1))  # 4 -> 2
+    assert_close(two, losses(runs/"two_one"), range(5, STEPS + 1))   # 2 -> 1
+    same = losses(runs/"two_two")                                    # 2 -> 2: bit for bit
+    assert sorted(same) == list(range(5, STEPS + 1)) and all(same[s] == two[s] for s in same), (same, two)
+
+def test_sharded_layout_and_meta(runs):
+    d = ckpts(runs/"two")
+    assert [p.name for p in list_checkpoints(d)] == [f"step_{s:07d}" for s in (2, 4, 6, 8)]
+    assert not [p for p in d.iterdir() if p.name.startswith(".")], "no temporary directory left behind"
+    step4 = d/"step_0000004"
+    assert sorted(p.name for p in step4.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    meta = load_checkpoint(step4, weights=False)
+    assert (meta["step"], meta["world_size"], len(meta["loaders"]), len(meta["rngs"])) == (4, 2, 2, 2)
+    assert meta["val_history"] and meta["val_history"][0][0] == 4 and meta["val_loss"] == meta["val_history"][0][1]
+    # the shards hold no rank's full copy: each file is about half of the state
+    sizes = [(step4/f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert max(sizes) < 0.7 * sum(sizes), sizes
+    # one process, no process group: full tensors of the model and the optimizer
+    full = load_checkpoint(step4)
+    assert full["model"]["tok_embeddings.weight"].shape == (4096, 64)
+    assert full["optimizers"]["state"]["tok_embeddings.weight"]["exp_avg"].shape == (4096, 64)
+    four = load_checkpoint(ckpts(runs/"two_four")/"step_0000006", weights=False)
+    assert (four["world_size"], len(four["loaders"])) == (4, 4)
+
+def test_generate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
+    ck = ckpts(runs/"two")/"step_0000008"
+    (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
+    r = run_gg("generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "4", "--device", "cpu",
+               env={"WORLD_SIZE": None, "RANK": None})
+    assert r.stdout.count("=== ") >= 1, r.stdout
+    run_gg("export", "--checkpoint", ck, "--out", tmp_path/"hf")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path/"hf")
+    full = load_checkpoint(ck, optimizers=False)["model"]
+    torch.testing.assert_close(hf.model.embed_tokens.weight, full["tok_embeddings.weight"])
+
+WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from gradient_garden.engine.checkpoints import CheckpointManager
+    mode, d, big = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mgr = CheckpointManager(d, keep_last=3, keep_best=False, async_save=mode == "async")
+    meta = dict(stage="pretraining", architecture="tendril", config={})
+    mgr.save_sharded(1, {"model": {"w": torch.full((1000,), 1.0)}}, meta); mgr.wait()
+    print("saved 1", flush=True)
+    mgr.save_sharded(2, {"model": {"w": torch.rand(big), "v": torch.rand(big)}}, meta)
+    print("returned 2", flush=True)
+    while True: time.sleep(0.01)  # "training" on while the background write runs (async), or never reached (sync)
+""")
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_during_sharded_save_keeps_previous_checkpoint(tmp_path, mode):
+    d, big = tmp_path/"checkpoints", 25_000_000  # 2 x 100 MB of shards: about a second or more to write here
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, mode, str(d), str(big)], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tmp = d/".step_0000002.tmp"
+    try:
+        assert proc.stdout.readline().strip() == "saved 1"
+        deadline = time.time() + 120
+        while time.time() < deadline:  # kill as soon as the second checkpoint's shards are partly on disk
+            files = list(tmp.glob("*.distcp")) if tmp.is_dir() else []
+            if files and files[0].stat().st_size > 1 << 20: break
+            assert proc.poll() is None, "writer exited before it could be killed"
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (d/"step_0000002").exists(), "the interrupted checkpoint must never appear under its final name"
+    assert tmp.is_dir() and not (tmp/"COMPLETE").exists() and (tmp/"__0_0.distcp").stat().st_size < 8 * big
+    assert [p.name for p in list_checkpoints(d)] == ["step_0000001"]
+    ck = load_checkpoint(tmp_path)  # the run dir resolves to the previous checkpoint, and it loads
+    assert ck["step"] == 1 and torch.equal(ck["model"]["w"], torch.full((1000,), 1.0))
+    with pytest.raises(ConfigError, match="incomplete sharded checkpoint"): load_checkpoint(tmp)
+    mgr = CheckpointManager(d, keep_last=3, keep_best=False)  # the next save clears the debris
+    mgr.save_sharded(3, {"model": {"w": torch.ones(3)}}, dict(stage="pretraining", architecture="tendril", config={}))
+    assert sorted(p.name for p in d.iterdir()) == ["step_0000001", "step_0000003"]
