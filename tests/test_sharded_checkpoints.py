@@ -8,61 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, run_gg
-from gloo_ranks import run_ranks
-from gradient_garden.config import ConfigError, load_config
+from gradient_garden.config import ConfigError
 from gradient_garden.engine.checkpoints import CheckpointManager, list_checkpoints, load_checkpoint
 
-RECIPE = str(ROOT/"recipes"/"pretraining"/"debug.yaml")
-STEPS = 8
-
-def sets(prepared, out: Path, **extra) -> list[str]:
-    """A small Tendril, micro-batches of 4 x 64 tokens and 1024 tokens per step (4 micro-steps on 1 rank, 2 on 2, 1 on
-    4), fp32, sharded checkpoints every 2 steps (all kept), under `out`."""
-    s = {"paths.runs": out/"runs", "training.max_steps": STEPS, "training.log_every": 1, "model.dim": 64,
-         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
-         "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.every": 4, "validation.steps": 1,
-         "generation.every": 0, "checkpointing.every": 2, "checkpointing.keep_last": 10, "checkpointing.format": "sharded",
-         "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu", "runtime.precision": "fp32", **extra}
-    return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
-
-def ckpts(out: Path) -> Path: return out/"runs"/"pretraining"/"debug"/"checkpoints"
-
-def losses(out: Path) -> dict:
-    "step -> training loss of the run under `out`."
-    recs = [json.loads(l) for l in (out/"runs"/"pretraining"/"debug"/"metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
-
-def train(overrides: list[str], checkpoint=None, world: int = 1):
-    "One run of the trainer in this process (or on this rank of a spawned world)."
-    from gradient_garden.engine.run import run_training
-    cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
-    return run_training(cfg, checkpoint=checkpoint)
-
-def _world(rank, world, jobs):
-    "Rank body: run each `(overrides, checkpoint)` job in turn (every rank takes part in every job)."
-    for overrides, checkpoint in jobs: train(overrides, checkpoint, world)
+from trainer_worlds import STEPS, all_runs, ckpts, losses
 
 def assert_close(ref: dict, got: dict, steps, rel=1e-5):
+    "Per-step losses agree within `rel` (relative) on `steps`."
     assert set(steps) <= set(got), sorted(got)
     worst = max(abs(ref[s] - got[s]) / abs(ref[s]) for s in steps)
     assert worst <= rel, [(s, ref[s], got[s]) for s in steps]
 
 @pytest.fixture(scope="module")
 def runs(prepared, tmp_path_factory):
-    """The runs: `one` (1 process) and `two` (2 ranks, FSDP2, asynchronous saves) from scratch; resumed: `one_two`
-    (1->2 from step 2), `two_four` (2->4 from step 4, saving at 6 and 8), `four_two` (4->2 from step 6), `two_two`
-    (2->2 from step 4) and `two_one` (2->1 from step 4). Three spawned worlds in all."""
-    base = tmp_path_factory.mktemp("sharded")
-    S = lambda name, **kw: sets(prepared, base/name, **kw)
-    fsdp = {"runtime.fsdp": "true"}
-    train(S("one"))
-    run_ranks(_world, 2, base/"init2", [(S("two", **fsdp, **{"checkpointing.async_save": "true"}), None),
-                                         (S("one_two", **fsdp), ckpts(base/"one")/"step_0000002")])
-    run_ranks(_world, 4, base/"init4", [(S("two_four", **fsdp), ckpts(base/"two")/"step_0000004")])
-    run_ranks(_world, 2, base/"init2b", [(S("four_two", **fsdp), ckpts(base/"two_four")/"step_0000006"),
-                                          (S("two_two", **fsdp), ckpts(base/"two")/"step_0000004")])
-    train(S("two_one"), ckpts(base/"two")/"step_0000004")
-    return base
+    """`one` (1 process) and `two` (2 ranks, FSDP2, asynchronous saves) from scratch; resumed: `one_two` (1->2 from
+    step 2), `two_four` (2->4 from step 4, saving at 6...), `four_two` (4->2 from step 6), `two_two` (2->2 from step 4)
+    and `two_one` (2->1 from step 4). See `trainer_worlds.py`."""
+    return all_runs(prepared, tmp_path_factory)
 
 def test_every_world_size_resumes_with_the_same_losses(runs):
     one, two = losses(runs/"one"), losses(runs/"two")
@@ -77,7 +39,7 @@ def test_every_world_size_resumes_with_the_same_losses(runs):
 
 def test_sharded_layout_and_meta(runs):
     d = ckpts(runs/"two")
-    assert [p.name for p in list_checkpoints(d)] == [f"step_{s:07d}" for s in (2, 4, 6, 8)]
+    assert [p.name for p in list_checkpoints(d)] == [f"step_{s:07d}" for s in range(2, STEPS + 1, 2)]
     assert not [p for p in d.iterdir() if p.name.startswith(".")], "no temporary directory left behind"
     step4 = d/"step_0000004"
     assert sorted(p.name for p in step4.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
@@ -95,7 +57,7 @@ def test_sharded_layout_and_meta(runs):
     assert (four["world_size"], len(four["loaders"])) == (4, 4)
 
 def test_generate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
-    ck = ckpts(runs/"two")/"step_0000008"
+    ck = ckpts(runs/"two")/f"step_{STEPS:07d}"
     (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
     r = run_gg("generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "4", "--device", "cpu",
                env={"WORLD_SIZE": None, "RANK": None})
