@@ -25,9 +25,9 @@ __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOI
            'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'find_unsafe', 'rng_state', 'set_rng_state',
            'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
            'check_compatible', 'CheckpointManager', 'MetadataUnpickler', 'SafeReader', 'SafeLoadPlanner',
-           'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'read_sharded', 'sharded_meta',
-           'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'consolidate_checkpoint', 'base_weights',
-           'load_model_from_checkpoint']
+           'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'read_metadata', 'read_sharded',
+           'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'consolidate_checkpoint',
+           'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/23_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -347,9 +347,9 @@ def sharded_state(model: nn.Module, optimizers=()) -> dict:
 def load_sharded_state(path, model: nn.Module, optimizers=None):
     "Read sharded checkpoint `path` into `model` (and `optimizers`) in their current layout: any ranks, any mesh."
     p, m = Path(path), _owner(model)
-    state = sharded_state(model, optimizers or ())
+    state, md = sharded_state(model, optimizers or ()), read_metadata(p)
     if optimizers:  # parameters that had no optimizer state when saved (never stepped) get none now either
-        saved = set(SafeReader(p).read_metadata().state_dict_metadata)
+        saved = set(md.state_dict_metadata)
         st = state["optimizers"]["state"]
         state["optimizers"]["state"] = {n: s for n, s in st.items() if all(f"optimizers.state.{n}.{k}" in saved for k in s)}
     try: dcp.load(state, storage_reader=SafeReader(p), planner=SafeLoadPlanner())
@@ -359,14 +359,21 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
 # %% ../../nbs/23_checkpoints.ipynb #b3cfe88f
+def read_metadata(path):
+    "dcp's index of sharded checkpoint `path`, read without unpickling code; a `ConfigError` when missing or foreign."
+    p = Path(path)
+    try: return SafeReader(p).read_metadata()
+    except FileNotFoundError: raise ConfigError(f"{p}: incomplete sharded checkpoint (no .metadata)") from None
+    except pickle.UnpicklingError as e:
+        raise ConfigError(f"{p}: not a Gradient Garden checkpoint ({_first_line(e)}; we never unpickle code)") from None
+    except Exception as e: raise ConfigError(f"{p}: corrupted sharded checkpoint (.metadata: {_first_line(e)})") from None
+
 def read_sharded(path, keys=("model", "optimizers")) -> dict:
     "The full (unsharded) `keys` of sharded checkpoint `path`, read in this one process."
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     p, out = Path(path), {}
+    read_metadata(p)  # its own errors first: dcp would wrap them
     try: _load_state_dict(out, storage_reader=SafeReader(p), planner=SafeFullLoadPlanner(keys=set(keys)), no_dist=True)
-    except FileNotFoundError as e: raise ConfigError(f"{p}: incomplete sharded checkpoint ({_first_line(e)})") from None
-    except pickle.UnpicklingError as e:
-        raise ConfigError(f"{p}: not a Gradient Garden checkpoint ({_first_line(e)}; we never unpickle code)") from None
     except DCP_ERRORS as e: raise ConfigError(f"{p}: corrupted sharded checkpoint ({dcp_error(e)})") from None
     return out
 
