@@ -6,9 +6,9 @@ parameters: dim 768, 12 layers, 32k vocabulary), shards it with FSDP2 and takes 
 exists (parameters + two moments: ~1.6 GB in all). Then, `--rounds` times and interleaved so machine load hits every
 contender alike, it saves with the platform's own code paths:
 
-- `full`: `trainer.full_state` gathers the whole model and optimizer state to every rank's CPU (what
-  `checkpointing.format: full` does), rank 0 writes one `.pt` with `save_checkpoint` (fsync + rename); every rank
-  waits at a barrier;
+- `full`: `trainer.full_state` gathers the whole model and optimizer state to rank 0's CPU (what
+  `checkpointing.format: full` does), rank 0 writes one `.pt` with `CheckpointManager.save` (fsync + rename); every
+  rank waits at a barrier;
 - `sharded`: `CheckpointManager.save_sharded` (every rank writes its own shards, fsynced; rank 0 commits);
 - `async`: the same with `async_save=True`: training is blocked only until the shards are staged in host memory;
   the background write's own duration is reported too (and waited for before the next contender starts).
@@ -71,7 +71,7 @@ def worker(args):
     from gradient_garden.config import RuntimeConfig, load_config
     from gradient_garden.engine.distributed import init_distributed, parallelize, barrier, all_gather_objects, destroy_distributed
     from gradient_garden.engine.optim import build_optimizers
-    from gradient_garden.engine.checkpoints import (CheckpointManager, save_checkpoint, load_checkpoint, sharded_state,
+    from gradient_garden.engine.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,
                                                     load_sharded_state)
     from gradient_garden.engine.trainer import full_state, load_full_state
     from gradient_garden.models.tendril import build_model, count_parameters
@@ -90,9 +90,9 @@ def worker(args):
     meta = dict(stage="pretraining", architecture=cfg.model.architecture, config=cfg.to_dict())
     res = {k: dict(blocked=[], extra_rss=[], written=[], load=[]) for k in ("full", "sharded", "async")}
 
-    def save_full(step):
+    def save_full(mgr, step):
         msd, osd = full_state(model, opts)
-        if env.is_main: save_checkpoint(dict(meta, step=step, model=msd, optimizers=osd), base/"full"/f"step_{step:07d}.pt")
+        if env.is_main: mgr.save(step, dict(meta, model=msd, optimizers=osd))
         del msd, osd
         barrier()
 
@@ -102,7 +102,7 @@ def worker(args):
             mgr = CheckpointManager(base/name, keep_last=1, keep_best=False, async_save=name == "async")
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                if name == "full": save_full(rnd + 1)
+                if name == "full": save_full(mgr, rnd + 1)
                 else: mgr.save_sharded(rnd + 1, sharded_state(model, opts), meta)
                 blocked = time.perf_counter() - t0
                 mgr.wait()

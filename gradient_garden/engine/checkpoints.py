@@ -428,6 +428,8 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     return final
 
 # %% ../../nbs/23_checkpoints.ipynb #4c97838a
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
 @patch
 def _checkpoint_group(self: CheckpointManager):
     "A gloo process group of its own for background saves (None in one process)."
@@ -448,8 +450,11 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
         return final
     group = self._checkpoint_group()
     tmp = begin_sharded(final)
-    fut = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group)
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # one plain host copy (see below)
+    fut = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                         async_stager=stager)
     self.pending = (fut, tmp, final, meta)
+    fut.add_done_callback(lambda _: stager.close())  # its copies are freed once written
     return final
 
 # %% ../../nbs/23_checkpoints.ipynb #847b6e38
