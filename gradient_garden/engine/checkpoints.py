@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, from_plain
-from .distributed import all_gather_objects, barrier, is_fsdp, unwrap
+from .distributed import barrier, is_fsdp, unwrap
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
