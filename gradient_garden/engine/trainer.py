@@ -21,12 +21,13 @@ from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barri
                                                 clip_grad_norm_, all_gather_objects)
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state)
+from ..generation import default_test_prompts, encode_prompts, generate
 
 # %% auto #0
-__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'PRETRAINING_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
-           'gpu_datasheet_flops', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
-           'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything',
-           'make_profiler', 'full_state', 'load_full_state', 'default_test_prompts', 'TrainState', 'Trainer']
+__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak', 'gpu_datasheet_flops',
+           'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
+           'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
+           'load_full_state', 'TrainState', 'Trainer']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,14 +221,6 @@ def load_full_state(model: nn.Module, optimizers: list | None, model_sd: dict, o
     else: set_model_state_dict(m, model_sd, options=opts)
 
 # %% ../../nbs/24_trainer.ipynb #64520378
-PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]
-
-def default_test_prompts(stage: str) -> list[str]:
-    "Prompts sampled during training: code openings for pretraining, held-out verifiable questions after it."
-    if stage == "pretraining": return PRETRAINING_TEST_PROMPTS
-    from gradient_garden.data.verifiable import heldout_examples
-    return [e.prompt for e in heldout_examples(1)][:5]
-
 @dataclass
 class TrainState:
     "Counters that a checkpoint must carry for an exact resume."
@@ -406,7 +399,6 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
 def sample(self: Trainer) -> list[dict]:
     "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
     if self.tokenizer is None: return []
-    from gradient_garden.generation import encode_prompts, generate
     g, tok = self.cfg.generation, self.tokenizer
     prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
     m = self.model if is_fsdp(self.model) else unwrap(self.model)
