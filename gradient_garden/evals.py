@@ -644,7 +644,10 @@ def run_evaluate(args) -> int:
         data_dir = args.evals_dir or cfg.paths.evals
         for name in names: eval_file(name, data_dir)                    # fail before any scoring, not halfway
         if lm_tasks:
-            from gradient_garden.lm_eval_model import lm_eval_task_manager
+            try: from gradient_garden.lm_eval_model import lm_eval_task_manager
+            except ImportError as e:
+                raise ConfigError(f"--lm-eval-tasks needs lm-evaluation-harness ({e}); "
+                                  "pip install 'gradient-garden[lm_eval]'") from None
             task_manager = lm_eval_task_manager(lm_tasks, args.lm_eval_include)
         results = {"checkpoint": args.checkpoint, "hf_checkpoint": args.hf_checkpoint, "device": str(device),
                    "dtype": args.dtype or "fp32", "seed": seed, "batch_size": batch_size, "world_size": world_size,
