@@ -88,6 +88,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool: return self.temperature <= 0 and self.repetition_penalty == 1.0
@@ -173,7 +174,7 @@ def _finish(self: BatchEngine, r: Sequence, reason: str) -> bool:
 @patch
 def _advance(self: BatchEngine, r: Sequence, token: int) -> bool:
     "Record the new token of `r`, emit its text; False when `r` is finished (stop token, stop string, length)."
-    if token in self.stop_ids: return self._finish(r, "stop")
+    if token in self.stop_ids and not r.params.ignore_eos: return self._finish(r, "stop")
     r.out.append(token)
     self.stats["tokens"] += 1
     if r.seen is not None: r.seen[0, token] = True
@@ -378,6 +379,7 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     top_k: int | None = Field(None, ge=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
+    ignore_eos: bool = False
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -489,20 +491,28 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingPar
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                           repetition_penalty=req.repetition_penalty, stop=stops,
-                          seed=None if req.seed is None else req.seed + choice)
+                          seed=None if req.seed is None else req.seed + choice, ignore_eos=req.ignore_eos)
 
 # %% ../nbs/60_serve.ipynb #a9df717a
 class RequestRun:
-    "The sequences of one request and the asyncio queue their events arrive on."
+    "The sequences of one request, and the inbox their events arrive in from the engine thread."
     def __init__(self, served: Served, prompts: list[list[int]], params: list[SamplingParams]):
-        self.served, self.loop, self.queue = served, asyncio.get_running_loop(), asyncio.Queue()
+        self.served, self.loop = served, asyncio.get_running_loop()
+        self.inbox, self.ready, self._waking = deque(), asyncio.Event(), False
         self.seqs = [Sequence(p, sp, emit=self._emitter(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _emitter(self, i: int) -> Callable:
         def emit(kind, payload):
-            try: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, kind, payload))
+            self.inbox.append((i, kind, payload))
+            if self._waking: return            # a wake-up is scheduled and will see this event
+            self._waking = True
+            try: self.loop.call_soon_threadsafe(self._wake)
             except RuntimeError: pass          # the event loop is gone (server stopped)
         return emit
+
+    def _wake(self):
+        self._waking = False
+        self.ready.set()
 
     async def __aenter__(self):
         try: self.served.engine.submit(self.seqs)
@@ -515,14 +525,17 @@ class RequestRun:
         for s in self.seqs:
             if s.finish_reason is None: s.cancel()
 
-    async def events(self):
-        "Yield `(choice, kind, payload)` until every sequence is done; an engine error becomes a 500 `APIError`."
+    async def batches(self):
+        "Lists of `(choice, kind, payload)` as they arrive, until every sequence is done; engine errors become a 500."
         left = len(self.seqs)
         while left:
-            i, kind, payload = await self.queue.get()
-            if kind == "error": raise APIError(500, payload, type="server_error")
-            if kind == "done": left -= 1
-            yield i, kind, payload
+            await self.ready.wait()
+            self.ready.clear()
+            batch = [self.inbox.popleft() for _ in range(len(self.inbox))]
+            for i, kind, payload in batch:
+                if kind == "error": raise APIError(500, payload, type="server_error")
+                left -= kind == "done"
+            if batch: yield batch
 
 # %% ../nbs/60_serve.ipynb #2bd8a2a2
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -543,9 +556,10 @@ async def collect_run(request, run: RequestRun) -> tuple[list[str], list[str], i
     texts, reasons, tokens = [""] * len(run.seqs), [None] * len(run.seqs), 0
     watcher = asyncio.create_task(_watch_disconnect(request, run))
     try:
-        async for i, kind, payload in run.events():
-            if kind == "text": texts[i] += payload
-            else: reasons[i], tokens = payload["finish_reason"], tokens + payload["completion_tokens"]
+        async for batch in run.batches():
+            for i, kind, payload in batch:
+                if kind == "text": texts[i] += payload
+                else: reasons[i], tokens = payload["finish_reason"], tokens + payload["completion_tokens"]
     finally: watcher.cancel()
     return texts, reasons, tokens
 
@@ -580,11 +594,15 @@ async def _respond(request, served: Served, req: _Sampling, prompts: list[list[i
         try:
             if chat:
                 for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True, first=True)]) | ({"usage": None} if usage_wanted else {}))
-            async for i, kind, payload in run.events():
-                if kind == "text": yield _sse(chunk | dict(choices=[choice(i, payload, None, True)]))
-                else:
+            async for batch in run.batches():
+                out, texts = [], {}                 # the batch's text per choice, in one chunk each
+                for i, kind, payload in batch:
+                    if kind == "text": texts[i] = texts.get(i, "") + payload; continue
+                    if i in texts: out.append(_sse(chunk | dict(choices=[choice(i, texts.pop(i), None, True)])))
                     tokens += payload["completion_tokens"]
-                    yield _sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)]))
+                    out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
+                out += [_sse(chunk | dict(choices=[choice(i, t, None, True)])) for i, t in texts.items()]
+                yield "".join(out)
             if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
             yield "data: [DONE]\n\n"
         except APIError as e: yield _sse(e.body())
