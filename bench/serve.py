@@ -5,7 +5,9 @@ the last one ends) on httpx in this process. Every request asks for exactly `--m
 (`ignore_eos`, greedy), so each level does the same work per request. Levels run in rotated order over `--rounds`
 rounds; figures are medians. Models: the debug pretraining and SFT checkpoints when given (or found under
 `runs/`), otherwise a randomly initialised model of the debug shape with a locally trained 4k BPE (same cost per
-token; the weights do not change the arithmetic).
+token; the weights do not change the arithmetic). Besides wall-clock figures, the CPU time the server and the
+clients spend per output token is reported: on a shared machine it says how efficient each level is even when
+the wall clock mostly says how much of the CPU the benchmark got.
 
     python bench/serve.py --checkpoint debug=runs/pretraining/debug --checkpoint sft=runs/instruct/debug
     python bench/serve.py --device cuda --max-batch-size 64 --concurrency 1 8 32 64
@@ -53,6 +55,11 @@ def random_debug_checkpoint(tmp: Path) -> str:
     return str(save_checkpoint(dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
                                     model=build_model(cfg.model).state_dict()), tmp/"random"/"step_0000000.pt"))
 
+def cpu_seconds(pid: int) -> float:
+    "User + system CPU time of process `pid` so far (Linux /proc)."
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,7 +95,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
             if first is None and any(c.get("text") for c in chunk.get("choices", [])): first = time.perf_counter() - t0
     return first, tokens
 
-async def level(url: str, model: str, clients: int, args) -> dict:
+async def level(url: str, model: str, clients: int, args, server_pid: int | None = None) -> dict:
     "`clients` closed-loop clients, `requests_per_client` requests each: tokens/s and time to first token."
     async def client_loop(i, client):
         out = []
@@ -97,13 +104,16 @@ async def level(url: str, model: str, clients: int, args) -> dict:
         return out
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        cpu0 = (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time())
         t = time.perf_counter()
         res = await asyncio.gather(*(client_loop(i, client) for i in range(clients)))
         wall = time.perf_counter() - t
+        cpu1 = (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time())
     flat = [r for rs in res for r in rs]
-    ttft = sorted(f for f, _ in flat)
-    return dict(tokens_per_s=sum(n for _, n in flat) / wall, ttft_median_s=statistics.median(ttft),
-                ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))], tokens=sum(n for _, n in flat))
+    ttft, tokens = sorted(f for f, _ in flat), sum(n for _, n in flat)
+    return dict(tokens_per_s=tokens / wall, ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))],
+                tokens=tokens, server_cpu_ms_per_token=1000 * (cpu1[0] - cpu0[0]) / tokens,
+                client_cpu_ms_per_token=1000 * (cpu1[1] - cpu0[1]) / tokens)
 
 def bench_model(name: str, ckpt: str, args) -> dict:
     "All concurrency levels, rotated over rounds, against one server."
@@ -114,20 +124,22 @@ def bench_model(name: str, ckpt: str, args) -> dict:
         runs = {c: [] for c in args.concurrency}
         for r in range(args.rounds):
             order = args.concurrency[r % len(args.concurrency):] + args.concurrency[:r % len(args.concurrency)]
-            for c in order: runs[c].append(asyncio.run(level(url, model, c, args)))
+            for c in order: runs[c].append(asyncio.run(level(url, model, c, args, proc.pid)))
         health = httpx.get(f"{url}/health").json()
     finally:
         proc.terminate(); proc.wait(timeout=30)
     out = {}
     for c, rs in runs.items():
-        out[c] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_median_s", "ttft_p90_s")}
+        out[c] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_median_s", "ttft_p90_s",
+                                                                   "server_cpu_ms_per_token", "client_cpu_ms_per_token")}
         out[c]["tokens_per_round"] = rs[0]["tokens"]
     base = out[args.concurrency[0]]["tokens_per_s"]
     for c in out: out[c]["speedup"] = out[c]["tokens_per_s"] / base
     print(f"\n{name} ({ckpt}); engine: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
-    print(f"{'clients':>8} {'tokens/s':>10} {'x one':>7} {'TTFT median':>12} {'TTFT p90':>9}")
+    print(f"{'clients':>8} {'tokens/s':>10} {'x one':>7} {'TTFT median':>12} {'TTFT p90':>9} {'server CPU/token':>17} {'client CPU/token':>17}")
     for c, r in out.items():
-        print(f"{c:>8} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x {r['ttft_median_s'] * 1000:>10.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms")
+        print(f"{c:>8} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x {r['ttft_median_s'] * 1000:>10.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms"
+              f" {r['server_cpu_ms_per_token']:>15.3f}ms {r['client_cpu_ms_per_token']:>15.3f}ms")
     return out
 
 def main(argv=None):

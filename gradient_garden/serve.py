@@ -572,6 +572,12 @@ def _chat_choice(i, text, reason, stream: bool, first: bool = False) -> dict:
 def _text_choice(i, text, reason, stream: bool, first: bool = False) -> dict:
     return dict(index=i, text=text or "", finish_reason=reason, logprobs=None)
 
+def _text_event(head: str, i: int, text: str, chat: bool) -> str:
+    "The SSE event of a piece of text for choice `i`, `head` being the chunk's JSON without its closing brace."
+    t = json.dumps(text, ensure_ascii=False)       # formatted by hand: this runs once per token or so
+    body = f'"delta": {{"content": {t}}}' if chat else f'"text": {t}'
+    return f'data: {head}, "choices": [{{"index": {i}, {body}, "finish_reason": null, "logprobs": null}}]}}\n\n'
+
 async def _respond(request, served: Served, req: _Sampling, prompts: list[list[int]], max_tokens: list[int], chat: bool):
     "Run a (chat or text) completion request; a JSON answer or a streaming response."
     params = [sampling_params(req, m, j) for m in max_tokens for j in range(req.n)]
@@ -589,6 +595,7 @@ async def _respond(request, served: Served, req: _Sampling, prompts: list[list[i
     await run.__aenter__()                          # a full queue answers 429 before the stream starts
     usage_wanted = bool(req.stream_options and req.stream_options.include_usage)
     chunk = head | dict(object=f"{obj}.chunk" if chat else obj)
+    text_head = json.dumps(chunk | ({"usage": None} if usage_wanted else {}), ensure_ascii=False)[:-1]
     async def stream():
         tokens = 0
         try:
@@ -598,10 +605,10 @@ async def _respond(request, served: Served, req: _Sampling, prompts: list[list[i
                 out, texts = [], {}                 # the batch's text per choice, in one chunk each
                 for i, kind, payload in batch:
                     if kind == "text": texts[i] = texts.get(i, "") + payload; continue
-                    if i in texts: out.append(_sse(chunk | dict(choices=[choice(i, texts.pop(i), None, True)])))
+                    if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
                     tokens += payload["completion_tokens"]
                     out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
-                out += [_sse(chunk | dict(choices=[choice(i, t, None, True)])) for i, t in texts.items()]
+                out += [_text_event(text_head, i, t, chat) for i, t in texts.items()]
                 yield "".join(out)
             if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
             yield "data: [DONE]\n\n"
