@@ -244,3 +244,17 @@ def test_api_key_queue_limit_and_plain_checkpoint(small_server):
         except openai.RateLimitError as e: return e.status_code
     with ThreadPoolExecutor(6) as ex: res = list(ex.map(ask, range(6)))
     assert res.count(429) >= 1 and any(r != 429 for r in res), res       # 1 running + 1 waiting; the rest refused
+
+def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
+    "`--hf-checkpoint` on the `gg export` folder of the checkpoint: same chat flag, same greedy tokens."
+    import argparse
+    from gradient_garden.models.hf import add_export_args, run_export
+    from gradient_garden.serve import Sequence, SamplingParams, add_serve_args, load_served
+    out = tiny["base"]/"hf"
+    assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
+    served = load_served(add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu"]))
+    assert served.chat and served.model_id == "hf" and served.max_len == MAX_LEN
+    ids = chat_ids(tiny, [{"role": "user", "content": "def main():"}])
+    s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0))
+    served.engine.submit([s]); served.engine.run_until_idle()
+    assert s.out == generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=16)[0]

@@ -29,7 +29,7 @@ def page_server(tmp_path_factory):
     model, cfg = load_model_from_checkpoint(make_checkpoint(base, "instruct", tok_dir))
     tok = init_tokenizer(cfg.tokenizer)
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a generator?"}]
-    want = reference(dict(model=model, tok=tok), chat_ids(dict(tok=tok), msgs), 24)[0]
+    want = reference(dict(model=model, tok=tok), chat_ids(dict(tok=tok), msgs), 64)[0]
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(Served(BatchEngine(model, tok), "tiny-instruct")), host="127.0.0.1",
                                         port=port, log_level="warning"))
@@ -54,13 +54,18 @@ def test_page_streams_a_reply(page_server, tmp_path):
             sync_api.expect(page.locator("#model")).to_contain_text("tiny-instruct")
             page.fill("#system", page_server["msgs"][0]["content"])
             page.fill("#temperature", "0")
-            page.fill("#max_tokens", "24")
+            page.fill("#max_tokens", "64")
+            page.evaluate("""() => { window.updates = 0;            // count how often the reply's text changes
+                new MutationObserver(ms => ms.forEach(m => { if (m.target.classList && m.target.classList.contains("assistant")) window.updates++; }))
+                  .observe(document.getElementById("log"), {childList: true, subtree: true, characterData: true}); }""")
             page.fill("#input", page_server["msgs"][1]["content"])
             page.press("#input", "Enter")
             sync_api.expect(page.locator(".msg.user")).to_have_text(page_server["msgs"][1]["content"])
             reply = page.locator(".msg.assistant").last
             sync_api.expect(reply).not_to_have_class("msg assistant streaming", timeout=30_000)
             assert reply.text_content() == page_server["want"]
+            updates = page.evaluate("window.updates")
+            assert updates > 1, updates                          # it arrived in pieces, not at once
             sync_api.expect(page.locator("#stats")).to_contain_text("tokens in")
             page.screenshot(path=str(shot))
         finally: browser.close()
