@@ -1,4 +1,4 @@
-"""One console script with a verb per job: `prepare`, `train`, `notebook`, `evaluate`, `generate`, `export`.
+"""One console script with a verb per job: `prepare`, `train`, `notebook`, `evaluate`, `generate`, `export`, `serve`.
 
 Docs: https://gradient-garden.github.io/gradient-garden/cli.html.md"""
 
@@ -109,6 +109,7 @@ def _verbs() -> dict:
         "evaluate": ("validation loss, multiple-choice benchmarks and any lm-eval task of a checkpoint", "gradient_garden.evals", "add_evaluate_args", "run_evaluate"),
         "generate": ("generate from prompts with a checkpoint", "gradient_garden.generation", "add_generate_args", "run_generate"),
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.models.hf", "add_export_args", "run_export"),
+        "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.serve", "add_serve_args", "run_serve"),
     }
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
