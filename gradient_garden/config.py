@@ -39,7 +39,8 @@ class RuntimeConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     fsdp: bool = False
     compile: bool = False
-    num_workers: int = 0
+    num_workers: int = 0        # background threads that prepare (and pin) the next batches
+    tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 # %% ../nbs/00_config.ipynb #117522bf

@@ -43,33 +43,36 @@ class SyncDetector(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+HOST_TENSORS: dict[int, torch.Tensor] = {}   # id -> tensor the test loaders handed out: host memory in a GPU run
+
+
 class BlockingCopyDetector(TorchFunctionMode):
-    "Counts host-to-device copies that block: Python data turned into a device tensor, `.to(device)` without non_blocking."
-    def __init__(self, device):
+    "Counts host-to-device copies that block: Python data made a device tensor, a loader's tensor moved without non_blocking."
+    def __init__(self, device, package_only: bool = True):
         super().__init__()
-        self.device, self.found = torch.device(device), Counter()
+        self.device, self.found, self.package_only = torch.device(device), Counter(), package_only
 
     def _record(self, what):
         import traceback
         here = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
                 if "gradient_garden" in f.filename][-3:]
-        if here: self.found[(what, " < ".join(reversed(here)))] += 1   # only the package's own calls
+        if here or not self.package_only: self.found[(what, " < ".join(reversed(here)))] += 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.tensor, torch.as_tensor) and args and not torch.is_tensor(args[0]) \
-                and kwargs.get("device") is not None:
-            self._record(f"{func.__name__}(python data, device=...)")
-        elif func is torch.Tensor.to and not kwargs.get("non_blocking", False) and not (len(args) > 2 and args[2] is True):
-            dev = kwargs.get("device", args[1] if len(args) > 1 else None)
-            if isinstance(dev, (str, torch.device)) and torch.device(dev).type == self.device.type:
-                self._record("Tensor.to(device) without non_blocking")
+        if func in (torch.tensor, torch.as_tensor) and args and not torch.is_tensor(args[0]):
+            # with a device: a blocking copy; without: a host tensor that the step then has to copy over
+            self._record(f"{func.__name__}(python data{', device=...' if kwargs.get('device') is not None else ''})")
+        elif func is torch.Tensor.to and id(args[0]) in HOST_TENSORS and not kwargs.get("non_blocking", False) \
+                and not any(a is True for a in args[2:]):
+            self._record("a loader's tensor moved by Tensor.to(device) without non_blocking")
         return func(*args, **kwargs)
 
 
 class HostSyncs:
     "Both detectors at once; `report()` lists what was found."
-    def __init__(self, device="cpu"): self.syncs, self.copies = SyncDetector(), BlockingCopyDetector(device)
+    def __init__(self, device="cpu", package_only=True):
+        self.syncs, self.copies = SyncDetector(), BlockingCopyDetector(device, package_only)
     def __enter__(self):
         self.copies.__enter__(); self.syncs.__enter__(); return self
     def __exit__(self, *exc):
@@ -87,8 +90,11 @@ def test_detector_catches_the_usual_syncs():
     assert sum(d.syncs.found.values()) == 1
     with HostSyncs() as d: x[x > 0]
     assert any("boolean mask" in w for w, _ in d.syncs.found)
-    with HostSyncs() as d: x * 2; x.cumsum(0); x.sort()
-    assert d.total == 0
+    with HostSyncs(package_only=False) as d: torch.tensor(2.0, device="cpu"); host({"x": x})["x"].to("cpu")
+    assert sum(d.copies.found.values()) == 2
+    with HostSyncs(package_only=False) as d:
+        x * 2; x.cumsum(0); x.sort(); torch.full((), 2.0, device="cpu"); x.to("cpu", non_blocking=True)
+    assert d.total == 0, d.report()
 
 
 # -- one training step of each task ---------------------------------------------------------------------------------
@@ -100,11 +106,17 @@ def tiny_cfg(arch="tendril", **training) -> GlobalConfig:
                  multiple_of=16)
     if arch == "tendril_moe": model |= dict(n_experts=4, n_experts_per_token=2)
     return from_plain(GlobalConfig, dict(model=model, runtime=dict(device="cpu"),
-        training=dict(seq_len=T, micro_batch_size=2, total_batch_size=2 * 2 * T, max_steps=4, log_every=2,
+        training=dict(seq_len=T, micro_batch_size=2, total_batch_size=2 * 2 * T, max_steps=4, log_every=4,
                       grad_clip=1.0, **training),
         optimizers=dict(adamw=dict(fused="yes")),   # as on CUDA: the step count stays a device tensor
         validation=dict(every=0, steps=2), generation=dict(every=0), checkpointing=dict(every=0),
         paths=dict(runs=tempfile.mkdtemp())))
+
+
+def host(batch: dict) -> dict:
+    "Mark the batch's tensors as host memory for the copy detector."
+    HOST_TENSORS.update({id(v): v for v in batch.values()})   # kept alive: ids stay unique
+    return batch
 
 
 class ListLoader:
@@ -112,8 +124,8 @@ class ListLoader:
     def __init__(self, batches): self.batches, self.pos = batches, 0
     def next_batch(self):
         b = self.batches[self.pos % len(self.batches)]; self.pos += 1
-        return {k: v.clone() for k, v in b.items()}
-    def fixed_batches(self, n): return [self.batches[i % len(self.batches)] for i in range(n)]
+        return host({k: v.clone() for k, v in b.items()})
+    def fixed_batches(self, n): return [host(self.batches[i % len(self.batches)]) for i in range(n)]
     def state_dict(self): return dict(pos=self.pos)
     def load_state_dict(self, d): self.pos = d["pos"]
 
