@@ -106,8 +106,8 @@ def tiny_cfg(arch="tendril", **training) -> GlobalConfig:
                  multiple_of=16)
     if arch == "tendril_moe": model |= dict(n_experts=4, n_experts_per_token=2)
     return from_plain(GlobalConfig, dict(model=model, runtime=dict(device="cpu"),
-        training=dict(seq_len=T, micro_batch_size=2, total_batch_size=2 * 2 * T, max_steps=4, log_every=4,
-                      grad_clip=1.0, **training),
+        training=dict(dict(seq_len=T, micro_batch_size=2, total_batch_size=2 * 2 * T, max_steps=4, log_every=4,
+                           grad_clip=1.0), **training),
         optimizers=dict(adamw=dict(fused="yes")),   # as on CUDA: the step count stays a device tensor
         validation=dict(every=0, steps=2), generation=dict(every=0), checkpointing=dict(every=0),
         paths=dict(runs=tempfile.mkdtemp())))
@@ -179,3 +179,44 @@ def test_training_step_never_syncs(kind):
     tr.train_step()                                   # first step: lazy state (optimizer moments) is created
     with HostSyncs() as d: tr.train_step()
     assert d.total == 0, f"{kind}: host syncs in one training step:\n{d.report()}"
+
+
+# -- FSDP2: one reduce-scatter per unit per optimizer step ------------------------------------------------------------
+def _fsdp_reduce_scatters(rank, world, out_dir):
+    "Two micro-steps of an FSDP2 Tendril; write how many reduce-scatters each optimizer step ran."
+    import json
+    import torch.distributed as dist
+    from gradient_garden.engine.distributed import DistEnv, apply_fsdp
+    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.pretraining import CausalLMTask
+    cfg = tiny_cfg(total_batch_size=2 * 2 * T * world)            # micro-batches of 2 x 16, 2 per rank per step
+    torch.manual_seed(0)
+    model = apply_fsdp(build_model(cfg.model))
+    tr = Trainer(cfg, model, CausalLMTask(), ListLoader(causal_batches(seed=rank)), env=DistEnv(rank, rank, world),
+                 log_to_console=False)
+    calls, real = [], dist.reduce_scatter_single
+    def counting(*a, **k):
+        calls.append(1); return real(*a, **k)
+    per_step = []
+    with mock.patch.object(dist, "reduce_scatter_single", counting):
+        for _ in range(2):
+            n = len(calls); tr.train_step(); per_step.append(len(calls) - n)
+    from gradient_garden.config import RuntimeConfig
+    from gradient_garden.engine.distributed import parallelize
+    ddp = parallelize(build_model(cfg.model), RuntimeConfig(device="cpu"), DistEnv(rank, rank, world))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(dict(per_step=per_step, grad_accum=tr.grad_accum,
+                                                                 units=len(model.layers) + 1,
+                                                                 ddp_broadcasts_buffers=ddp.broadcast_buffers)))
+
+
+def test_fsdp2_reduce_scatters_once_per_optimizer_step(tmp_path):
+    "With gradient accumulation FSDP2 reduce-scatters each unit's gradients once per optimizer step, not per micro-step."
+    import json
+    from gloo_ranks import run_ranks
+    run_ranks(_fsdp_reduce_scatters, 2, tmp_path / "pg", str(tmp_path))
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["grad_accum"] == 2
+        assert res["per_step"] == [res["units"]] * 2, res     # one per FSDP unit (the blocks and the root)
+        assert res["ddp_broadcasts_buffers"] is False          # the RoPE tables are the same on every rank
