@@ -278,6 +278,8 @@ class Trainer:
         self.router_metrics: dict = {}
         self.final_evaluate = final_evaluate
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
+        from gradient_garden.data.loaders import prefetching   # runtime.num_workers batches prepared (and pinned) ahead
+        self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
 
 # %% ../../nbs/24_trainer.ipynb #3abd1ea9
