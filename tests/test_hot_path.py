@@ -100,9 +100,9 @@ def test_detector_catches_the_usual_syncs():
 # -- one training step of each task ---------------------------------------------------------------------------------
 VOCAB, T = 64, 16
 
-def tiny_cfg(arch="tendril", **training) -> GlobalConfig:
+def tiny_cfg(arch="tendril", n_layers=2, **training) -> GlobalConfig:
     "A two-layer model and a two-micro-step optimizer step of 2 x 16 tokens each."
-    model = dict(architecture=arch, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=T,
+    model = dict(architecture=arch, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=T,
                  multiple_of=16)
     if arch == "tendril_moe": model |= dict(n_experts=4, n_experts_per_token=2)
     return from_plain(GlobalConfig, dict(model=model, runtime=dict(device="cpu"),
@@ -144,12 +144,12 @@ def causal_batches(n=4, packed=False, seed=0):
     return out
 
 
-def make_trainer(kind: str, **training):
+def make_trainer(kind: str, n_layers: int = 2, **training):
     "A Trainer for `kind` in dense | moe | sft | dpo | distillation, on CPU, with in-memory batches."
     from gradient_garden.engine.trainer import Trainer
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tasks.pretraining import CausalLMTask
-    cfg = tiny_cfg("tendril_moe" if kind == "moe" else "tendril", **training)
+    cfg = tiny_cfg("tendril_moe" if kind == "moe" else "tendril", n_layers, **training)
     torch.manual_seed(0)
     model = build_model(cfg.model)
     task, batches = CausalLMTask(), causal_batches(packed=kind == "sft")
@@ -220,3 +220,27 @@ def test_fsdp2_reduce_scatters_once_per_optimizer_step(tmp_path):
         assert res["grad_accum"] == 2
         assert res["per_step"] == [res["units"]] * 2, res     # one per FSDP unit (the blocks and the root)
         assert res["ddp_broadcasts_buffers"] is False          # the RoPE tables are the same on every rank
+
+
+# -- torch.compile: a bounded number of graphs across train / validate / sample ----------------------------------
+def test_compiled_blocks_do_not_recompile_per_layer(monkeypatch):
+    "Blocks compiled as `parallelize` does: training, validation and KV-cached sampling need 4 graphs, not one per layer."
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+    import gradient_garden.generation as generation
+    torch._dynamo.reset(); counters.clear()
+    tr = make_trainer("dense", n_layers=6)
+    cnt = CompileCounter()                      # backend="eager" that counts the graphs it is handed
+    for block in tr.model.layers: block.compile(backend=cnt)
+    tr.train_step(); tr.train_step()
+    after_train = cnt.frame_count
+    tr.validate(); tr.validate()
+    after_validate = cnt.frame_count
+    monkeypatch.setattr(generation, "decode_step_applies", lambda m: False)   # decode through the blocks, as on a GPU
+    generation.generate(tr.model, None, [[1, 2, 3], [4, 5, 6]], max_new_tokens=6, stop_ids=[])
+    limit_hits = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
+    assert not limit_hits, limit_hits
+    # train: 1; validate (no grad): +1; sampling (inference mode): prefill, first decode, then start_pos turns dynamic
+    assert (after_train, after_validate) == (1, 2), (after_train, after_validate)
+    assert cnt.frame_count <= 5, cnt.frame_count
+    torch._dynamo.reset()

@@ -161,7 +161,7 @@ def pretraining_loaders(cfg: GlobalConfig, rank: int = 0, world_size: int = 1,
     make = lambda split: PretrainLoader(data_dir, split, t.micro_batch_size, t.seq_len, rank, world_size, t.seed, tokenizer_identity)
     return make("train"), make("val")
 
-# %% ../../nbs/03_loaders.ipynb #ca686aaa
+# %% ../../nbs/03_loaders.ipynb #df6a77e9
 def pin_batch(batch: dict) -> dict:
     "The batch with its tensors in page-locked memory, so copies to a GPU can run asynchronously."
     return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -198,7 +198,7 @@ class PrefetchLoader:
     def __getattr__(self, name): return getattr(self.__dict__["loader"], name)   # split, batch_size, ...
 
 
-# %% ../../nbs/03_loaders.ipynb #fdde50e0
+# %% ../../nbs/03_loaders.ipynb #342fccec
 @patch
 def next_batch(self: PrefetchLoader) -> dict:
     "The next batch of the inner loader's order."

@@ -326,7 +326,11 @@ class Tendril(nn.Module):
             mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
             if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
                 mask = additive_mask(mask, h.dtype)
-        for layer in self.layers: h = layer(h, cos, sin, mask, kv_cache, start_pos)
+        if kv_cache is not None:  # every layer's buffers now, outside the blocks' compiled graphs; each block gets its slot
+            dev = tokens.device.type
+            kv_cache.allocate(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype, tokens.device)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
         if logits_to_keep: h = h[:, -logits_to_keep:]
         if labels is not None: return self.loss_sum(self.norm(h), labels)
         return self.head(self.norm(h))
