@@ -244,3 +244,30 @@ def test_compiled_blocks_do_not_recompile_per_layer(monkeypatch):
     assert (after_train, after_validate) == (1, 2), (after_train, after_validate)
     assert cnt.frame_count <= 5, cnt.frame_count
     torch._dynamo.reset()
+
+
+# -- the attention spy: which SDPA call (and so which GPU kernel) each path makes -----------------------------------
+class SDPASpy:
+    "Records each `F.scaled_dot_product_attention` call: is_causal, the mask's dtype (None without one), the kernel class."
+    def __init__(self, monkeypatch):
+        from gradient_garden.models.attention import sdpa_kernel_class
+        self.calls, real = [], F.scaled_dot_product_attention
+        def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+            self.calls.append((is_causal, None if attn_mask is None else attn_mask.dtype, sdpa_kernel_class(attn_mask)))
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+
+
+def test_attention_kernels_per_path(monkeypatch):
+    "Pretraining is causal without a mask (Flash); packed and padded batches pass the masks the memory-efficient kernel takes."
+    tr = make_trainer("dense")
+    spy = SDPASpy(monkeypatch)
+    tr.train_step()
+    assert spy.calls and set(spy.calls) == {(True, None, "flash")}, set(spy.calls)
+    spy.calls.clear(); make_trainer("sft").train_step()
+    assert set(spy.calls) == {(False, torch.bool, "memory-efficient")}, set(spy.calls)
+    spy.calls.clear()
+    tokens, pad = torch.randint(0, VOCAB, (2, 8)), torch.ones(2, 8, dtype=torch.bool)
+    pad[0, :3] = False                                    # a left-padded prompt
+    with torch.no_grad(): tr.model(tokens, attn_mask=pad)
+    assert set(spy.calls) == {(False, torch.float32, "memory-efficient")}, set(spy.calls)

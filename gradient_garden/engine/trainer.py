@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
-from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
+from .distributed import (DistEnv, all_reduce, all_gather_objects, unwrap, grad_sync, is_fsdp, barrier,
                                                 clip_grad_norm_)
 from .checkpoints import rng_state, set_rng_state
 from ..generation import default_test_prompts, encode_prompts, generate
@@ -27,7 +27,7 @@ __all__ = ['DTYPES', 'GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'autocast_context', 'mak
            'gpu_datasheet_flops', 'compute_precision', 'peak_flops', 'estimate_workload', 'package_versions',
            'hardware_info', 'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping',
            'seed_everything', 'make_profiler', 'full_state', 'load_full_state', 'TrainState', 'Trainer',
-           'device_scalar']
+           'device_scalar', 'gather_cuda_rng', 'restore_cuda_rng']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -382,6 +382,20 @@ def validate(self: Trainer) -> float:
     sums = all_reduce(sums)
     return (sums[0] / sums[1]).item()
 
+# %% ../../nbs/24_trainer.ipynb #a3cca17f
+def gather_cuda_rng(env: DistEnv) -> list | None:
+    "Every rank's CUDA generator state for its own device, in rank order (a collective), or None without CUDA."
+    if not torch.cuda.is_available() or env.device.type != "cuda": return None
+    return all_gather_objects(torch.cuda.get_rng_state(env.device))
+
+def restore_cuda_rng(states: list | None, env: DistEnv) -> str | None:
+    "Set this rank's CUDA generator from `gather_cuda_rng`'s list; returns a note when the rank counts differ."
+    if not states or not torch.cuda.is_available() or env.device.type != "cuda": return None
+    torch.cuda.set_rng_state(states[env.rank % len(states)], env.device)
+    if len(states) == env.world_size: return None
+    return (f"CUDA RNG: the checkpoint holds {len(states)} ranks' states and this run has {env.world_size}; "
+            f"rank r continues from saved rank r mod {len(states)}")
+
 # %% ../../nbs/24_trainer.ipynb #4594b5dd
 @patch
 def checkpoint_state(self: Trainer) -> dict:
@@ -390,7 +404,7 @@ def checkpoint_state(self: Trainer) -> dict:
     st, _ = self.state, self.settle_tokens()
     return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
                 config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
-                rng=rng_state(), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
+                rng=rng_state() | dict(cuda_rng_per_rank=gather_cuda_rng(self.env)), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
                 tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
@@ -420,7 +434,10 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
                     ckpt["model"], ckpt.get("optimizers"))
     if not keep_progress: return
     if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
-    if ckpt.get("rng"): set_rng_state(ckpt["rng"])
+    if ckpt.get("rng"):
+        set_rng_state(ckpt["rng"])
+        note = restore_cuda_rng(ckpt["rng"].get("cuda_rng_per_rank"), self.env)   # each rank its own generator
+        if note and self.env.is_main: warnings.warn(note)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:

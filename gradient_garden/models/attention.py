@@ -16,7 +16,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops',
            'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
-           'LayerKV', 'KVCache', 'sdpa_gqa', 'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
+           'LayerKV', 'KVCache', 'sdpa_gqa', 'sdpa_kernel_class', 'plain_linear', 'fused_weight', 'hold_fused_weights',
+           'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -160,6 +161,11 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+# %% ../../nbs/10_attention.ipynb #4f50399b
+def sdpa_kernel_class(mask: torch.Tensor | None) -> str:
+    "The fastest CUDA SDPA kernel class a call with `mask` can reach: `flash` without a mask, else `memory-efficient`."
+    return "flash" if mask is None else "memory-efficient"
 
 # %% ../../nbs/10_attention.ipynb #60da7613
 FUSE_MIN_TOKENS = 64
