@@ -271,3 +271,47 @@ def test_attention_kernels_per_path(monkeypatch):
     pad[0, :3] = False                                    # a left-padded prompt
     with torch.no_grad(): tr.model(tokens, attn_mask=pad)
     assert set(spy.calls) == {(False, torch.float32, "memory-efficient")}, set(spy.calls)
+
+
+# -- the fused loss: compiled chunks equal the eager ones -----------------------------------------------------------
+def test_compiled_loss_chunks_match_eager():
+    "Inductor's compiled chunk (the CUDA path, compiled here for the CPU) gives the eager loss and gradients."
+    from gradient_garden.models import tendril
+    torch.manual_seed(0)
+    h, w = torch.randn(50, 24, requires_grad=True), (0.3 * torch.randn(70, 24)).requires_grad_()
+    labels = torch.randint(0, 70, (50,)); labels[::4] = -100
+    ref = tendril.linear_cross_entropy(h, w, labels, chunk_rows=16, impl="eager")
+    ref_g = torch.autograd.grad(ref, (h, w))
+    got = tendril.linear_cross_entropy(h, w, labels, chunk_rows=16, impl="compiled")
+    got_g = torch.autograd.grad(got, (h, w))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_g, ref_g): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert tendril.loss_impl("cuda") in ("compiled", "liger") and tendril.loss_impl("cpu") == "eager"
+
+
+# -- MFU: the datasheet, and time outside training left out --------------------------------------------------------
+def test_gpu_datasheet_matches_exact_names():
+    "L40 is not an L4, H100 PCIe / NVL are not the SXM part, the A10G is unknown; fp32 with TF32 uses the TF32 figure."
+    from gradient_garden.engine.trainer import gpu_datasheet_flops, peak_flops
+    tf = lambda name, p="bf16": gpu_datasheet_flops(name, p) / 1e12
+    assert [tf("NVIDIA L4"), tf("NVIDIA L40"), tf("NVIDIA L40S")] == [121, 181, 362]
+    assert [tf("NVIDIA H100 80GB HBM3"), tf("NVIDIA H100 PCIe"), tf("NVIDIA H100 NVL")] == [989, 756, 835]
+    assert gpu_datasheet_flops("NVIDIA A10G") is None and tf("NVIDIA A10") == 125
+    cuda = torch.device("cuda", 0)
+    with mock.patch("torch.cuda.get_device_name", return_value="NVIDIA A100-SXM4-80GB"):
+        assert [peak_flops(cuda, "fp32", tf32=True) / 1e12, peak_flops(cuda, "fp32") / 1e12,
+                peak_flops(cuda, "bf16") / 1e12] == [156, 19.5, 312]
+
+
+def test_logged_throughput_leaves_out_validation():
+    "A slow validation inside a logging interval does not lower the logged tokens/s (nor the MFU)."
+    import time
+    from gradient_garden.engine.trainer import read_metrics
+    tr = make_trainer("dense", max_steps=4, log_every=2)
+    tr.cfg.validation.every, tr.cfg.validation.enabled = 1, True
+    real = tr.validate
+    tr.validate = lambda: (time.sleep(0.4), real())[1]
+    tr.fit()
+    rec = [r for r in read_metrics(tr.run_dir) if r["step"] == 4][0]
+    seconds = 2 * 2 * 2 * T / rec["tokens_per_s"]            # two steps of two micro-batches of 2 x 16 tokens
+    assert seconds < 0.4, f"the interval counted {seconds:.2f} s: validation time included"
