@@ -109,7 +109,7 @@ def tiny_cfg(arch="tendril", n_layers=2, **training) -> GlobalConfig:
         training=dict(dict(seq_len=T, micro_batch_size=2, total_batch_size=2 * 2 * T, max_steps=4, log_every=4,
                            grad_clip=1.0), **training),
         optimizers=dict(adamw=dict(fused="yes")),   # as on CUDA: the step count stays a device tensor
-        validation=dict(every=0, steps=2), generation=dict(every=0), checkpointing=dict(every=0),
+        validation=dict(enabled=False, every=0, steps=2), generation=dict(every=0), checkpointing=dict(every=0),
         paths=dict(runs=tempfile.mkdtemp())))
 
 
@@ -315,3 +315,27 @@ def test_logged_throughput_leaves_out_validation():
     rec = [r for r in read_metrics(tr.run_dir) if r["step"] == 4][0]
     seconds = 2 * 2 * 2 * T / rec["tokens_per_s"]            # two steps of two micro-batches of 2 x 16 tokens
     assert seconds < 0.4, f"the interval counted {seconds:.2f} s: validation time included"
+
+
+def test_final_evaluation_runs_under_the_run_autocast():
+    "The final evaluation (and the scheduled evals) see the run's precision, as training does."
+    tr = make_trainer("dense", max_steps=1, log_every=1)
+    tr.cfg.runtime.precision = "bf16"
+    tr.final_evaluate = lambda m: {"autocast_dtype": str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off"}
+    tr.fit()
+    from gradient_garden.engine.trainer import read_metrics
+    assert read_metrics(tr.run_dir)[-1]["autocast_dtype"] == "torch.bfloat16"
+
+
+def test_prefetching_trainer_trains_and_resumes_like_the_plain_one():
+    "With runtime.num_workers the loader runs ahead in a thread; losses and the saved loader position are unchanged."
+    from gradient_garden.data.loaders import PrefetchLoader
+    plain = make_trainer("dense")
+    ahead = make_trainer("dense"); ahead.cfg.runtime.num_workers = 3
+    from gradient_garden.engine.trainer import Trainer
+    ahead = Trainer(ahead.cfg, ahead.model, ahead.task, ahead.train_loader, log_to_console=False)
+    assert isinstance(ahead.train_loader, PrefetchLoader)
+    for _ in range(2):
+        assert torch.equal(plain.train_step()["loss"], ahead.train_step()["loss"])
+    assert ahead.train_loader.state_dict() == plain.train_loader.state_dict() == dict(pos=4)
+    ahead.train_loader.close()
