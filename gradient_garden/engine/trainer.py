@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
-from .distributed import (DistEnv, all_reduce, all_gather_objects, unwrap, grad_sync, is_fsdp, barrier,
-                                                clip_grad_norm_)
-from .checkpoints import rng_state, set_rng_state
+from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
+                                                clip_grad_norm_, all_gather_objects)
+from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
+                                                load_sharded_state)
 from ..generation import default_test_prompts, encode_prompts, generate
 
 # %% auto #0
@@ -27,7 +28,7 @@ __all__ = ['DTYPES', 'GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'autocast_context', 'mak
            'gpu_datasheet_flops', 'compute_precision', 'peak_flops', 'estimate_workload', 'package_versions',
            'hardware_info', 'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping',
            'seed_everything', 'make_profiler', 'full_state', 'load_full_state', 'TrainState', 'Trainer',
-           'device_scalar', 'gather_cuda_rng', 'restore_cuda_rng']
+           'device_scalar']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -382,62 +383,63 @@ def validate(self: Trainer) -> float:
     sums = all_reduce(sums)
     return (sums[0] / sums[1]).item()
 
-# %% ../../nbs/24_trainer.ipynb #a3cca17f
-def gather_cuda_rng(env: DistEnv) -> list | None:
-    "Every rank's CUDA generator state for its own device, in rank order (a collective), or None without CUDA."
-    if not torch.cuda.is_available() or env.device.type != "cuda": return None
-    return all_gather_objects(torch.cuda.get_rng_state(env.device))
-
-def restore_cuda_rng(states: list | None, env: DistEnv) -> str | None:
-    "Set this rank's CUDA generator from `gather_cuda_rng`'s list; returns a note when the rank counts differ."
-    if not states or not torch.cuda.is_available() or env.device.type != "cuda": return None
-    torch.cuda.set_rng_state(states[env.rank % len(states)], env.device)
-    if len(states) == env.world_size: return None
-    return (f"CUDA RNG: the checkpoint holds {len(states)} ranks' states and this run has {env.world_size}; "
-            f"rank r continues from saved rank r mod {len(states)}")
-
 # %% ../../nbs/24_trainer.ipynb #4594b5dd
 @patch
-def checkpoint_state(self: Trainer) -> dict:
-    "Everything an exact resume needs, with full (unsharded) tensors."
-    msd, osd = full_state(self.model, self.optimizers)
-    st, _ = self.state, self.settle_tokens()
+def checkpoint_meta(self: Trainer) -> dict:
+    "Everything an exact resume needs but the model and optimizer tensors; loader and RNG states of every rank."
+    self.settle_tokens()   # the token count still on the device
+    st, mine = self.state, self.train_loader.state_dict()
+    if self.env.rank: mine = {k: v for k, v in mine.items() if k != "reference"}  # DPO's reference: rank 0 keeps it
+    loaders, rngs = all_gather_objects(mine), all_gather_objects(rng_state())
     return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
-                config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
-                rng=rng_state() | dict(cuda_rng_per_rank=gather_cuda_rng(self.env)), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
+                config=self.cfg.to_dict(), loader=loaders[0], loaders=loaders, rng=rngs[0], rngs=rngs,
+                val_history=list(st.val_history), best_val_loss=st.best_val_loss, world_size=self.env.world_size,
                 tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
 
 @patch
+def checkpoint_state(self: Trainer) -> dict:
+    "Everything an exact resume needs, with full (unsharded) tensors."
+    msd, osd = full_state(self.model, self.optimizers)
+    return self.checkpoint_meta() | dict(model=msd, optimizers=osd)
+
+@patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
-    "Gather the state on every rank, write it atomically from rank 0, apply retention."
-    from gradient_garden.engine.checkpoints import CheckpointManager
+    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention."
+    c = self.cfg.checkpointing
+    if self.ckpt_manager is None:
+        self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
+                                              async_save=c.async_save)
+    if c.format == "sharded":
+        return self.ckpt_manager.save_sharded(self.state.step, sharded_state(self.model, self.optimizers),
+                                              self.checkpoint_meta(), val_loss=val_loss)
     state = self.checkpoint_state()
-    path = None
-    if self.env.is_main:
-        if self.ckpt_manager is None:
-            c = self.cfg.checkpointing
-            self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best)
-        path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
+    path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss) if self.env.is_main else None
     barrier()
     return path
 
 # %% ../../nbs/24_trainer.ipynb #4470034a
+def _rank_entry(ckpt: dict, plural: str, singular: str, rank: int):
+    "This rank's entry of a per-rank list in `ckpt` (rank 0's when the checkpoint had fewer ranks), or None."
+    entries = ckpt.get(plural) or [ckpt.get(singular)]
+    return entries[rank] if rank < len(entries) else entries[0]
+
 @patch
 def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, reset_loader=False,
                           reset_val_history=False, start_step: int | None = None, restore_progress: bool = True):
-    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint dict."
+    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint (either layout)."
     same_stage = ckpt.get("stage") == self.cfg.training.stage
     keep_progress = restore_progress and same_stage
-    load_full_state(self.model, None if (reset_optimizers or not keep_progress) else self.optimizers,
-                    ckpt["model"], ckpt.get("optimizers"))
+    optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
+    if "model" in ckpt: load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
+    else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
-    if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
-    if ckpt.get("rng"):
-        set_rng_state(ckpt["rng"])
-        note = restore_cuda_rng(ckpt["rng"].get("cuda_rng_per_rank"), self.env)   # each rank its own generator
-        if note and self.env.is_main: warnings.warn(note)
+    loader, rank = _rank_entry(ckpt, "loaders", "loader", self.env.rank), self.env.rank
+    if not reset_loader and loader:
+        ref = (ckpt.get("loader") or {}).get("reference")
+        self.train_loader.load_state_dict(loader if ref is None or "reference" in loader else loader | {"reference": ref})
+    if rng := _rank_entry(ckpt, "rngs", "rng", rank): set_rng_state(rng)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:
@@ -570,9 +572,12 @@ def fit(self: Trainer) -> dict:
             for cb in self.callbacks: cb(self, rec)
             if c.every and (step % c.every == 0 or (last and c.save_final)):
                 with self._untimed(): self.save_checkpoint(val_loss)
+            elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
             if stopped_early:
                 if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
                 break
+    if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
+    barrier()
     bar.close()
     logger.close()
     return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
