@@ -339,3 +339,22 @@ def test_prefetching_trainer_trains_and_resumes_like_the_plain_one():
         assert torch.equal(plain.train_step()["loss"], ahead.train_step()["loss"])
     assert ahead.train_loader.state_dict() == plain.train_loader.state_dict() == dict(pos=4)
     ahead.train_loader.close()
+
+
+def test_each_rank_restores_its_own_cuda_rng():
+    "With torch.cuda mocked: every rank's CUDA generator states are saved, and rank r gets rank r's back (rank 0's if fewer)."
+    from gradient_garden.engine.checkpoints import rng_state, set_rng_state
+    from gradient_garden.engine.trainer import _rank_entry
+    per_rank = [[torch.tensor([r, d], dtype=torch.uint8) for d in range(2)] for r in range(2)]   # 2 ranks x 2 devices
+    restored = {}
+    states = []
+    for r in range(2):
+        with mock.patch("torch.cuda.is_available", return_value=True), \
+             mock.patch("torch.cuda.get_rng_state_all", return_value=per_rank[r]): states.append(rng_state())
+    ckpt = dict(rngs=states, rng=states[0])
+    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.device_count", return_value=2), \
+         mock.patch("torch.cuda.set_rng_state", side_effect=lambda s, i: restored.update({i: s.tolist()})):
+        set_rng_state(_rank_entry(ckpt, "rngs", "rng", 1))
+        assert restored == {0: [1, 0], 1: [1, 1]}
+        set_rng_state(_rank_entry(ckpt, "rngs", "rng", 3))      # a rank the checkpoint did not have: rank 0's states
+        assert restored == {0: [0, 0], 1: [0, 1]}
