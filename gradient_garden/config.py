@@ -41,7 +41,8 @@ class RuntimeConfig:
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
     compile: bool = False
-    num_workers: int = 0
+    num_workers: int = 0        # background threads that prepare (and pin) the next batches
+    tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 # %% ../nbs/00_config.ipynb #117522bf

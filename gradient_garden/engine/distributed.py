@@ -139,7 +139,8 @@ def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv) -> nn.Mo
     if not env.distributed: return model
     if runtime.fsdp: return apply_fsdp(model, runtime.precision, build_mesh(runtime, env))
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    # buffers (the RoPE tables) are computed identically on every rank: no broadcast before every forward
+    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
 
 def unwrap(model: nn.Module) -> nn.Module:
     "The user's module inside DDP or `torch.compile` wrappers (FSDP2 modules are already the user's module)."
@@ -154,10 +155,18 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(unwrap(model), FSDPModule)
 
 # %% ../../nbs/22_distributed.ipynb #ef7a302e
+@contextlib.contextmanager
+def _fsdp_gradient_sync(model: nn.Module, sync: bool):
+    "FSDP2: reduce-scatter in this micro-step's backward only when `sync` is true."
+    model.set_requires_gradient_sync(sync)
+    try: yield
+    finally: model.set_requires_gradient_sync(True)
+
 def grad_sync(model: nn.Module, sync: bool):
-    "Context for one micro-step: under DDP gradients are all-reduced only when `sync` is true; a no-op otherwise."
+    "Context for one micro-step: under DDP / FSDP2 gradients are reduced only when `sync` is true; a no-op otherwise."
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
+    if is_fsdp(inner) and not sync: return _fsdp_gradient_sync(unwrap(inner), False)
     return contextlib.nullcontext()
 
 # %% ../../nbs/22_distributed.ipynb #6b18cf2f
