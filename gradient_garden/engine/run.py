@@ -7,16 +7,19 @@ Docs: https://gradient-garden.github.io/gradient-garden/run.html.md"""
 
 # %% ../../nbs/25_run.ipynb #449151b2
 from __future__ import annotations
-import importlib
+import importlib, json, os, shutil, signal, socket, sys, time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 import torch
+from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
-from .distributed import DistEnv, init_distributed, parallelize, barrier
+from .distributed import DistEnv, init_distributed, parallelize, barrier, broadcast_object, all_reduce
 from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
 
 # %% auto #0
-__all__ = ['STAGES', 'STAGE_MODULES', 'StageParts', 'register_stage', 'build_stage', 'build_run_model', 'run_training']
+__all__ = ['STAGES', 'STAGE_MODULES', 'RUN_RECORDS', 'StageParts', 'register_stage', 'build_stage', 'RunLock', 'truncate_records',
+           'run_contents', 'prepare_run_dir', 'build_run_model', 'run_training']
 
 # %% ../../nbs/25_run.ipynb #9b9b7322
 @dataclass
@@ -44,6 +47,103 @@ def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts
     stage = cfg.training.stage
     if stage not in STAGES: raise ConfigError(f"training.stage: got {stage!r}; registered stages are {', '.join(sorted(STAGES))}")
     return STAGES[stage](cfg, tokenizer, env, model)
+
+# %% ../../nbs/25_run.ipynb #5776a0ab
+def _pid_running(pid: int) -> bool:
+    "Whether process `pid` exists on this host."
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+class RunLock:
+    "`run_dir/.lock`: one writer per run directory; a lock left by a process that is gone is stale and taken over."
+    def __init__(self, run_dir):
+        self.path, self.held, self.notes = Path(run_dir)/".lock", False, []
+
+    def _create(self) -> bool:
+        "Create the lock file exclusively; False if it exists."
+        try: fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError: return False
+        with os.fdopen(fd, "w") as f: json.dump(dict(pid=os.getpid(), host=socket.gethostname(), since=time.time()), f)
+        return True
+
+# %% ../../nbs/25_run.ipynb #9b9a117f
+@patch
+def acquire(self: RunLock) -> RunLock:
+    "Take the lock, replacing a stale one; `ConfigError` naming the holder if another live process has it."
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        if self._create(): self.held = True; return self
+        try: info = json.loads(self.path.read_text())
+        except (OSError, ValueError): info = {}  # being written right now, or garbage: look again
+        pid, host = info.get("pid"), info.get("host")
+        if isinstance(pid, int) and host == socket.gethostname() and not _pid_running(pid):
+            self.path.unlink(missing_ok=True)
+            self.notes.append(f"{self.path}: removed a stale lock (pid {pid} is no longer running)")
+            continue
+        if pid is None: time.sleep(0.2); continue
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+        raise ConfigError(f"{self.path.parent}: another run is writing here (pid {pid} on {host}, since {since}); wait "
+                          f"for it, pick another run.name, or delete {self.path} if that process is gone")
+    raise ConfigError(f"{self.path}: cannot take the lock (unreadable lock file); delete it if no run is using {self.path.parent}")
+
+@patch
+def release(self: RunLock):
+    "Drop the lock if this object holds it."
+    if self.held: self.path.unlink(missing_ok=True); self.held = False
+
+# %% ../../nbs/25_run.ipynb #04baabbe
+RUN_RECORDS = ("metrics.jsonl", "samples.jsonl")  # one JSON row per line, each with a `step`
+
+def _rows(path: Path) -> list[str]:
+    "The non-empty lines of a jsonl file (none if it does not exist)."
+    return [l for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
+
+def truncate_records(path, step: int) -> int:
+    "Drop the rows of jsonl file `path` whose `step` is after `step` (rewritten atomically); return how many."
+    path = Path(path)
+    rows = _rows(path)
+    keep = [l for l in rows if json.loads(l).get("step", 0) <= step]
+    if len(keep) < len(rows):
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        tmp.write_text("".join(l + "\n" for l in keep)); os.replace(tmp, path)
+    return len(rows) - len(keep)
+
+def run_contents(run_dir) -> dict:
+    "What a run directory already holds: metric rows, their last step, and its checkpoints."
+    from gradient_garden.engine.checkpoints import list_checkpoints
+    rows = _rows(Path(run_dir)/"metrics.jsonl")
+    last = max((json.loads(l).get("step", 0) for l in rows), default=None)
+    return dict(rows=len(rows), last_step=last, checkpoints=list_checkpoints(Path(run_dir)/"checkpoints"))
+
+# %% ../../nbs/25_run.ipynb #5bb8a9ea
+def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bool = False, overwrite: bool = False) -> list[str]:
+    "Make `run_dir` fit the run about to start (fresh, resumed at `resume_step`, or `overwrite`); notes, or `ConfigError`."
+    run_dir = Path(run_dir)
+    have, ckdir = run_contents(run_dir), run_dir/"checkpoints"
+    holds = bool(have["rows"] or have["checkpoints"])
+    if overwrite:
+        if not holds: return []
+        for name in RUN_RECORDS: (run_dir/name).unlink(missing_ok=True)
+        shutil.rmtree(ckdir, ignore_errors=True)
+        return [f"--overwrite: removed the previous run in {run_dir} ({have['rows']} metric rows, "
+                f"{len(have['checkpoints'])} checkpoints)"]
+    if holds and not (resume_step is not None and resumes_here):
+        latest = f", latest checkpoint {have['checkpoints'][-1].name}" if have["checkpoints"] else ""
+        raise ConfigError(f"{run_dir} already holds a run (metrics to step {have['last_step']}{latest}): resume it "
+                          f"with --checkpoint {run_dir}, start another with --set run.name=NEW_NAME, or replace it with --overwrite")
+    if resume_step is None: return []
+    notes = []
+    dropped = {n: truncate_records(run_dir/n, resume_step) for n in RUN_RECORDS}
+    if dropped["metrics.jsonl"]:
+        notes.append(f"resuming at step {resume_step}: dropped {dropped['metrics.jsonl']} metric rows after it")
+    later = [p for p in have["checkpoints"] if int(p.stem.split("_")[1]) > resume_step]
+    if later:
+        (ckdir/"superseded").mkdir(exist_ok=True)
+        for p in later: os.replace(p, ckdir/"superseded"/p.name)
+        notes.append(f"resuming at step {resume_step}: moved {len(later)} later checkpoints to {ckdir/'superseded'}")
+    return notes
 
 # %% ../../nbs/25_run.ipynb #494f3b7a
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
