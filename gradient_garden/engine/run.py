@@ -164,8 +164,34 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
     return parallelize(model, cfg.runtime, env)
 
 # %% ../../nbs/25_run.ipynb #7e3b3acc
+def _check_start(cfg: GlobalConfig, start_step: int | None, ckpt: dict | None):
+    "`--start-step` and a resumed checkpoint must leave steps to train."
+    max_steps, same = cfg.training.max_steps, ckpt is not None and ckpt.get("stage") == cfg.training.stage
+    if start_step is not None and not 0 <= start_step < max_steps:
+        raise ConfigError(f"--start-step: got {start_step}; must be in [0, training.max_steps = {max_steps})")
+    if same and start_step is None and ckpt["step"] >= max_steps:
+        raise ConfigError(f"--checkpoint: the checkpoint is at step {ckpt['step']}, already at training.max_steps = "
+                          f"{max_steps}; raise training.max_steps to train further")
+
+def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | None, start_step, overwrite: bool):
+    "Rank 0 takes the run directory's lock and applies the one-run rule; every rank gets the same error or notes."
+    lock, err = RunLock(cfg.run_dir), None
+    if env.is_main:
+        try:
+            lock.acquire()
+            resume = start_step if start_step is not None else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else None
+            from gradient_garden.engine.checkpoints import resolve_checkpoint
+            here = bool(checkpoint) and resolve_checkpoint(checkpoint).resolve().parent == (cfg.run_dir/"checkpoints").resolve()
+            for n in lock.notes + prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite): print(f"note: {n}", file=sys.stderr)
+        except ConfigError as e: err = str(e); lock.release()
+    err = broadcast_object(err)
+    if err is not None: raise ConfigError(err)
+    return lock
+
+
+# %% ../../nbs/25_run.ipynb #44b58757
 def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
-                 reset_loader: bool = False, reset_val_history: bool = False, callbacks=()) -> dict:
+                 reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
     "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."
     from gradient_garden.tokenizer import init_tokenizer
     from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
@@ -180,6 +206,15 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if checkpoint:
         ckpt = load_checkpoint(checkpoint)
         check_compatible(ckpt, cfg, allow_stage_change=True, tokenizer_identity=tokenizer.identity)
+    _check_start(cfg, start_step, ckpt)
+    lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
+    box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
+    try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks)
+    finally: lock.release()
+
+def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks) -> dict:
+    "Build the model, stage and trainer, write config and snapshot, and fit."
+    ckpt = box.pop()
     model = build_run_model(cfg, env, ckpt)
     parts = build_stage(cfg, tokenizer, env, model)
     seed_everything(cfg.training.seed)
