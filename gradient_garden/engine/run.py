@@ -18,8 +18,8 @@ from .distributed import DistEnv, init_distributed, parallelize, barrier, broadc
 from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
 
 # %% auto #0
-__all__ = ['STAGES', 'STAGE_MODULES', 'RUN_RECORDS', 'StageParts', 'register_stage', 'build_stage', 'RunLock', 'truncate_records',
-           'run_contents', 'prepare_run_dir', 'build_run_model', 'run_training']
+__all__ = ['STAGES', 'STAGE_MODULES', 'STOP_SIGNALS', 'RUN_RECORDS', 'StageParts', 'register_stage', 'build_stage', 'StopRequest',
+           'RunLock', 'truncate_records', 'run_contents', 'prepare_run_dir', 'build_run_model', 'run_training']
 
 # %% ../../nbs/25_run.ipynb #9b9b7322
 @dataclass
@@ -47,6 +47,42 @@ def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts
     stage = cfg.training.stage
     if stage not in STAGES: raise ConfigError(f"training.stage: got {stage!r}; registered stages are {', '.join(sorted(STAGES))}")
     return STAGES[stage](cfg, tokenizer, env, model)
+
+# %% ../../nbs/25_run.ipynb #55b6936f
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+class StopRequest:
+    "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
+    def __init__(self, signals=STOP_SIGNALS, debounce_s: float = 1.0):
+        self.signals, self.debounce_s = signals, debounce_s
+        self.signum, self.at, self._old = None, 0.0, {}
+
+    @property
+    def name(self) -> str | None: return signal.Signals(self.signum).name if self.signum else None
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            if signum == signal.SIGINT and time.monotonic() - self.at > self.debounce_s: raise KeyboardInterrupt
+            return
+        self.signum, self.at = signum, time.monotonic()
+        if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
+            os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
+
+    def __enter__(self):
+        import threading
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self._old = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items(): signal.signal(s, h)
+        self._old = {}
+
+    def agreed(self, device=torch.device("cpu")) -> bool:
+        "True on every rank when any rank has been asked to stop (a collective: call it on all ranks)."
+        flag = all_reduce(torch.tensor(float(self.signum or 0), device=device), "max")
+        if flag.item() and self.signum is None: self.signum = int(flag.item())  # a peer rank was signalled
+        return bool(flag.item())
 
 # %% ../../nbs/25_run.ipynb #5776a0ab
 def _pid_running(pid: int) -> bool:
@@ -184,8 +220,8 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
             here = bool(checkpoint) and resolve_checkpoint(checkpoint).resolve().parent == (cfg.run_dir/"checkpoints").resolve()
             for n in lock.notes + prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite): print(f"note: {n}", file=sys.stderr)
         except ConfigError as e: err = str(e); lock.release()
-    err = broadcast_object(err)
-    if err is not None: raise ConfigError(err)
+    if (err := broadcast_object(err)) is not None:
+        e = ConfigError(err); e.same_on_every_rank = True; raise e
     return lock
 
 
@@ -197,7 +233,8 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
     load_dotenv()
     env = init_distributed(cfg.runtime)
-    validate(cfg, env.world_size)
+    try: validate(cfg, env.world_size)
+    except ConfigError as e: e.same_on_every_rank = True; raise
     tokenizer = init_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: got {cfg.model.vocab_size}; the tokenizer at {cfg.tokenizer.path} has "
@@ -231,4 +268,6 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
         write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.world_size),
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()
-    return trainer.fit() | dict(run_dir=str(trainer.run_dir))
+    with StopRequest() as stop:
+        trainer.stop_request = stop
+        return trainer.fit() | dict(run_dir=str(trainer.run_dir))
