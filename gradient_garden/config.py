@@ -7,7 +7,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #cb1d43da
 from __future__ import annotations
-import json, math, os, sys, types
+import json, math, os, re, sys, types
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -297,7 +297,8 @@ def _coerce(value, tp, path: str):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int): raise bad()
         return value
-    if tp is float:
+    if tp is float:  # YAML 1.1 reads `3e-4` (no dot) as a string: take scientific notation as the number it means
+        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()): value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)): raise bad()
         return float(value)
     if tp is str:
