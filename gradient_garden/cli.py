@@ -47,6 +47,7 @@ def run_train(args) -> int:
     cfg, _ = config_from_args(args)
     res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
                        reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", 0)) == 0 and not res.get("stopped_by"): print(f"done: {res['run_dir']}")
     from gradient_garden.engine.distributed import destroy_distributed
     destroy_distributed()
     return stopped_line(res)

@@ -540,6 +540,12 @@ def _unigram_baseline(self: Trainer) -> float | None:
         return unigram_baseline(d)
     except Exception: return None
 
+def _eval_cell(rec: dict, task: str) -> str:
+    "A benchmark's summary entry: acc_norm (or acc) +- its standard error, and the number of examples."
+    k = f"{task}/acc_norm" if f"{task}/acc_norm" in rec else f"{task}/acc"
+    se, n = rec.get(f"{k}_stderr"), rec.get(f"{task}/n")
+    return f"{k.split('/')[1]} {rec[k]:.4f}" + (f" +- {se:.4f}" if se is not None else "") + (f" (n={n})" if n is not None else "")
+
 @patch
 def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float, tokens: int, peak: float) -> str:
     "The end-of-stage table (see `summary_table`) of a `fit` result `res` and its latest metrics `last`."
@@ -548,7 +554,7 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
     base = self._unigram_baseline()
     val = None if res["final_val_loss"] is None else _fmt(res["final_val_loss"]) + (f" (unigram baseline {base:.4f})" if base else "")
     score = next((k for k in ("exact_match", "preference_accuracy") if k in last), None)
-    evals = [(k, _fmt(v)) for k, v in last.items() if "/" in k and not k.startswith(("lr", "moe/", "exact_match/"))]
+    evals = [(task, _eval_cell(last, task)) for task in dict.fromkeys(k.split("/")[0] for k in last if k.endswith("/acc"))]
     rows = [("steps", f"{res['start_step']} -> {res['step']} of {self.cfg.training.max_steps}"),
             ("tokens", f"{tokens:,} this session, {res['tokens_seen']:,} in all"), ("wall time", _duration(seconds)),
             ("tokens/s", f"{tps:,.0f}"), ("MFU", f"{tps * self._flops_per_token() / peak:.2%}"),
