@@ -102,7 +102,8 @@ def run_notebook(args) -> int:
     for attempt in range(args.retries):
         try:
             pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                log_output=rank == 0, kernel_name="python3", language="python")
+                                log_output=rank == 0, kernel_name="python3", language="python",
+                                coalesce_streams=True)  # one output per stream per cell, not one per progress line
             break
         except Exception as e:
             if attempt + 1 < args.retries and _is_kernel_startup_error(e):
@@ -144,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     "Entry point of the `gg` console script."
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
+    if verb in ("train", "notebook") and not sys.stderr.isatty():
+        # a log, CI or papermill: the trainer writes plain progress lines; no carriage-return bars from inner loops
+        # (DPO's reference pass, eval batches), here or in the notebook kernel that inherits the environment
+        os.environ.setdefault("TQDM_DISABLE", "1")
     parser = build_parser(verb if verb in _verbs() else None)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
