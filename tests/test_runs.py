@@ -100,3 +100,17 @@ def test_short_run_clamps_warmup_with_one_line(capsys):
     assert cfg.optimizers.adamw.warmup_steps == 1
     assert capsys.readouterr().err == ("note: optimizers.adamw.warmup_steps 20 > training.max_steps 10: warming up over "
                                        "1 step (10% of the run) instead\n")
+
+def test_rows_without_text_are_counted_and_refused_past_the_threshold(prepared, tmp_path):
+    rows = tmp_path/"corpus.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, **({} if i % 40 == 0 else {"text": f"document {i} " * 20})}) + "\n"
+                            for i in range(200)))  # 5 of 200 rows (2.5%) lack "text"
+    (tmp_path/"r.yaml").write_text(f"name: holes\ndata:\n  target_tokens: 100000\n  val_fraction: 0.1\n  shard_tokens: 4096\n"
+                                   f"  mix: [{{type: local, name: corpus, files: '{rows}'}}]\n")
+    base = [f"tokenizer.path={prepared['base']/'tokenizer'}", f"paths.datasets={tmp_path/'datasets'}"]
+    r = run_gg("prepare", "--recipe", tmp_path/"r.yaml", "--set", *base, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (  # after prepare's own progress bar
+        "error: data.mix[0].text_field: 5 of 200 rows of 'corpus' lack 'text' (2.5%, more than data.max_missing_fraction "
+        "= 0.01); fix the rows, pick another text_field, or raise data.max_missing_fraction"), r.stderr
+    r = run_gg("prepare", "--recipe", tmp_path/"r.yaml", "--set", *base, "data.max_missing_fraction=0.05")
+    assert "note: corpus: skipped 5 of 200 rows that lack the text field" in r.stderr, r.stderr
