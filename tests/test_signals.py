@@ -57,10 +57,15 @@ def signalled_then_resumed(prepared, out, start, pick_pid, sig, launcher):
     assert r.returncode == 0, r.stderr[-3000:]
     return step, losses(out)
 
+@pytest.fixture(scope="module")
+def full(prepared, tmp_path_factory):
+    "The uninterrupted run's losses."
+    out = tmp_path_factory.mktemp("full")
+    run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, out))
+    return losses(out)
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_and_resume_is_exact(prepared, tmp_path, sig):
-    run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path/"full"))
-    full = losses(tmp_path/"full")
+def test_signal_saves_and_resume_is_exact(prepared, tmp_path, sig, full):
     step, resumed = signalled_then_resumed(prepared, tmp_path/"cut", "pretraining", lambda p: p.pid, sig, GG)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == full  # bit-exact, steps before and after the signal
