@@ -241,8 +241,10 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
                           f"{tokenizer.vocab_size} tokens (set model.vocab_size >= {tokenizer.vocab_size})")
     ckpt = None
     if checkpoint:
-        ckpt = load_checkpoint(checkpoint)
+        ckpt = load_checkpoint(checkpoint, weights=False)  # sharded: meta only; the trainer reads its own shards
         check_compatible(ckpt, cfg, allow_stage_change=True, tokenizer_identity=tokenizer.identity)
+        if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
+            ckpt = load_checkpoint(checkpoint, optimizers=False)
     _check_start(cfg, start_step, ckpt)
     lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded

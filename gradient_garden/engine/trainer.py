@@ -18,15 +18,17 @@ import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier, broadcast_object,
-                                                clip_grad_norm_)
-from .checkpoints import rng_state, set_rng_state
+                                                clip_grad_norm_, all_gather_objects)
+from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
+                                                load_sharded_state)
+from ..generation import default_test_prompts, encode_prompts, generate
+
 
 # %% auto #0
-__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'PRETRAINING_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
-           'gpu_datasheet_flops', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
-           'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything',
-           'make_profiler', 'full_state', 'load_full_state', 'default_test_prompts', 'TrainState', 'Trainer',
-           'CheckpointWriteError', 'Progress', 'summary_table']
+__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak', 'gpu_datasheet_flops',
+           'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
+           'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
+           'load_full_state', 'TrainState', 'Trainer', 'CheckpointWriteError', 'Progress', 'summary_table']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,14 +222,6 @@ def load_full_state(model: nn.Module, optimizers: list | None, model_sd: dict, o
     else: set_model_state_dict(m, model_sd, options=opts)
 
 # %% ../../nbs/24_trainer.ipynb #64520378
-PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]
-
-def default_test_prompts(stage: str) -> list[str]:
-    "Prompts sampled during training: code openings for pretraining, held-out verifiable questions after it."
-    if stage == "pretraining": return PRETRAINING_TEST_PROMPTS
-    from gradient_garden.data.verifiable import heldout_examples
-    return [e.prompt for e in heldout_examples(1)][:5]
-
 @dataclass
 class TrainState:
     "Counters that a checkpoint must carry for an exact resume."
@@ -338,13 +332,14 @@ def validate(self: Trainer) -> float:
 
 # %% ../../nbs/24_trainer.ipynb #4594b5dd
 @patch
-def checkpoint_state(self: Trainer) -> dict:
-    "Everything an exact resume needs, with full (unsharded) tensors."
-    msd, osd = full_state(self.model, self.optimizers)
-    st = self.state
+def checkpoint_meta(self: Trainer) -> dict:
+    "Everything an exact resume needs but the model and optimizer tensors; loader and RNG states of every rank."
+    st, mine = self.state, self.train_loader.state_dict()
+    if self.env.rank: mine = {k: v for k, v in mine.items() if k != "reference"}  # DPO's reference: rank 0 keeps it
+    loaders, rngs = all_gather_objects(mine), all_gather_objects(rng_state())
     return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
-                config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
-                rng=rng_state(), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
+                config=self.cfg.to_dict(), loader=loaders[0], loaders=loaders, rng=rngs[0], rngs=rngs,
+                val_history=list(st.val_history), best_val_loss=st.best_val_loss, world_size=self.env.world_size,
                 tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
@@ -365,32 +360,50 @@ def _write_failure(step: int, e: BaseException, ckpt_dir: Path) -> str:
     return f"checkpoint of step {step} not written: {cause}; {last}"
 
 @patch
+def checkpoint_state(self: Trainer) -> dict:
+    "Everything an exact resume needs, with full (unsharded) tensors."
+    msd, osd = full_state(self.model, self.optimizers)
+    return self.checkpoint_meta() | dict(model=msd, optimizers=osd)
+
+@patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
-    "Gather the state on every rank, write it atomically from rank 0, apply retention; `CheckpointWriteError` on failure."
-    from gradient_garden.engine.checkpoints import CheckpointManager
+    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention; `CheckpointWriteError` on failure."
+    c = self.cfg.checkpointing
+    if self.ckpt_manager is None:
+        self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
+                                              async_save=c.async_save)
+    if c.format == "sharded":
+        return self.ckpt_manager.save_sharded(self.state.step, sharded_state(self.model, self.optimizers),
+                                              self.checkpoint_meta(), val_loss=val_loss)
     state = self.checkpoint_state()
     path, err = None, None
     if self.env.is_main:
-        if self.ckpt_manager is None:
-            c = self.cfg.checkpointing
-            self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best)
         try: path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
         except BaseException as e: err = _write_failure(self.state.step, e, self.ckpt_manager.dir)  # disk full, Ctrl-C, ...
     if (err := broadcast_object(err)) is not None: raise CheckpointWriteError(err)  # every rank stops, with rank 0's reason
     return path
 
 # %% ../../nbs/24_trainer.ipynb #4470034a
+def _rank_entry(ckpt: dict, plural: str, singular: str, rank: int):
+    "This rank's entry of a per-rank list in `ckpt` (rank 0's when the checkpoint had fewer ranks), or None."
+    entries = ckpt.get(plural) or [ckpt.get(singular)]
+    return entries[rank] if rank < len(entries) else entries[0]
+
 @patch
 def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, reset_loader=False,
                           reset_val_history=False, start_step: int | None = None, restore_progress: bool = True):
-    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint dict."
+    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint (either layout)."
     same_stage = ckpt.get("stage") == self.cfg.training.stage
     keep_progress = restore_progress and same_stage
-    load_full_state(self.model, None if (reset_optimizers or not keep_progress) else self.optimizers,
-                    ckpt["model"], ckpt.get("optimizers"))
+    optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
+    if "model" in ckpt: load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
+    else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
-    if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
-    if ckpt.get("rng"): set_rng_state(ckpt["rng"])
+    loader, rank = _rank_entry(ckpt, "loaders", "loader", self.env.rank), self.env.rank
+    if not reset_loader and loader:
+        ref = (ckpt.get("loader") or {}).get("reference")
+        self.train_loader.load_state_dict(loader if ref is None or "reference" in loader else loader | {"reference": ref})
+    if rng := _rank_entry(ckpt, "rngs", "rng", rank): set_rng_state(rng)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:
@@ -405,7 +418,6 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
 def sample(self: Trainer) -> list[dict]:
     "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
     if self.tokenizer is None: return []
-    from gradient_garden.generation import encode_prompts, generate
     g, tok = self.cfg.generation, self.tokenizer
     prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
     m = self.model if is_fsdp(self.model) else unwrap(self.model)
@@ -607,9 +619,12 @@ def fit(self: Trainer) -> dict:
                 if stop is not None and stop.agreed(env.device):
                     stopped_by = stop.name; self.save_checkpoint(val_loss); break
                 if c.every and (step % c.every == 0 or (last and c.save_final)): self.save_checkpoint(val_loss)
+                elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
                 if stopped_early:
                     progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
                     break
+        if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
+        barrier()
     finally:
         progress.close()
         logger.close()
@@ -620,3 +635,4 @@ def fit(self: Trainer) -> dict:
     if self.log_to_console:
         print(self._summary(res, latest, before, time.perf_counter() - t_start, self.state.tokens_seen - start_tokens, peak), flush=True)
     return res | {f"{k}_before": x for k, x in before.items() if isinstance(x, (int, float))}
+
