@@ -11,8 +11,8 @@ from pathlib import Path
 from .config import ConfigError, STAGE_FLAGS, load_config
 
 # %% auto #0
-__all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'default_train_notebook', 'report_path',
-           'add_notebook_args', 'run_notebook', 'build_parser', 'main']
+__all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'default_train_notebook',
+           'report_path', 'add_notebook_args', 'run_notebook', 'build_parser', 'main']
 
 # %% ../nbs/50_cli.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -26,8 +26,9 @@ def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
         for s in STAGE_FLAGS: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
 
 def config_from_args(args) -> tuple:
-    "Resolve `(GlobalConfig, Recipe | None)` from parsed shared flags."
-    return load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
+    "Resolve `(GlobalConfig, Recipe | None)` from parsed shared flags (an error here is the same on every rank)."
+    try: return load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
+    except ConfigError as e: e.same_on_every_rank = True; raise
 
 # %% ../nbs/50_cli.ipynb #127497d4
 def add_train_args(p: argparse.ArgumentParser):
@@ -38,17 +39,27 @@ def add_train_args(p: argparse.ArgumentParser):
     p.add_argument("--start-step", type=int, help="override the step counter")
     p.add_argument("--reset-loader", action="store_true", help="start the data loader from the beginning")
     p.add_argument("--reset-val-history", action="store_true", help="forget validation history (best loss, early stopping)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory (its metrics and checkpoints)")
 
 def run_train(args) -> int:
     "`gg train`: resolve the config and run its stage."
     from gradient_garden.engine.run import run_training
     cfg, _ = config_from_args(args)
     res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
-                       reset_loader=args.reset_loader, reset_val_history=args.reset_val_history)
-    if int(os.environ.get("RANK", 0)) == 0: print(f"done: {res}")
+                       reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite)
+    if int(os.environ.get("RANK", 0)) == 0 and not res.get("stopped_by"): print(f"done: {res['run_dir']}")
     from gradient_garden.engine.distributed import destroy_distributed
     destroy_distributed()
-    return 0
+    return stopped_line(res)
+
+def stopped_line(res: dict) -> int:
+    "For a run stopped by a signal, say where its checkpoint is (rank 0) and return 128 + the signal number; else 0."
+    if not res.get("stopped_by"): return 0
+    import signal
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"stopped by {res['stopped_by']} at step {res['step']}: checkpoint {res.get('checkpoint')}; resume with "
+              f"--checkpoint {res['run_dir']}", file=sys.stderr, flush=True)
+    return 128 + int(signal.Signals[res["stopped_by"]])
 
 # %% ../nbs/50_cli.ipynb #e99d65a5
 def default_train_notebook() -> Path:
@@ -78,16 +89,21 @@ def run_notebook(args) -> int:
     rank = int(os.environ.get("RANK", 0))
     nb = Path(args.notebook) if args.notebook else default_train_notebook()
     if not nb.is_file(): raise ConfigError(f"--notebook: {nb} not found")
+    if not args.checkpoint and not args.overwrite:  # refuse before papermill overwrites the old run's report
+        from gradient_garden.engine.run import prepare_run_dir
+        try: prepare_run_dir(cfg.run_dir)
+        except ConfigError as e: e.same_on_every_rank = True; raise
     out = Path(args.output) if args.output else report_path(cfg.run_dir, rank)
     out.parent.mkdir(parents=True, exist_ok=True)
     params = dict(recipe=args.recipe, config=args.config, overrides=list(args.overrides), stage=args.stage,
                   checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
-                  reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, cwd=os.getcwd())
+                  reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite, cwd=os.getcwd())
     time.sleep(0.5 * int(os.environ.get("LOCAL_RANK", 0)))
     for attempt in range(args.retries):
         try:
             pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                log_output=rank == 0, kernel_name="python3", language="python")
+                                log_output=rank == 0, kernel_name="python3", language="python",
+                                coalesce_streams=True)  # one output per stream per cell, not one per progress line
             break
         except Exception as e:
             if attempt + 1 < args.retries and _is_kernel_startup_error(e):
@@ -130,13 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     "Entry point of the `gg` console script."
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = next((a for a in argv if not a.startswith("-")), None)
+    if verb in ("train", "notebook") and not sys.stderr.isatty():
+        # a log, CI or papermill: the trainer writes plain progress lines; no carriage-return bars from inner loops
+        # (DPO's reference pass, eval batches), here or in the notebook kernel that inherits the environment
+        os.environ.setdefault("TQDM_DISABLE", "1")
     parser = build_parser(verb if verb in _verbs() else None)
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
     try:
         rc = args._run(args) or 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ConfigError as e:  # under torchrun an error that every rank hits is printed once, by rank 0
+        if rank == 0 or not getattr(e, "same_on_every_rank", False): print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if type(e).__name__ != "CheckpointWriteError": raise
+        if rank == 0: print(f"error: {e}", file=sys.stderr)  # rank 0's reason, raised on every rank
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -7,7 +7,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #cb1d43da
 from __future__ import annotations
-import json, os, types
+import json, math, os, re, sys, types
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -18,8 +18,9 @@ __all__ = ['RECIPE_KEYS', 'STAGE_FLAGS', 'SECRET_KEYS', 'ConfigError', 'RunConfi
            'EarlyStoppingConfig', 'TrainingConfig', 'AdamWConfig', 'MuonConfig', 'OptimizersConfig', 'PathsConfig',
            'ValidationConfig', 'EvalsConfig', 'GenerationConfig', 'CheckpointingConfig', 'TokenizerConfig',
            'LoraConfig', 'DistillationConfig', 'DPOConfig', 'WandbConfig', 'TorchProfilerConfig', 'GlobalConfig',
-           'from_plain', 'to_plain', 'grad_accum_steps', 'validate', 'parse_override', 'apply_overrides', 'Recipe',
-           'read_data_file', 'read_yaml', 'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
+           'from_plain', 'to_plain', 'grad_accum_steps', 'check_ranges', 'notice', 'clamp_warmup', 'validate',
+           'parse_override', 'apply_overrides', 'Recipe', 'syntax_error_line', 'read_data_file', 'read_yaml',
+           'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
 
 # %% ../nbs/00_config.ipynb #b3a413df
 class ConfigError(ValueError):
@@ -301,7 +302,8 @@ def _coerce(value, tp, path: str):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int): raise bad()
         return value
-    if tp is float:
+    if tp is float:  # YAML 1.1 reads `3e-4` (no dot) as a string: take scientific notation as the number it means
+        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()): value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)): raise bad()
         return float(value)
     if tp is str:
@@ -343,6 +345,92 @@ def grad_accum_steps(cfg: GlobalConfig, world_size: int = 1) -> int:
                           f"micro_batch_size x seq_len x world_size = {t.micro_batch_size} x {t.seq_len} x {world_size} = {per_step}")
     return t.total_batch_size // per_step
 
+# %% ../nbs/00_config.ipynb #7132539b
+def _nonfinite(obj, path: str = "") -> str | None:
+    "The key path of the first NaN or infinite float anywhere in config dataclass `obj`, or None."
+    for f in fields(obj):
+        v, p = getattr(obj, f.name), f"{path}{f.name}"
+        if is_dataclass(v):
+            if bad := _nonfinite(v, p + "."): return bad
+            continue
+        items = v if isinstance(v, (list, tuple)) else [v]
+        if any(isinstance(x, float) and not math.isfinite(x) for x in items): return f"{p}: got {v!r}"
+    return None
+
+def _in(path: str, value, lo=None, hi=None, lo_open=False, hi_open=False, note: str = ""):
+    "Raise unless `lo <= value <= hi` (strict where `*_open`); `None` bounds are unlimited."
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and (value >= hi if hi_open else value > hi))
+    if not bad: return
+    if hi is None: want = f"{'>' if lo_open else '>='} {lo}"
+    elif lo is None: want = f"{'<' if hi_open else '<='} {hi}"
+    else: want = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    raise ConfigError(f"{path}: got {value!r}; must be {want}{note}")
+
+# %% ../nbs/00_config.ipynb #6a27c59b
+def _check_optimizer_ranges(o: OptimizersConfig):
+    "Learning rates, warmup and the AdamW/Muon hyper-parameters."
+    for name, opt in [("adamw", o.adamw), ("muon", o.muon)]:
+        _in(f"optimizers.{name}.max_lr", opt.max_lr, 0, lo_open=True)
+        _in(f"optimizers.{name}.min_lr", opt.min_lr, 0)
+        _in(f"optimizers.{name}.warmup_steps", opt.warmup_steps, 0)
+        _in(f"optimizers.{name}.weight_decay", opt.weight_decay, 0)
+    for i, b in enumerate(o.adamw.betas): _in(f"optimizers.adamw.betas[{i}]", b, 0, 1, hi_open=True)
+    _in("optimizers.adamw.eps", o.adamw.eps, 0, lo_open=True)
+    _in("optimizers.muon.momentum", o.muon.momentum, 0, 1, hi_open=True)
+    _in("optimizers.muon.ns_steps", o.muon.ns_steps, 1)
+
+def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
+    "Raise `ConfigError` on the first value outside its allowed range (NaN and infinity included); return `cfg`."
+    if bad := _nonfinite(cfg): raise ConfigError(f"{bad}; must be a finite number")
+    name = cfg.run.name
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ConfigError(f"run.name: got {name!r}; must be a plain directory name (no '/', not empty, not '.' or '..')")
+    m, t, es = cfg.model, cfg.training, cfg.training.early_stopping
+    for p in ["norm_eps", "rope_theta", "init_std"]: _in(f"model.{p}", getattr(m, p), 0, lo_open=True)
+    for p in ["n_experts", "n_experts_per_token"]: _in(f"model.{p}", getattr(m, p), 1)
+    for p in ["n_shared_experts", "load_balance_coef", "z_loss_coef"]: _in(f"model.{p}", getattr(m, p), 0)
+    for p in ["capacity_factor", "ffn_dim_multiplier"]:
+        if getattr(m, p) is not None: _in(f"model.{p}", getattr(m, p), 0, lo_open=True, note=" (or null)")
+    _in("training.seed", t.seed, 0, 2**32 - 1)
+    if t.grad_clip is not None:
+        _in("training.grad_clip", t.grad_clip, 0, note=" (0 or null turns clipping off; a negative clip reverses the gradient)")
+    if es.enabled:
+        _in("training.early_stopping.patience", es.patience, 1)
+        for p in ["min_delta", "skip_steps"]: _in(f"training.early_stopping.{p}", getattr(es, p), 0)
+    _check_optimizer_ranges(cfg.optimizers)
+    _in("checkpointing.keep_last", cfg.checkpointing.keep_last, 1, note=" (the checkpoint just written is always kept)")
+    _in("runtime.num_workers", cfg.runtime.num_workers, 0)
+    g, ev = cfg.generation, cfg.evals
+    _in("generation.every", g.every, 0); _in("generation.max_gen_len", g.max_gen_len, 1)
+    _in("generation.temperature", g.temperature, 0); _in("generation.top_p", g.top_p, 0, 1, lo_open=True)
+    if g.top_k is not None: _in("generation.top_k", g.top_k, 1, note=" (or null)")
+    _in("evals.every", ev.every, 0); _in("evals.batch_size", ev.batch_size, 1); _in("evals.seed", ev.seed, 0, 2**32 - 1)
+    for task in ["hellaswag", "winogrande", "arc_challenge"]:
+        _in(f"evals.{task}_examples", getattr(ev, f"{task}_examples"), 0, note=" (0 = all)")
+    if cfg.lora.enabled: _in("lora.alpha", cfg.lora.alpha, 0, lo_open=True); _in("lora.dropout", cfg.lora.dropout, 0, 1, hi_open=True)
+    if cfg.distillation.enabled: _in("distillation.temperature", cfg.distillation.temperature, 0, lo_open=True)
+    if (tp := cfg.torch_profiler).enabled:
+        for p in ["wait", "warmup", "repeat"]: _in(f"torch_profiler.{p}", getattr(tp, p), 0)
+        _in("torch_profiler.active", tp.active, 1)
+    return cfg
+
+# %% ../nbs/00_config.ipynb #81f2521e
+def notice(msg: str):
+    "Print a one-line note to stderr, once per job (rank 0 under torchrun)."
+    if int(os.environ.get("RANK", 0)) == 0: print(f"note: {msg}", file=sys.stderr)
+
+def clamp_warmup(cfg: GlobalConfig) -> GlobalConfig:
+    "Shorten any warmup longer than `training.max_steps` to 10% of the run (at least 1 step), saying so once."
+    t = cfg.training
+    for name in ("adamw", "muon"):
+        opt = getattr(cfg.optimizers, name)
+        if opt.warmup_steps > t.max_steps:
+            new = max(1, math.ceil(0.1 * t.max_steps))
+            notice(f"optimizers.{name}.warmup_steps {opt.warmup_steps} > training.max_steps {t.max_steps}: "
+                   f"warming up over {new} step{'s' if new > 1 else ''} (10% of the run) instead")
+            opt.warmup_steps = new
+    return cfg
+
 # %% ../nbs/00_config.ipynb #2529fa83
 def _positive(path: str, value, allow_zero=False):
     "Raise unless `value` is positive (or zero when allowed)."
@@ -352,6 +440,7 @@ def _positive(path: str, value, allow_zero=False):
 def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     "Check the combinations of keys that no single type hint can express; return `cfg`."
     m, t, o = cfg.model, cfg.training, cfg.optimizers
+    check_ranges(cfg)
     for p in ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"]:
         _positive(f"model.{p}", getattr(m, p))
     for p in ["total_batch_size", "micro_batch_size", "seq_len", "max_steps", "log_every"]:
@@ -369,8 +458,6 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     for name, opt in [("adamw", o.adamw), ("muon", o.muon)]:
         if opt.min_lr > opt.max_lr:
             raise ConfigError(f"optimizers.{name}.min_lr: got {opt.min_lr}; must be <= optimizers.{name}.max_lr = {opt.max_lr}")
-        if opt.warmup_steps > t.max_steps:
-            raise ConfigError(f"optimizers.{name}.warmup_steps: got {opt.warmup_steps}; must be <= training.max_steps = {t.max_steps}")
     if not 0 < o.wsd_decay_fraction <= 1:
         raise ConfigError(f"optimizers.wsd_decay_fraction: got {o.wsd_decay_fraction}; must be in (0, 1]")
     if cfg.runtime.precision == "fp16" and cfg.runtime.fsdp:
@@ -394,7 +481,7 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
     _positive("checkpointing.every", cfg.checkpointing.every, allow_zero=True)
     grad_accum_steps(cfg, world_size)
-    return cfg
+    return clamp_warmup(cfg)
 
 # %% ../nbs/00_config.ipynb #0966028b
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -434,13 +521,22 @@ class Recipe:
 
 RECIPE_KEYS = ("name", "description", "config", "data")
 
+def syntax_error_line(e: Exception) -> str:
+    "A YAML or JSON syntax error as one line: what is wrong and where (line, column)."
+    if isinstance(e, json.JSONDecodeError): return f"{e.msg} at line {e.lineno}, column {e.colno}"
+    mark, what = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    ctx = getattr(e, "context", None)
+    return f"{what}{where}" + (f" ({ctx})" if ctx else "")
+
 def read_data_file(path, fmt: str = "yaml", flag: str = "") -> Any:
     "Parse a YAML or JSON file; a missing file or bad syntax is a one-line error naming `flag` and the path."
     p = Path(path)
     where = f"{flag} {p}" if flag else str(p)
     if not p.is_file(): raise ConfigError(f"{where}: file not found")
     try: return yaml.safe_load(p.read_text()) if fmt == "yaml" else json.loads(p.read_text())
-    except (yaml.YAMLError, json.JSONDecodeError) as e: raise ConfigError(f"{where}: not valid {fmt.upper()} ({e})") from None
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: not valid {fmt.upper()}: {syntax_error_line(e)}") from None
 
 def read_yaml(path) -> dict:
     "Read a YAML mapping from `path`, with a clear error when it is missing or not a mapping."

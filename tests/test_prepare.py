@@ -66,7 +66,7 @@ def read_split_docs(out_dir, tok, split):
 BASE = {"mix": [{"type": "embedded", "corpus": "pydoc-topics"}]}
 
 @pytest.mark.parametrize("data, message", [
-    ({**BASE, "targets": 5}, "data.targets: unknown key; allowed keys here are mix, target_tokens, val_fraction, shard_tokens"),
+    ({**BASE, "targets": 5}, "data.targets: unknown key; allowed keys here are mix, target_tokens, val_fraction, shard_tokens, max_missing_fraction"),
     ({"target_tokens": 5}, "data.mix: missing; list the sources to prepare"),
     ({"mix": []}, "data.mix: got []; expected a non-empty list of sources"),
     ({"mix": "stdlib"}, "data.mix: got 'stdlib'; expected a non-empty list of sources"),
@@ -121,7 +121,7 @@ def test_mix_file_errors(tmp_path):
     p.write_text("[1, 2]")
     assert error_of(P.load_mix_file, p) == f"--mix-file {p}: expected a JSON object with a 'mix' list, got list"
     p.write_text("{'mix': []}")
-    assert error_of(P.load_mix_file, p).startswith(f"--mix-file {p}: not valid JSON (Expecting property name")
+    assert error_of(P.load_mix_file, p).startswith(f"--mix-file {p}: not valid JSON: Expecting property name")
     p.write_text(json.dumps({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "wait": 1}]}))
     assert error_of(cli, "--pretraining", "--mix-file", p) == (
         f"{p}: mix[0].wait: unknown key; allowed keys here are corpus, type, name, weight")

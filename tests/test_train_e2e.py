@@ -84,3 +84,41 @@ def test_wandb_offline_is_aligned_to_steps(prepared, tmp_path):
     assert "WANDB_API_KEY is not set" in r.stderr  # said clearly, then offline instead of prompting
     runs = list((tmp_path/"runs"/"pretraining"/"debug"/"wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "no offline W&B run written"
+
+def _exact_match_worker(rank, world, tok_dir, out_dir):
+    "Evaluate exact match on 5 held-out examples (3 + 2 per rank) with an FSDP2 model, in lockstep."
+    from gradient_garden.config import ModelConfig, TokenizerConfig
+    from gradient_garden.data.verifiable import heldout_examples
+    from gradient_garden.engine.distributed import apply_fsdp
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.sft import evaluate_exact_match
+    from gradient_garden.tokenizer import init_tokenizer
+    tok = init_tokenizer(TokenizerConfig(path=tok_dir))
+    torch.manual_seed(0)
+    model = apply_fsdp(build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)))
+    r = evaluate_exact_match(model, tok, heldout_examples(1)[:5], max_new_tokens=16, batch_size=2, rank=rank,
+                             world_size=world, lockstep=True)
+    torch.save(dict(outputs=r["outputs"], exact_match=r["exact_match"]), Path(out_dir)/f"r{rank}.pt")
+
+def test_sft_exact_match_under_fsdp2_is_lockstep_with_uneven_shards(prepared, tmp_path):
+    "2 gloo ranks, FSDP2, 5 examples split 3 + 2 (the short rank decodes a dummy): no hang, the one-process answers."
+    import subprocess, sys
+    from conftest import ROOT
+    tok_dir = str(prepared["base"]/"tokenizer")
+    script = (f"import sys; sys.path[:0] = [{str(ROOT/'tests')!r}]\nfrom gloo_ranks import run_ranks\n"
+              f"from test_train_e2e import _exact_match_worker\n"
+              f"run_ranks(_exact_match_worker, 2, {str(tmp_path/'pg')!r}, {tok_dir!r}, {str(tmp_path)!r})")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})  # a rank left waiting in a collective would time out
+    assert r.returncode == 0, r.stderr[-3000:]
+    from gradient_garden.config import ModelConfig, TokenizerConfig
+    from gradient_garden.data.verifiable import heldout_examples
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.sft import evaluate_exact_match
+    from gradient_garden.tokenizer import init_tokenizer
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128))
+    one = evaluate_exact_match(model, init_tokenizer(TokenizerConfig(path=tok_dir)), heldout_examples(1)[:5], max_new_tokens=16)
+    ranks = [torch.load(tmp_path/f"r{i}.pt") for i in range(2)]
+    assert ranks[0] == ranks[1]  # every rank holds all the answers and the same score
+    assert ranks[0]["outputs"] == one["outputs"] and ranks[0]["exact_match"] == one["exact_match"]

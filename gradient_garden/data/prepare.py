@@ -140,6 +140,7 @@ class PretrainingData:
     target_tokens: int = 4_000_000
     val_fraction: float = 0.02
     shard_tokens: int = 1 << 24
+    max_missing_fraction: float = 0.01  # share of a source's rows that may lack the text field before prepare refuses
 
     def layout(self) -> dict:
         "Everything that decides the bytes on disk except the budget (a larger budget may extend a finished run)."
@@ -156,6 +157,8 @@ def parse_pretraining_data(data, where: str = "data") -> PretrainingData:
     if spec.target_tokens <= 0: raise ConfigError(f"{_join(where, 'target_tokens')}: got {spec.target_tokens}; must be > 0")
     if not 0 <= spec.val_fraction <= 0.5:
         raise ConfigError(f"{_join(where, 'val_fraction')}: got {spec.val_fraction}; must be in [0, 0.5]")
+    if not 0 <= spec.max_missing_fraction <= 1:
+        raise ConfigError(f"{_join(where, 'max_missing_fraction')}: got {spec.max_missing_fraction}; must be in [0, 1]")
     if spec.shard_tokens < 1024: raise ConfigError(f"{_join(where, 'shard_tokens')}: got {spec.shard_tokens}; must be >= 1024")
     seen = {}
     for i, s in enumerate(spec.mix):
@@ -210,6 +213,7 @@ class SourceStream:
         self.field = src.text_field if rows_have_fields else "text"
         if state: self.ds.load_state_dict(state)
         self.rows, self.exhausted = iter(self.ds), False
+        self.n_rows, self.n_missing = 0, 0  # rows read, and rows whose text field is absent or null (skipped)
 
     def _text(self, row: dict) -> str:
         "The document text of a row, or an error naming the source's `text_field` and the columns there are."
@@ -226,12 +230,22 @@ class SourceStream:
         "The next non-empty documents, until their length reaches `max_chars` (at least one unless exhausted)."
         out, n = [], 0
         while n < max_chars and len(out) < max_docs and not self.exhausted:
-            try: text = self._text(next(self.rows))
+            try: row = next(self.rows)
             except StopIteration: self.exhausted = True; break
+            text = self._text(row)
+            self.n_rows += 1; self.n_missing += row.get(self.field) is None
             if text: out.append(text); n += len(text)
         return out
 
     def state_dict(self) -> dict: return self.ds.state_dict()
+
+    def check_missing(self, rows: int, missing: int, max_fraction: float):
+        "Refuse a source where more than `max_fraction` of the `rows` read so far lack the text field."
+        if rows >= 100 or self.exhausted:
+            if missing > max_fraction * rows:
+                raise ConfigError(f"{_join(self.src.where, 'text_field')}: {missing:,} of {rows:,} rows of {self.src.name!r} "
+                                  f"lack {self.field!r} ({missing / rows:.1%}, more than data.max_missing_fraction = "
+                                  f"{max_fraction}); fix the rows, pick another text_field, or raise data.max_missing_fraction")
 
 # %% ../../nbs/02_data.ipynb #0d0b8b09
 def is_validation(data: bytes, val_fraction: float) -> bool:
@@ -420,7 +434,7 @@ def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *,
     dtype = token_dtype(tokenizer.vocab_size)
     commit_tokens = commit_tokens or min(1 << 22, spec.shard_tokens)
     counts = {s.name: {"docs": 0, "train_docs": 0, "val_docs": 0, "tokens": 0, "train_tokens": 0,
-                       "val_tokens": 0, "chars": 0, "bytes": 0, "exhausted": False} for s in spec.mix}
+                       "val_tokens": 0, "chars": 0, "bytes": 0, "rows": 0, "missing_text": 0, "exhausted": False} for s in spec.mix}
     n_split = {"train": 0, "val": 0}
     if state:
         counts.update({k: v for k, v in state["counts"].items() if k in counts})
@@ -447,7 +461,11 @@ def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *,
         while (pick := next_source(spec.mix, counts, spec.target_tokens, batch_chars)):
             name, max_chars = pick
             stream, c = streams[name], counts[name]
+            rows0, missing0 = stream.n_rows, stream.n_missing
             texts = stream.take(max_chars)
+            c["rows"] = c.get("rows", 0) + stream.n_rows - rows0
+            c["missing_text"] = c.get("missing_text", 0) + stream.n_missing - missing0
+            stream.check_missing(c["rows"], c["missing_text"], spec.max_missing_fraction)
             if not texts:
                 c["exhausted"] = True
                 continue
@@ -551,6 +569,9 @@ def run_prepare(args: argparse.Namespace) -> int:
     print(f"prepared {out_dir}: {meta['splits']['train']['n_tokens']:,} train + {meta['splits']['val']['n_tokens']:,} val tokens "
           f"({meta['dtype']}, {meta['documents']:,} documents) with {tokenizer.name} [{tokenizer.identity}] "
           f"in {meta['elapsed_s']:.1f}s, peak memory {peak_mb:.0f} MB")
+    for name, c in meta["sources"].items():
+        if c.get("missing_text"):
+            print(f"note: {name}: skipped {c['missing_text']:,} of {c['rows']:,} rows that lack the text field", file=sys.stderr)
     if meta["n_tokens"] < spec.target_tokens:
         print(f"note: every source ran out at {meta['n_tokens']:,} tokens, below data.target_tokens = {spec.target_tokens:,}",
               file=sys.stderr)

@@ -7,16 +7,20 @@ Docs: https://gradient-garden.github.io/gradient-garden/run.html.md"""
 
 # %% ../../nbs/25_run.ipynb #449151b2
 from __future__ import annotations
-import importlib
+import importlib, json, os, shutil, signal, socket, sys, time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 import torch
+import torch.distributed as dist
+from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
-from .distributed import DistEnv, init_distributed, parallelize, barrier
+from .distributed import DistEnv, init_distributed, parallelize, barrier, broadcast_object, all_reduce
 from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
 
 # %% auto #0
-__all__ = ['STAGES', 'STAGE_MODULES', 'StageParts', 'register_stage', 'build_stage', 'build_run_model', 'run_training']
+__all__ = ['STAGES', 'STAGE_MODULES', 'STOP_SIGNALS', 'RUN_RECORDS', 'StageParts', 'register_stage', 'build_stage', 'StopRequest',
+           'RunLock', 'truncate_records', 'run_contents', 'prepare_run_dir', 'build_run_model', 'run_training']
 
 # %% ../../nbs/25_run.ipynb #9b9b7322
 @dataclass
@@ -45,6 +49,140 @@ def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts
     if stage not in STAGES: raise ConfigError(f"training.stage: got {stage!r}; registered stages are {', '.join(sorted(STAGES))}")
     return STAGES[stage](cfg, tokenizer, env, model)
 
+# %% ../../nbs/25_run.ipynb #55b6936f
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+class StopRequest:
+    "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
+    def __init__(self, signals=STOP_SIGNALS, debounce_s: float = 1.0):
+        self.signals, self.debounce_s = signals, debounce_s
+        self.signum, self.at, self._old = None, 0.0, {}
+
+    @property
+    def name(self) -> str | None: return signal.Signals(self.signum).name if self.signum else None
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            if signum == signal.SIGINT and time.monotonic() - self.at > self.debounce_s: raise KeyboardInterrupt
+            return
+        self.signum, self.at = signum, time.monotonic()
+        if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
+            os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
+
+    def __enter__(self):
+        import threading
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            self._old = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items(): signal.signal(s, h)
+        self._old = {}
+
+    def agreed(self, device=torch.device("cpu")) -> bool:
+        "True on every rank when any rank has been asked to stop (a collective: call it on all ranks)."
+        if not (dist.is_available() and dist.is_initialized()): return self.signum is not None  # no device read alone
+        flag = all_reduce(torch.tensor(float(self.signum or 0), device=device), "max")
+        if flag.item() and self.signum is None: self.signum = int(flag.item())  # a peer rank was signalled
+        return bool(flag.item())
+
+# %% ../../nbs/25_run.ipynb #5776a0ab
+def _pid_running(pid: int) -> bool:
+    "Whether process `pid` exists on this host."
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    return True
+
+class RunLock:
+    "`run_dir/.lock`: one writer per run directory; a lock left by a process that is gone is stale and taken over."
+    def __init__(self, run_dir):
+        self.path, self.held, self.notes = Path(run_dir)/".lock", False, []
+
+    def _create(self) -> bool:
+        "Create the lock file exclusively; False if it exists."
+        try: fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError: return False
+        with os.fdopen(fd, "w") as f: json.dump(dict(pid=os.getpid(), host=socket.gethostname(), since=time.time()), f)
+        return True
+
+# %% ../../nbs/25_run.ipynb #9b9a117f
+@patch
+def acquire(self: RunLock) -> RunLock:
+    "Take the lock, replacing a stale one; `ConfigError` naming the holder if another live process has it."
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        if self._create(): self.held = True; return self
+        try: info = json.loads(self.path.read_text())
+        except (OSError, ValueError): info = {}  # being written right now, or garbage: look again
+        pid, host = info.get("pid"), info.get("host")
+        if isinstance(pid, int) and host == socket.gethostname() and not _pid_running(pid):
+            self.path.unlink(missing_ok=True)
+            self.notes.append(f"{self.path}: removed a stale lock (pid {pid} is no longer running)")
+            continue
+        if pid is None: time.sleep(0.2); continue
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+        raise ConfigError(f"{self.path.parent}: another run is writing here (pid {pid} on {host}, since {since}); wait "
+                          f"for it, pick another run.name, or delete {self.path} if that process is gone")
+    raise ConfigError(f"{self.path}: cannot take the lock (unreadable lock file); delete it if no run is using {self.path.parent}")
+
+@patch
+def release(self: RunLock):
+    "Drop the lock if this object holds it."
+    if self.held: self.path.unlink(missing_ok=True); self.held = False
+
+# %% ../../nbs/25_run.ipynb #04baabbe
+RUN_RECORDS = ("metrics.jsonl", "samples.jsonl")  # one JSON row per line, each with a `step`
+
+def _rows(path: Path) -> list[str]:
+    "The non-empty lines of a jsonl file (none if it does not exist)."
+    return [l for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
+
+def truncate_records(path, step: int) -> int:
+    "Drop the rows of jsonl file `path` whose `step` is after `step` (rewritten atomically); return how many."
+    path = Path(path)
+    rows = _rows(path)
+    keep = [l for l in rows if json.loads(l).get("step", 0) <= step]
+    if len(keep) < len(rows):
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        tmp.write_text("".join(l + "\n" for l in keep)); os.replace(tmp, path)
+    return len(rows) - len(keep)
+
+def run_contents(run_dir) -> dict:
+    "What a run directory already holds: metric rows, their last step, and its checkpoints."
+    from gradient_garden.engine.checkpoints import list_checkpoints
+    rows = _rows(Path(run_dir)/"metrics.jsonl")
+    last = max((json.loads(l).get("step", 0) for l in rows), default=None)
+    return dict(rows=len(rows), last_step=last, checkpoints=list_checkpoints(Path(run_dir)/"checkpoints"))
+
+# %% ../../nbs/25_run.ipynb #5bb8a9ea
+def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bool = False, overwrite: bool = False) -> list[str]:
+    "Make `run_dir` fit the run about to start (fresh, resumed at `resume_step`, or `overwrite`); notes, or `ConfigError`."
+    run_dir = Path(run_dir)
+    have, ckdir = run_contents(run_dir), run_dir/"checkpoints"
+    holds = bool(have["rows"] or have["checkpoints"])
+    if overwrite:
+        if not holds: return []
+        for name in RUN_RECORDS: (run_dir/name).unlink(missing_ok=True)
+        shutil.rmtree(ckdir, ignore_errors=True)
+        return [f"--overwrite: removed the previous run in {run_dir} ({have['rows']} metric rows, "
+                f"{len(have['checkpoints'])} checkpoints)"]
+    if holds and not (resume_step is not None and resumes_here):
+        latest = f", latest checkpoint {have['checkpoints'][-1].name}" if have["checkpoints"] else ""
+        raise ConfigError(f"{run_dir} already holds a run (metrics to step {have['last_step']}{latest}): resume it "
+                          f"with --checkpoint {run_dir}, start another with --set run.name=NEW_NAME, or replace it with --overwrite")
+    if resume_step is None: return []
+    notes = []
+    dropped = {n: truncate_records(run_dir/n, resume_step) for n in RUN_RECORDS}
+    if dropped["metrics.jsonl"]:
+        notes.append(f"resuming at step {resume_step}: dropped {dropped['metrics.jsonl']} metric rows after it")
+    later = [p for p in have["checkpoints"] if int(p.stem.split("_")[1]) > resume_step]
+    if later:
+        (ckdir/"superseded").mkdir(exist_ok=True)
+        for p in later: os.replace(p, ckdir/"superseded"/p.name)
+        notes.append(f"resuming at step {resume_step}: moved {len(later)} later checkpoints to {ckdir/'superseded'}")
+    return notes
+
 # %% ../../nbs/25_run.ipynb #494f3b7a
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
     "The model of a run: built, initialised from a previous stage's checkpoint if given, LoRA applied, parallelised."
@@ -64,14 +202,41 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
     return parallelize(model, cfg.runtime, env)
 
 # %% ../../nbs/25_run.ipynb #7e3b3acc
+def _check_start(cfg: GlobalConfig, start_step: int | None, ckpt: dict | None):
+    "`--start-step` and a resumed checkpoint must leave steps to train."
+    max_steps, same = cfg.training.max_steps, ckpt is not None and ckpt.get("stage") == cfg.training.stage
+    if start_step is not None and not 0 <= start_step < max_steps:
+        raise ConfigError(f"--start-step: got {start_step}; must be in [0, training.max_steps = {max_steps})")
+    if same and start_step is None and ckpt["step"] >= max_steps:
+        raise ConfigError(f"--checkpoint: the checkpoint is at step {ckpt['step']}, already at training.max_steps = "
+                          f"{max_steps}; raise training.max_steps to train further")
+
+def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | None, start_step, overwrite: bool):
+    "Rank 0 takes the run directory's lock and applies the one-run rule; every rank gets the same error or notes."
+    lock, err = RunLock(cfg.run_dir), None
+    if env.is_main:
+        try:
+            lock.acquire()
+            resume = start_step if start_step is not None else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else None
+            from gradient_garden.engine.checkpoints import resolve_checkpoint
+            here = bool(checkpoint) and resolve_checkpoint(checkpoint).resolve().parent == (cfg.run_dir/"checkpoints").resolve()
+            for n in lock.notes + prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite): print(f"note: {n}", file=sys.stderr)
+        except ConfigError as e: err = str(e); lock.release()
+    if (err := broadcast_object(err)) is not None:
+        e = ConfigError(err); e.same_on_every_rank = True; raise e
+    return lock
+
+
+# %% ../../nbs/25_run.ipynb #44b58757
 def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
-                 reset_loader: bool = False, reset_val_history: bool = False, callbacks=()) -> dict:
+                 reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
     "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."
     from gradient_garden.tokenizer import init_tokenizer
     from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
     load_dotenv()
     env = init_distributed(cfg.runtime)
-    validate(cfg, env.world_size)
+    try: validate(cfg, env.world_size)
+    except ConfigError as e: e.same_on_every_rank = True; raise
     tokenizer = init_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: got {cfg.model.vocab_size}; the tokenizer at {cfg.tokenizer.path} has "
@@ -82,6 +247,15 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
         check_compatible(ckpt, cfg, allow_stage_change=True, tokenizer_identity=tokenizer.identity)
         if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
             ckpt = load_checkpoint(checkpoint, optimizers=False)
+    _check_start(cfg, start_step, ckpt)
+    lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
+    box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
+    try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks)
+    finally: lock.release()
+
+def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks) -> dict:
+    "Build the model, stage and trainer, write config and snapshot, and fit."
+    ckpt = box.pop()
     model = build_run_model(cfg, env, ckpt)
     parts = build_stage(cfg, tokenizer, env, model)
     seed_everything(cfg.training.seed)
@@ -98,4 +272,6 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
         write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.world_size),
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()
-    return trainer.fit() | dict(run_dir=str(trainer.run_dir))
+    with StopRequest() as stop:
+        trainer.stop_request = stop
+        return trainer.fit() | dict(run_dir=str(trainer.run_dir))

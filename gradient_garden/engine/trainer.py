@@ -17,18 +17,19 @@ import numpy as np
 import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
-from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
+from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier, broadcast_object,
                                                 clip_grad_norm_, all_gather_objects)
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state)
 from ..generation import default_test_prompts, encode_prompts, generate
+
 
 # %% auto #0
 __all__ = ['DTYPES', 'GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'autocast_context', 'make_grad_scaler', 'set_tf32', 'measure_matmul_peak',
            'gpu_datasheet_flops', 'compute_precision', 'peak_flops', 'estimate_workload', 'package_versions',
            'hardware_info', 'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping',
            'seed_everything', 'make_profiler', 'full_state', 'load_full_state', 'TrainState', 'Trainer',
-           'device_scalar']
+           'device_scalar', 'CheckpointWriteError', 'Progress', 'summary_table']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -398,6 +399,21 @@ def checkpoint_meta(self: Trainer) -> dict:
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
 
+class CheckpointWriteError(RuntimeError):
+    "A checkpoint could not be written; the message names the cause and the last intact checkpoint."
+
+def _write_failure(step: int, e: BaseException, ckpt_dir: Path) -> str:
+    "One line: why the checkpoint of `step` was not written and which checkpoint is the last intact one."
+    from gradient_garden.engine.checkpoints import list_checkpoints
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    if isinstance(e, KeyboardInterrupt): cause = "interrupted (Ctrl-C)"
+    elif getattr(e, "errno", None) == 28 or "No space left" in str(e) or "file write failed" in str(e):
+        cause = f"disk full ({type(e).__name__}: {first or 'ENOSPC'})"
+    else: cause = f"{type(e).__name__}: {first}"
+    intact = list_checkpoints(ckpt_dir)
+    last = f"the last intact checkpoint is {intact[-1]}" if intact else "no earlier checkpoint exists"
+    return f"checkpoint of step {step} not written: {cause}; {last}"
+
 @patch
 def checkpoint_state(self: Trainer) -> dict:
     "Everything an exact resume needs, with full (unsharded) tensors."
@@ -406,7 +422,7 @@ def checkpoint_state(self: Trainer) -> dict:
 
 @patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
-    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention."
+    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention; `CheckpointWriteError` on failure."
     c = self.cfg.checkpointing
     if self.ckpt_manager is None:
         self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
@@ -415,8 +431,11 @@ def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None
         return self.ckpt_manager.save_sharded(self.state.step, sharded_state(self.model, self.optimizers),
                                               self.checkpoint_meta(), val_loss=val_loss)
     state = self.checkpoint_state()
-    path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss) if self.env.is_main else None
-    barrier()
+    path, err = None, None
+    if self.env.is_main:
+        try: path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
+        except BaseException as e: err = _write_failure(self.state.step, e, self.ckpt_manager.dir)  # disk full, Ctrl-C, ...
+    if (err := broadcast_object(err)) is not None: raise CheckpointWriteError(err)  # every rank stops, with rank 0's reason
     return path
 
 # %% ../../nbs/24_trainer.ipynb #4470034a
@@ -533,52 +552,156 @@ def _write_samples(self: Trainer):
         with open(self.run_dir/"samples.jsonl", "a") as f:
             for s in samples: f.write(json.dumps(s) + "\n")
 
+# %% ../../nbs/24_trainer.ipynb #1a3bbc6e
+def _duration(s: float) -> str:
+    "Seconds as `1h02m03s`, `2m03s` or `4.5s`."
+    s = max(0.0, s)
+    if s < 60: return f"{s:.1f}s"
+    h, m = divmod(int(s) // 60, 60)
+    return f"{h}h{m:02d}m{int(s) % 60:02d}s" if h else f"{m}m{int(s) % 60:02d}s"
+
+class Progress:
+    "Training progress: a tqdm bar on a terminal, plain periodic lines elsewhere (logs, CI, papermill)."
+    def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True, terminal: bool | None = None):
+        self.total, self.initial, self.desc, self.enabled, self.t0 = total, initial, desc, enabled, time.perf_counter()
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.bar = None
+        if enabled and self.terminal:
+            from tqdm import tqdm  # the terminal bar: never a notebook widget
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+    def line(self, step: int, rec: dict) -> str:
+        "One plain progress line for logged step `step`."
+        done = (step - self.initial) / max(1e-9, time.perf_counter() - self.t0)
+        eta = _duration((self.total - step) / done) if done > 0 else "?"
+        return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} | lr {rec.get('lr', 0):.2e} "
+                f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%} | ETA {eta}")
+
+    def update(self, step: int, rec: dict | None = None):
+        "Advance by one step; `rec` is the step's logged record, if it was logged."
+        if self.bar is not None:
+            if rec is not None:
+                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
+            self.bar.update(1)
+        elif self.enabled and rec is not None: print(self.line(step, rec), flush=True)
+
+    def write(self, msg: str):
+        "A message on its own line, above the bar."
+        if not self.enabled: return
+        if self.bar is not None: self.bar.write(msg)
+        else: print(msg, flush=True)
+
+    def close(self):
+        if self.bar is not None: self.bar.close()
+
+# %% ../../nbs/24_trainer.ipynb #acf92704
+def summary_table(rows: list[tuple[str, str]], title: str = "") -> str:
+    "Two aligned columns under a title; rows whose value is None are left out."
+    rows = [(k, str(v)) for k, v in rows if v is not None]
+    w = max([len(k) for k, _ in rows] + [0])
+    rule = "-" * max([w + 2 + len(v) for _, v in rows] + [len(title)])
+    return "\n".join([rule] + ([title, rule] if title else []) + [f"{k:<{w}}  {v}" for k, v in rows] + [rule])
+
+def _fmt(x) -> str:
+    "A metric value for the summary: 4 significant decimals for floats."
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+# %% ../../nbs/24_trainer.ipynb #dca5839d
+@patch
+def _unigram_baseline(self: Trainer) -> float | None:
+    "Validation cross-entropy of the unigram distribution of the training data (pretraining loaders only)."
+    d = getattr(self.train_loader, "data_dir", None)
+    if self.cfg.training.stage != "pretraining" or d is None: return None
+    try:
+        from gradient_garden.tasks.pretraining import unigram_baseline
+        return unigram_baseline(d)
+    except Exception: return None
+
+def _eval_cell(rec: dict, task: str) -> str:
+    "A benchmark's summary entry: acc_norm (or acc) +- its standard error, and the number of examples."
+    k = f"{task}/acc_norm" if f"{task}/acc_norm" in rec else f"{task}/acc"
+    se, n = rec.get(f"{k}_stderr"), rec.get(f"{task}/n")
+    return f"{k.split('/')[1]} {rec[k]:.4f}" + (f" +- {se:.4f}" if se is not None else "") + (f" (n={n})" if n is not None else "")
+
+@patch
+def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float, tokens: int, peak: float) -> str:
+    "The end-of-stage table (see `summary_table`) of a `fit` result `res` and its latest metrics `last`."
+    tps = tokens / max(seconds, 1e-9)
+    how = f"stopped by {res['stopped_by']}" if res["stopped_by"] else "early stopping" if res["stopped_early"] else "finished"
+    base = self._unigram_baseline()
+    val = None if res["final_val_loss"] is None else _fmt(res["final_val_loss"]) + (f" (unigram baseline {base:.4f})" if base else "")
+    score = next((k for k in ("exact_match", "preference_accuracy") if k in last), None)
+    evals = [(task, _eval_cell(last, task)) for task in dict.fromkeys(k.split("/")[0] for k in last if k.endswith("/acc"))]
+    rows = [("steps", f"{res['start_step']} -> {res['step']} of {self.cfg.training.max_steps}"),
+            ("tokens", f"{tokens:,} this session, {res['tokens_seen']:,} in all"), ("wall time", _duration(seconds)),
+            ("tokens/s", f"{tps:,.0f}"), ("MFU", f"{tps * self._flops_per_token() / peak:.2%}"),
+            ("train loss", _fmt(last["loss"]) if "loss" in last else None), ("val loss", val),
+            (score, f"{_fmt(before[score])} -> {_fmt(last[score])}" if score in before else _fmt(last.get(score))) if score else ("", None),
+            *evals, ("checkpoint", res.get("checkpoint")), ("metrics", str(self.run_dir/"metrics.jsonl")),
+            ("report", str(self.run_dir/"report.ipynb") if (self.run_dir/"report.ipynb").exists() else None)]
+    return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
+
 # %% ../../nbs/24_trainer.ipynb #8251b0d9
 @patch
 def fit(self: Trainer) -> dict:
-    "Train to `training.max_steps` (or early stop); log, validate, sample, evaluate and checkpoint on schedule."
+    "Train to `training.max_steps` (or early stop, or a stop request); log, validate, sample, evaluate, checkpoint, summarise."
     cfg, env = self.cfg, self.env
     t, v, g, c = cfg.training, cfg.validation, cfg.generation, cfg.checkpointing
+    stop = getattr(self, "stop_request", None)  # e.g. `engine.run.StopRequest`: SIGTERM/SIGUSR1/Ctrl-C, agreed by all ranks
     logger = MetricsLogger(self.run_dir, enabled=env.is_main, wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
     peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
-    from tqdm.auto import tqdm
-    bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not self.log_to_console, desc=f"{t.stage}", dynamic_ncols=True)
+    before = {}
+    if self.final_evaluate is not None and self.state.step == 0:  # the stage's score before training, for the summary
+        before = self.final_evaluate(self.model if is_fsdp(self.model) else unwrap(self.model))
+    progress = Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
     prof = make_profiler(cfg, self.run_dir, env)
-    stopped_early, last_val = False, None
+    stopped_early, stopped_by, last_val, latest = False, None, None, {}
+    start_step, start_tokens, t_start = self.state.step, self.settle_tokens(), time.perf_counter()
     self.model.train()
     t_last, tok_mark, self._untimed_s = time.perf_counter(), self.settle_tokens(), 0.0
-    with (prof if prof is not None else contextlib.nullcontext()):
-        while self.state.step < t.max_steps:
-            out = self.train_step()
-            if prof is not None: prof.step()
-            step, rec, val_loss = self.state.step, None, None
-            if step % t.log_every == 0 or step == t.max_steps or step == 1:
-                if env.device.type == "cuda": torch.cuda.synchronize()
-                rec = self._step_record(out, self.state.tokens_seen - tok_mark, time.perf_counter() - t_last - self._untimed_s, peak)
-                t_last, tok_mark, self._untimed_s = time.perf_counter(), self.state.tokens_seen, 0.0
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
-            bar.update(1)
-            if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
+    try:
+        with (prof if prof is not None else contextlib.nullcontext()):
+            while self.state.step < t.max_steps:
+                out = self.train_step()
+                if prof is not None: prof.step()
+                step, rec, val_loss = self.state.step, None, None
+                if step % t.log_every == 0 or step == t.max_steps or step == 1:
+                    if env.device.type == "cuda": torch.cuda.synchronize()
+                    rec = self._step_record(out, self.state.tokens_seen - tok_mark, time.perf_counter() - t_last - self._untimed_s, peak)
+                    t_last, tok_mark, self._untimed_s = time.perf_counter(), self.state.tokens_seen, 0.0
+                progress.update(step, rec)
+                if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
+                    with self._untimed():
+                        val_loss, rec = self._validate_into(step, rec); last_val = val_loss
+                        if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
+                    progress.write(f"step {step}: val_loss {val_loss:.4f}")
+                    if self.early and self.early.update(step, val_loss): stopped_early = True
+                last = step == t.max_steps or stopped_early
                 with self._untimed():
-                    val_loss, rec = self._validate_into(step, rec); last_val = val_loss
-                    if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
-                if self.log_to_console: bar.write(f"step {step}: val_loss {val_loss:.4f}")
-                if self.early and self.early.update(step, val_loss): stopped_early = True
-            last = step == t.max_steps or stopped_early
-            with self._untimed():
-                rec = self._evaluate_into(step, last, rec)
-                if g.every and step % g.every == 0 and self.tokenizer is not None: self._write_samples()
-            if rec is not None: logger.log(rec)
-            for cb in self.callbacks: cb(self, rec)
-            if c.every and (step % c.every == 0 or (last and c.save_final)):
-                with self._untimed(): self.save_checkpoint(val_loss)
-            elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
-            if stopped_early:
-                if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
-                break
-    if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
-    barrier()
-    bar.close()
-    logger.close()
-    return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
-                stopped_early=stopped_early, tokens_seen=self.settle_tokens())
+                    rec = self._evaluate_into(step, last, rec)
+                    if g.every and step % g.every == 0 and self.tokenizer is not None: self._write_samples()
+                if rec is not None: logger.log(rec); latest.update(rec)
+                for cb in self.callbacks: cb(self, rec)
+                # one process reads its own flag; ranks agree (a collective, so a host read) where the loop reads anyway
+                if stop is not None and (not env.distributed or self._reads_host_after(step)) and stop.agreed(env.device):
+                    stopped_by = stop.name
+                    with self._untimed(): self.save_checkpoint(val_loss)
+                    break
+                if c.every and (step % c.every == 0 or (last and c.save_final)):
+                    with self._untimed(): self.save_checkpoint(val_loss)
+                elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
+                if stopped_early:
+                    progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
+                    break
+        if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
+        barrier()
+    finally:
+        progress.close()
+        logger.close()
+    ckpt = self.ckpt_manager.latest() if self.ckpt_manager is not None else None
+    res = dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
+               stopped_early=stopped_early, stopped_by=stopped_by, tokens_seen=self.settle_tokens(),
+               start_step=start_step, checkpoint=str(ckpt) if ckpt else None)
+    if self.log_to_console:
+        print(self._summary(res, latest, before, time.perf_counter() - t_start, res["tokens_seen"] - start_tokens, peak), flush=True)
+    return res | {f"{k}_before": x for k, x in before.items() if isinstance(x, (int, float))}

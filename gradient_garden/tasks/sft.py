@@ -23,7 +23,7 @@ __all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'DEFAULT_INSTRUCT_SOURCES', '
            'save_ragged', 'load_ragged', 'write_split', 'SFTDataset', 'check_source', 'load_rows', 'datasets_progress',
            'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'run_prepare_stage', 'run_prepare_instruct',
            'collate_rows', 'pack_rows', 'SFTLoader', 'SFTTask', 'instruct_dir', 'check_identity', 'build_instruct',
-           'prompt_ids', 'evaluate_exact_match']
+           'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
 
 # %% ../../nbs/31_sft.ipynb #46a633bc
 IGNORE_INDEX = -100
@@ -376,7 +376,8 @@ def build_instruct(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
     from gradient_garden.tasks.distillation import wrap_with_distillation
     def held_out_exact_match(m):
         "Exact match on held-out verifiable prompts, overall and per task."
-        r = evaluate_exact_match(m, tokenizer)
+        r = evaluate_exact_match(m, tokenizer, rank=env.rank, world_size=env.world_size,
+                                 lockstep=cfg.runtime.fsdp and env.world_size > 1)  # FSDP2: forwards are collectives
         return {"exact_match": r["exact_match"], **{f"exact_match/{k}": v for k, v in r["per_task"].items()}}
     return StageParts(wrap_with_distillation(SFTTask(), cfg, tokenizer, env.device), train, val, evaluate=held_out_exact_match)
 
@@ -386,23 +387,42 @@ def prompt_ids(tokenizer, ex: VerifiableExample, system: Optional[str] = None) -
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": ex.prompt}]
     return tokenizer.render_chat(msgs, add_generation_prompt=True)[0]
 
+def lockstep_generate(model, tokenizer, prompts: list[list[int]], n_per_rank: int, max_new_tokens: int, batch_size: int,
+                      longest: int) -> list[list[int]]:
+    "Greedy answers with the same forwards on every rank: `n_per_rank` prompts (padded), the full budget, cut at stop tokens."
+    from gradient_garden.generation import generate
+    stops = {t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None}
+    budget = min(max_new_tokens, model.cfg.max_seq_len - longest)  # the same on every rank: the longest prompt of all
+    padded = prompts + [prompts[0] if prompts else [tokenizer.bos_id or 0]] * (n_per_rank - len(prompts))
+    outs = generate(model, tokenizer, padded, max_new_tokens=budget, temperature=0.0, stop_ids=[], batch_size=batch_size)
+    return [o[:next((i for i, t in enumerate(o) if t in stops), len(o))] for o in outs[:len(prompts)]]
+
 @torch.no_grad()
 def evaluate_exact_match(model, tokenizer, examples: Optional[list[VerifiableExample]] = None, n_per_task: int = 20,
                          max_new_tokens: int = 24, batch_size: int = 64, system: Optional[str] = None,
-                         seed: int = 0) -> dict:
-    "Greedy answers to held-out verifiable prompts scored by exact match: overall, per task, and samples."
+                         seed: int = 0, rank: int = 0, world_size: int = 1, lockstep: bool = False) -> dict:
+    "Greedy answers to held-out verifiable prompts scored by exact match: overall, per task, samples; split over ranks."
     from gradient_garden.generation import generate
+    from gradient_garden.engine.distributed import all_gather_objects
     examples = heldout_examples(n_per_task, seed=seed) if examples is None else examples
+    prompts = [prompt_ids(tokenizer, e, system) for e in examples]
+    mine = list(range(rank, len(examples), world_size))
     was_training = model.training
     model.eval()
     try:
-        outs = generate(model, tokenizer, [prompt_ids(tokenizer, e, system) for e in examples], max_new_tokens=max_new_tokens,
-                        temperature=0.0, stop_ids=[tokenizer.eot_id, tokenizer.eos_id], batch_size=batch_size)
+        if lockstep: outs = lockstep_generate(model, tokenizer, [prompts[i] for i in mine], -(-len(examples) // world_size),
+                                              max_new_tokens, batch_size, max(map(len, prompts), default=1))
+        else: outs = generate(model, tokenizer, [prompts[i] for i in mine], max_new_tokens=max_new_tokens, temperature=0.0,
+                              stop_ids=[tokenizer.eot_id, tokenizer.eos_id], batch_size=batch_size)
     finally: model.train(was_training)
-    answers = [tokenizer.decode(o) for o in outs]
-    hits = [exact_match(a, e.answer) for a, e in zip(answers, examples)]
+    answers = [None] * len(examples)
+    for part in all_gather_objects([(i, tokenizer.decode(o)) for i, o in zip(mine, outs)]):
+        for i, a in part: answers[i] = a
+    scored = [(e, a) for e, a in zip(examples, answers) if a is not None]  # all of them once gathered over the ranks
+    hits = [exact_match(a, e.answer) for e, a in scored]
     per_task: dict = {}
-    for e, h in zip(examples, hits): per_task.setdefault(e.task, []).append(h)
+    for (e, _), h in zip(scored, hits): per_task.setdefault(e.task, []).append(h)
     return dict(exact_match=sum(hits) / max(len(hits), 1), n=len(hits),
                 per_task={t: sum(v) / len(v) for t, v in per_task.items()},
-                samples=[dict(task=e.task, prompt=e.prompt, answer=e.answer, output=a) for e, a in zip(examples[:8], answers)])
+                samples=[dict(task=e.task, prompt=e.prompt, answer=e.answer, output=a) for e, a in scored[:8]],
+                outputs=answers)
