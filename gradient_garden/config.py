@@ -41,6 +41,7 @@ class RuntimeConfig:
     compile: bool = False
     num_workers: int = 0
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 26_activation_checkpointing
 
 # %% ../nbs/00_config.ipynb #117522bf
 @dataclass
