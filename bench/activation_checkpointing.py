@@ -7,7 +7,7 @@ round-robin for `--rounds` rounds (side by side, so machine load hits them alike
 is reported with its ratio to `none`. `block2` (full checkpointing of every second block, the block-level variant
 of selective) is measured for comparison.
 
-    python bench/activation_checkpointing.py                  # CPU, micro batch 1, writes bench/results/activation_checkpointing.json
+    python bench/activation_checkpointing.py                  # CPU, micro batch 2, writes bench/results/activation_checkpointing.json
     python bench/activation_checkpointing.py --device cuda --batch-size 8 --dtype bf16
 
 The last line of stdout is one JSON object with the figures.
@@ -49,7 +49,7 @@ def main(argv=None):
     p.add_argument("--recipe", default=str(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
