@@ -7,7 +7,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/run.html.md"""
 
 # %% ../../nbs/25_run.ipynb #449151b2
 from __future__ import annotations
-import importlib
+import importlib, os
 from dataclasses import dataclass
 from typing import Any, Callable
 import torch
@@ -80,6 +80,8 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if checkpoint:
         ckpt = load_checkpoint(checkpoint)
         check_compatible(ckpt, cfg, allow_stage_change=True, tokenizer_identity=tokenizer.identity)
+    from gradient_garden.engine.plan import check_fit
+    check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
     model = build_run_model(cfg, env, ckpt)
     parts = build_stage(cfg, tokenizer, env, model)
     seed_everything(cfg.training.seed)
