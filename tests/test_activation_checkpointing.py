@@ -51,9 +51,9 @@ def test_lora_and_checkpointing():
     assert any("lora" in n for n in ref) and all("lora" in n for n in ref)
     for mode in ("full", "selective"): assert_same_grads(ref, grads_of(build(mode), tokens())[1])
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_compile_and_checkpointing(mode):
-    # parallelize's order: checkpointing, then each block compiled in place
+def test_compile_and_checkpointing(mode="selective"):
+    # parallelize's order: checkpointing, then each block compiled in place; selective is the harder case for dynamo
+    # (the policy's dispatch mode is traced into the graph); one mode keeps the test's compile time down
     _, ref = grads_of(fresh(SMALL), tokens())
     model = parallelize(fresh(SMALL), RuntimeConfig(device="cpu", compile=True, activation_checkpointing=mode), DistEnv())
     assert all(b.activation_checkpointing == mode for b in model.layers)
