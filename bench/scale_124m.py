@@ -48,13 +48,14 @@ def hf_logits_match(ckpt: Path, out: Path) -> float:
     from gradient_garden.engine.checkpoints import load_model_from_checkpoint
     run([*GG, "export", "--checkpoint", ckpt, "--out", out])
     ours, cfg = load_model_from_checkpoint(ckpt, "cpu", torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     toks = torch.randint(0, cfg.model.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(): return float((ours.eval()(toks) - hf(toks).logits).abs().max())
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default=None, help="working folder (default: a temporary one)")
+    p.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/scale_124m.json)")
     args = p.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="gg_scale_"))
     res = {}
@@ -81,6 +82,7 @@ def main(argv=None) -> dict:
     res["plan_per_rank_mib"] = memory_plan(cfg, "fsdp2", 2, device_type="cpu")["total"]["selective"] / 2**20
     res["tokens_per_s"] = STEPS * 2048 / res["train_2ranks_s"]
     print(json.dumps(res))
+    if args.out: Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return res
 
 if __name__ == "__main__":
