@@ -14,14 +14,16 @@ import torch
 import torch.nn as nn
 from contextlib import nullcontext
 from .config import ConfigError, read_data_file
+from .data.verifiable import heldout_examples
 import torch.nn.functional as F
 from .models.attention import (Attention, KVCache, additive_mask, apply_rope, hold_fused_weights,
                                               plain_linear, sdpa_gqa)
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
 # %% auto #0
-__all__ = ['HOLD_MAX_BYTES', 'apply_repetition_penalty', 'sample_next', 'decode_step_applies', 'decode_step', 'generate',
-           'encode_prompts', 'generate_text', 'load_prompts', 'resolve_device', 'add_generate_args', 'run_generate']
+__all__ = ['HOLD_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next', 'decode_step_applies',
+           'decode_step', 'generate', 'encode_prompts', 'generate_text', 'default_test_prompts', 'load_prompts',
+           'resolve_device', 'add_generate_args', 'run_generate']
 
 # %% ../nbs/14_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -193,6 +195,14 @@ def generate_text(model: nn.Module, tokenizer, prompts: list, instruct: bool = F
     outs = generate(model, tokenizer, encode_prompts(tokenizer, prompts, instruct), **kwargs)
     return [tokenizer.decode(o) for o in outs]
 
+# %% ../nbs/14_generation.ipynb #f7c0210d
+PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]
+
+def default_test_prompts(stage: str) -> list[str]:
+    "Prompts sampled during training: code openings for pretraining, held-out verifiable questions after it."
+    if stage == "pretraining": return PRETRAINING_TEST_PROMPTS
+    return [e.prompt for e in heldout_examples(1)][:5]
+
 # %% ../nbs/14_generation.ipynb #80cd88d8
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -246,10 +256,9 @@ def _check_args(args):
     if args.batch_size <= 0: raise ConfigError(f"--batch-size: got {args.batch_size}; must be > 0")
 
 def _default_prompts(cfg, instruct: bool) -> list:
-    "The run's test prompts, or the trainer's defaults for the stage."
+    "The run's test prompts, or the defaults for the stage (`default_test_prompts`)."
     if cfg.generation.test_prompts: return list(cfg.generation.test_prompts)
-    from gradient_garden.engine.trainer import DEFAULT_TEST_PROMPTS
-    return DEFAULT_TEST_PROMPTS["instruct" if instruct else "pretraining"]
+    return default_test_prompts("instruct" if instruct else "pretraining")
 
 def run_generate(args) -> int:
     "Run `gg generate`: load a checkpoint and its tokenizer, complete the prompts, print and save the results."

@@ -12,6 +12,7 @@ import contextlib, json, math, os, platform, random, subprocess, sys, time, warn
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from fastcore.basics import patch
 import numpy as np
 import torch
 from torch import nn
@@ -19,12 +20,13 @@ from ..config import GlobalConfig, grad_accum_steps, redact
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
                                                 clip_grad_norm_)
 from .checkpoints import rng_state, set_rng_state
+from ..generation import default_test_prompts, encode_prompts, generate
 
 # %% auto #0
-__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'PRETRAINING_TEST_PROMPTS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak',
-           'gpu_datasheet_flops', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
-           'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything',
-           'make_profiler', 'full_state', 'load_full_state', 'default_test_prompts', 'TrainState', 'Trainer']
+__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'autocast_context', 'make_grad_scaler', 'measure_matmul_peak', 'gpu_datasheet_flops',
+           'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
+           'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
+           'load_full_state', 'TrainState', 'Trainer']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -217,15 +219,7 @@ def load_full_state(model: nn.Module, optimizers: list | None, model_sd: dict, o
         set_state_dict(m, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
     else: set_model_state_dict(m, model_sd, options=opts)
 
-# %% ../../nbs/24_trainer.ipynb #8ac9ab59
-PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]
-
-def default_test_prompts(stage: str) -> list[str]:
-    "Prompts sampled during training: code openings for pretraining, held-out verifiable questions after it."
-    if stage == "pretraining": return PRETRAINING_TEST_PROMPTS
-    from gradient_garden.data.verifiable import heldout_examples
-    return [e.prompt for e in heldout_examples(1)][:5]
-
+# %% ../../nbs/24_trainer.ipynb #64520378
 @dataclass
 class TrainState:
     "Counters that a checkpoint must carry for an exact resume."
@@ -234,6 +228,7 @@ class TrainState:
     best_val_loss: float = float("inf")
     val_history: list = field(default_factory=list)
 
+# %% ../../nbs/24_trainer.ipynb #fc3a75fe
 class Trainer:
     "Runs a task's optimisation: accumulation, precision, validation, logging, checkpoints."
     def __init__(self, cfg: GlobalConfig, model: nn.Module, task, train_loader, val_loader=None, *, optimizers=None,
@@ -258,214 +253,244 @@ class Trainer:
         self.router_metrics: dict = {}
         self.final_evaluate = final_evaluate
 
-    # -- one optimizer step ---------------------------------------------------------------------------------------
-    def _mark_supervised(self, batch):
-        "Tell a model with routing losses (MoE) which tokens are supervised, for its next forward."
-        set_mask = getattr(unwrap(self.model), "set_loss_mask", None)
-        if callable(set_mask) and "labels" in batch: set_mask(batch["labels"] != -100)
+# %% ../../nbs/24_trainer.ipynb #3abd1ea9
+@patch
+def _mark_supervised(self: Trainer, batch):
+    "Tell a model with routing losses (MoE) which tokens are supervised, for its next forward."
+    set_mask = getattr(unwrap(self.model), "set_loss_mask", None)
+    if callable(set_mask) and "labels" in batch: set_mask(batch["labels"] != -100)
 
-    def _forward_loss(self, batch) -> tuple[torch.Tensor, dict]:
-        "Sum of the task loss over the micro-batch, plus the model's auxiliary loss when it has one."
-        self._mark_supervised(batch)
+@patch
+def _forward_loss(self: Trainer, batch) -> tuple[torch.Tensor, dict]:
+    "Sum of the task loss over the micro-batch, plus the model's auxiliary loss when it has one."
+    self._mark_supervised(batch)
+    with autocast_context(self.env.device, self.cfg.runtime.precision):
+        loss_sum, metrics = self.task.loss(self.model, batch)
+    aux = getattr(unwrap(self.model), "aux_loss", None)
+    return loss_sum, metrics, (aux() if callable(aux) else None)
+
+# %% ../../nbs/24_trainer.ipynb #f9cfe060
+@patch
+def train_step(self: Trainer) -> dict:
+    "Read `grad_accum` micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
+    cfg, dev = self.cfg, self.env.device
+    from gradient_garden.engine.optim import set_learning_rates
+    lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
+    lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
+    batches = [{k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in self.train_loader.next_batch().items()}
+               for _ in range(self.grad_accum)]
+    count = all_reduce(torch.stack([torch.as_tensor(self.task.count(b), device=dev, dtype=torch.float64) for b in batches]).sum())
+    n_tokens = all_reduce(torch.tensor(float(sum(b["input_ids"].numel() for b in batches)), device=dev))
+    loss_total = torch.zeros((), device=dev, dtype=torch.float64)
+    metric_sums: dict = {}
+    for i, batch in enumerate(batches):
+        with grad_sync(self.model, sync=i == len(batches) - 1):
+            loss_sum, metrics, aux = self._forward_loss(batch)
+            loss = loss_sum / count * self.env.world_size
+            if aux is not None: loss = loss + aux / self.grad_accum
+            self.scaler.scale(loss).backward()
+        loss_total += loss_sum.detach().double()
+        for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
+    grad_norm = None
+    if cfg.training.grad_clip:
+        for o in self.optimizers: self.scaler.unscale_(o)
+        grad_norm = clip_grad_norm_(self.model.parameters(), cfg.training.grad_clip)  # same norm on any layout
+    for o in self.optimizers: self.scaler.step(o)
+    self.scaler.update()
+    for o in self.optimizers: o.zero_grad(set_to_none=True)
+    out = dict(loss=all_reduce(loss_total) / count, n_units=count, n_tokens=n_tokens, **lrs)
+    for k, v in metric_sums.items(): out[k] = all_reduce(v) / count
+    if grad_norm is not None: out["grad_norm"] = grad_norm
+    self.state.step += 1
+    self.state.tokens_seen += int(n_tokens.item())
+    return out
+
+# %% ../../nbs/24_trainer.ipynb #c1ddd034
+@patch
+@torch.no_grad()
+def validate(self: Trainer) -> float:
+    "Mean validation loss over the same fixed windows every time, whatever the world size (all ranks, reduced)."
+    if self.val_loader is None: return float("nan")
+    if self._val_batches is None:  # `validation.steps` global batches: the same windows on any number of ranks
+        self._val_batches = self.val_loader.fixed_batches(self.cfg.validation.steps * self.grad_accum)
+    self.model.eval()
+    dev, inner = self.env.device, unwrap(self.model)
+    if hasattr(inner, "reset_router_stats"): inner.reset_router_stats()  # count validation routing only
+    tot, cnt = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
+    try:
+        for b in self._val_batches:
+            b = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in b.items()}
+            self._mark_supervised(b)
+            with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
+            tot += loss_sum.double(); cnt += float(self.task.count(b))
+    finally: self.model.train()
+    # router load, effective/dead experts, max share (a collective: every rank calls it)
+    self.router_metrics = inner.router_metrics() if hasattr(inner, "router_metrics") else {}
+    return (all_reduce(tot) / all_reduce(cnt)).item()
+
+# %% ../../nbs/24_trainer.ipynb #4594b5dd
+@patch
+def checkpoint_state(self: Trainer) -> dict:
+    "Everything an exact resume needs, with full (unsharded) tensors."
+    msd, osd = full_state(self.model, self.optimizers)
+    st = self.state
+    return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
+                config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
+                rng=rng_state(), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
+                tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
+                tokenizer_identity=getattr(self.tokenizer, "identity", None))
+
+@patch
+def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
+    "Gather the state on every rank, write it atomically from rank 0, apply retention."
+    from gradient_garden.engine.checkpoints import CheckpointManager
+    state = self.checkpoint_state()
+    path = None
+    if self.env.is_main:
+        if self.ckpt_manager is None:
+            c = self.cfg.checkpointing
+            self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best)
+        path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
+    barrier()
+    return path
+
+# %% ../../nbs/24_trainer.ipynb #4470034a
+@patch
+def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, reset_loader=False,
+                          reset_val_history=False, start_step: int | None = None, restore_progress: bool = True):
+    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint dict."
+    same_stage = ckpt.get("stage") == self.cfg.training.stage
+    keep_progress = restore_progress and same_stage
+    load_full_state(self.model, None if (reset_optimizers or not keep_progress) else self.optimizers,
+                    ckpt["model"], ckpt.get("optimizers"))
+    if not keep_progress: return
+    if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
+    if ckpt.get("rng"): set_rng_state(ckpt["rng"])
+    self.state.step = ckpt["step"] if start_step is None else start_step
+    self.state.tokens_seen = ckpt.get("tokens_seen", 0)
+    if not reset_val_history:
+        self.state.val_history = list(ckpt.get("val_history", []))
+        self.state.best_val_loss = ckpt.get("best_val_loss", float("inf"))
+        if self.early and ckpt.get("early_stopping"):
+            self.early.best, self.early.bad = ckpt["early_stopping"]["best"], ckpt["early_stopping"]["bad"]
+    if ckpt.get("scaler") and self.scaler.is_enabled(): self.scaler.load_state_dict(ckpt["scaler"])
+
+# %% ../../nbs/24_trainer.ipynb #2f747796
+@patch
+def sample(self: Trainer) -> list[dict]:
+    "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
+    if self.tokenizer is None: return []
+    g, tok = self.cfg.generation, self.tokenizer
+    prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
+    m = self.model if is_fsdp(self.model) else unwrap(self.model)
+    lockstep = is_fsdp(self.model) and self.env.distributed  # no early stop that numerics could time differently per rank
+    stops = {t for t in (tok.eos_id, tok.eot_id) if t is not None}
+    m.eval()
+    try:
         with autocast_context(self.env.device, self.cfg.runtime.precision):
-            loss_sum, metrics = self.task.loss(self.model, batch)
-        aux = getattr(unwrap(self.model), "aux_loss", None)
-        return loss_sum, metrics, (aux() if callable(aux) else None)
+            outs = generate(m, tok, encode_prompts(tok, prompts, instruct=self.cfg.training.stage != "pretraining"),
+                            max_new_tokens=g.max_gen_len, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                            seed=self.cfg.training.seed, stop_ids=[] if lockstep else sorted(stops))
+    finally: m.train()
+    outs = [o[:next((i for i, t in enumerate(o) if t in stops), len(o))] for o in outs]
+    return [dict(step=self.state.step, prompt=p, completion=tok.decode(o)) for p, o in zip(prompts, outs)]
 
-    def train_step(self) -> dict:
-        "Read `grad_accum` micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
-        cfg, dev = self.cfg, self.env.device
-        from gradient_garden.engine.optim import set_learning_rates
-        lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
-        lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
-        batches = [{k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in self.train_loader.next_batch().items()}
-                   for _ in range(self.grad_accum)]
-        count = all_reduce(torch.stack([torch.as_tensor(self.task.count(b), device=dev, dtype=torch.float64) for b in batches]).sum())
-        n_tokens = all_reduce(torch.tensor(float(sum(b["input_ids"].numel() for b in batches)), device=dev))
-        loss_total = torch.zeros((), device=dev, dtype=torch.float64)
-        metric_sums: dict = {}
-        for i, batch in enumerate(batches):
-            with grad_sync(self.model, sync=i == len(batches) - 1):
-                loss_sum, metrics, aux = self._forward_loss(batch)
-                loss = loss_sum / count * self.env.world_size
-                if aux is not None: loss = loss + aux / self.grad_accum
-                self.scaler.scale(loss).backward()
-            loss_total += loss_sum.detach().double()
-            for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
-        grad_norm = None
-        if cfg.training.grad_clip:
-            for o in self.optimizers: self.scaler.unscale_(o)
-            grad_norm = clip_grad_norm_(self.model.parameters(), cfg.training.grad_clip)  # same norm on any layout
-        for o in self.optimizers: self.scaler.step(o)
-        self.scaler.update()
-        for o in self.optimizers: o.zero_grad(set_to_none=True)
-        out = dict(loss=all_reduce(loss_total) / count, n_units=count, n_tokens=n_tokens, **lrs)
-        for k, v in metric_sums.items(): out[k] = all_reduce(v) / count
-        if grad_norm is not None: out["grad_norm"] = grad_norm
-        self.state.step += 1
-        self.state.tokens_seen += int(n_tokens.item())
-        return out
+@patch
+def run_evals(self: Trainer) -> dict:
+    "Multiple-choice evals split across ranks; flat metrics like `hellaswag/acc_norm`."
+    from gradient_garden.evals import evaluate_from_config
+    m = self.model if is_fsdp(self.model) else unwrap(self.model)
+    m.eval()
+    try: res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
+    finally: m.train()
+    return {f"{t}/{k}": v for t, r in res.items() for k, v in r.items() if isinstance(v, (int, float))}
 
-    # -- validation -----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def validate(self) -> float:
-        "Mean validation loss over the same fixed windows every time, whatever the world size (all ranks, reduced)."
-        if self.val_loader is None: return float("nan")
-        if self._val_batches is None:  # `validation.steps` global batches: the same windows on any number of ranks
-            self._val_batches = self.val_loader.fixed_batches(self.cfg.validation.steps * self.grad_accum)
-        self.model.eval()
-        dev, inner = self.env.device, unwrap(self.model)
-        if hasattr(inner, "reset_router_stats"): inner.reset_router_stats()  # count validation routing only
-        tot, cnt = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
-        try:
-            for b in self._val_batches:
-                b = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in b.items()}
-                self._mark_supervised(b)
-                with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
-                tot += loss_sum.double(); cnt += float(self.task.count(b))
-        finally: self.model.train()
-        # router load, effective/dead experts, max share (a collective: every rank calls it)
-        self.router_metrics = inner.router_metrics() if hasattr(inner, "router_metrics") else {}
-        return (all_reduce(tot) / all_reduce(cnt)).item()
+# %% ../../nbs/24_trainer.ipynb #cbbd7523
+@patch
+def _flops_per_token(self: Trainer) -> float:
+    "Model FLOPs per trained token of the configured shape (cached)."
+    if self._fpt is None:
+        from gradient_garden.models.tendril import flops_per_token
+        self._fpt = flops_per_token(self.cfg.model, self.cfg.training.seq_len)
+    return self._fpt
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------
-    def checkpoint_state(self) -> dict:
-        "Everything an exact resume needs, with full (unsharded) tensors."
-        msd, osd = full_state(self.model, self.optimizers)
-        st = self.state
-        return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
-                    config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
-                    rng=rng_state(), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
-                    tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
-                    early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
-                    tokenizer_identity=getattr(self.tokenizer, "identity", None))
+@patch
+def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: float) -> dict:
+    "The metrics row of a logged step: loss, learning rates, tokens/s and MFU over the interval, the step's other metrics."
+    tps = tokens / seconds
+    return dict(step=self.state.step, loss=float(out["loss"]), tokens_per_s=tps,
+                mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
+                **{k: float(x) for k, x in out.items() if k not in ("loss", "n_units", "n_tokens")})
 
-    def save_checkpoint(self, val_loss: float | None = None) -> Path | None:
-        "Gather the state on every rank, write it atomically from rank 0, apply retention."
-        from gradient_garden.engine.checkpoints import CheckpointManager
-        state = self.checkpoint_state()
-        path = None
-        if self.env.is_main:
-            if self.ckpt_manager is None:
-                c = self.cfg.checkpointing
-                self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best)
-            path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
-        barrier()
-        return path
+# %% ../../nbs/24_trainer.ipynb #77e0ebb3
+@patch
+def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, dict]:
+    "Validate, record the history and best loss; return the loss and the record extended with it."
+    val_loss = self.validate()
+    self.state.val_history.append([step, val_loss])
+    self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
+    return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics
 
-    def load_checkpoint_state(self, ckpt: dict, reset_optimizers=False, reset_loader=False, reset_val_history=False,
-                              start_step: int | None = None, restore_progress: bool = True):
-        "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint dict."
-        same_stage = ckpt.get("stage") == self.cfg.training.stage
-        keep_progress = restore_progress and same_stage
-        load_full_state(self.model, None if (reset_optimizers or not keep_progress) else self.optimizers,
-                        ckpt["model"], ckpt.get("optimizers"))
-        if not keep_progress: return
-        if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
-        if ckpt.get("rng"): set_rng_state(ckpt["rng"])
-        self.state.step = ckpt["step"] if start_step is None else start_step
-        self.state.tokens_seen = ckpt.get("tokens_seen", 0)
-        if not reset_val_history:
-            self.state.val_history = list(ckpt.get("val_history", []))
-            self.state.best_val_loss = ckpt.get("best_val_loss", float("inf"))
-            if self.early and ckpt.get("early_stopping"):
-                self.early.best, self.early.bad = ckpt["early_stopping"]["best"], ckpt["early_stopping"]["bad"]
-        if ckpt.get("scaler") and self.scaler.is_enabled(): self.scaler.load_state_dict(ckpt["scaler"])
-
-    # -- generation and evals during training ---------------------------------------------------------------------
-    def sample(self) -> list[dict]:
-        "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
-        if self.tokenizer is None: return []
-        from gradient_garden.generation import encode_prompts, generate
-        g, tok = self.cfg.generation, self.tokenizer
-        prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
+@patch
+def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
+    "Add the final evaluation (on the last step) and the scheduled evals to the record."
+    if last and self.final_evaluate is not None:
         m = self.model if is_fsdp(self.model) else unwrap(self.model)
-        # FSDP2 forwards are collectives: decode the full budget on every rank (no early stop that numerics could
-        # time differently per rank), then cut at the stop tokens
-        lockstep = is_fsdp(self.model) and self.env.distributed
-        stops = {t for t in (tok.eos_id, tok.eot_id) if t is not None}
-        m.eval()
-        try:
-            with autocast_context(self.env.device, self.cfg.runtime.precision):
-                outs = generate(m, tok, encode_prompts(tok, prompts, instruct=self.cfg.training.stage != "pretraining"),
-                                max_new_tokens=g.max_gen_len, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                seed=self.cfg.training.seed, stop_ids=[] if lockstep else sorted(stops))
-        finally: m.train()
-        outs = [o[:next((i for i, t in enumerate(o) if t in stops), len(o))] for o in outs]
-        return [dict(step=self.state.step, prompt=p, completion=tok.decode(o)) for p, o in zip(prompts, outs)]
+        rec = (rec or dict(step=step)) | self.final_evaluate(m)
+    e = self.cfg.evals
+    if e.every and step % e.every == 0 and self.tokenizer is not None: rec = (rec or dict(step=step)) | self.run_evals()
+    return rec
 
-    def run_evals(self) -> dict:
-        "Multiple-choice evals split across ranks; flat metrics like `hellaswag/acc_norm`."
-        from gradient_garden.evals import evaluate_from_config
-        m = self.model if is_fsdp(self.model) else unwrap(self.model)
-        m.eval()
-        try: res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
-        finally: m.train()
-        return {f"{t}/{k}": v for t, r in res.items() for k, v in r.items() if isinstance(v, (int, float))}
+@patch
+def _write_samples(self: Trainer):
+    "Sample from the test prompts and append them to `samples.jsonl` (rank 0)."
+    samples = self.sample()
+    if self.env.is_main:
+        with open(self.run_dir/"samples.jsonl", "a") as f:
+            for s in samples: f.write(json.dumps(s) + "\n")
 
-    # -- the whole run --------------------------------------------------------------------------------------------
-    def _flops_per_token(self) -> float:
-        if self._fpt is None:
-            from gradient_garden.models.tendril import flops_per_token
-            self._fpt = flops_per_token(self.cfg.model, self.cfg.training.seq_len)
-        return self._fpt
-
-    def fit(self) -> dict:
-        "Train to `training.max_steps` (or early stop); log, validate, sample, evaluate and checkpoint on schedule."
-        cfg, env = self.cfg, self.env
-        t, v, g, c, e = cfg.training, cfg.validation, cfg.generation, cfg.checkpointing, cfg.evals
-        logger = MetricsLogger(self.run_dir, enabled=env.is_main, wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
-        peak = peak_flops(env.device, cfg.runtime.precision) * env.world_size
-        from tqdm.auto import tqdm
-        bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not self.log_to_console, desc=f"{t.stage}", dynamic_ncols=True)
-        prof = make_profiler(cfg, self.run_dir, env)
-        stopped_early, last_val = False, None
-        self.model.train()
-        t_last, tok_last = time.perf_counter(), 0
-        with (prof if prof is not None else contextlib.nullcontext()):
-            while self.state.step < t.max_steps:
-                out = self.train_step()
-                if prof is not None: prof.step()
-                step = self.state.step
-                tok_last += int(out["n_tokens"].item())
-                rec = None
-                if step % t.log_every == 0 or step == t.max_steps or step == 1:
-                    if env.device.type == "cuda": torch.cuda.synchronize()
-                    dt = time.perf_counter() - t_last
-                    tps = tok_last / dt
-                    rec = dict(step=step, loss=float(out["loss"]), tokens_per_s=tps,
-                               mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
-                               **{k: float(x) for k, x in out.items() if k not in ("loss", "n_units", "n_tokens")})
-                    t_last, tok_last = time.perf_counter(), 0
-                    bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{tps:,.0f}", mfu=f"{rec['mfu']:.1%}")
-                bar.update(1)
-                val_loss = None
-                if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
-                    val_loss = self.validate(); last_val = val_loss
-                    if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
-                    self.state.val_history.append([step, val_loss])
-                    self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
-                    rec = (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics
-                    if self.log_to_console: bar.write(f"step {step}: val_loss {val_loss:.4f}")
-                    if self.early and self.early.update(step, val_loss): stopped_early = True
-                last = step == t.max_steps or stopped_early
-                if last and self.final_evaluate is not None:
-                    m = self.model if is_fsdp(self.model) else unwrap(self.model)
-                    rec = (rec or dict(step=step)) | self.final_evaluate(m)
-                if e.every and step % e.every == 0 and self.tokenizer is not None:
-                    rec = (rec or dict(step=step)) | self.run_evals()
-                if g.every and step % g.every == 0 and self.tokenizer is not None:
-                    samples = self.sample()
-                    if env.is_main:
-                        with open(self.run_dir/"samples.jsonl", "a") as f:
-                            for s in samples: f.write(json.dumps(s) + "\n")
-                if rec is not None: logger.log(rec)
-                for cb in self.callbacks: cb(self, rec)
-                if c.every and (step % c.every == 0 or (last and c.save_final)): self.save_checkpoint(val_loss)
-                if stopped_early:
-                    if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
-                    break
-        bar.close()
-        logger.close()
-        return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
-                    stopped_early=stopped_early, tokens_seen=self.state.tokens_seen)
+# %% ../../nbs/24_trainer.ipynb #8251b0d9
+@patch
+def fit(self: Trainer) -> dict:
+    "Train to `training.max_steps` (or early stop); log, validate, sample, evaluate and checkpoint on schedule."
+    cfg, env = self.cfg, self.env
+    t, v, g, c = cfg.training, cfg.validation, cfg.generation, cfg.checkpointing
+    logger = MetricsLogger(self.run_dir, enabled=env.is_main, wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
+    peak = peak_flops(env.device, cfg.runtime.precision) * env.world_size
+    from tqdm.auto import tqdm
+    bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not self.log_to_console, desc=f"{t.stage}", dynamic_ncols=True)
+    prof = make_profiler(cfg, self.run_dir, env)
+    stopped_early, last_val = False, None
+    self.model.train()
+    t_last, tok_last = time.perf_counter(), 0
+    with (prof if prof is not None else contextlib.nullcontext()):
+        while self.state.step < t.max_steps:
+            out = self.train_step()
+            if prof is not None: prof.step()
+            step, rec, val_loss = self.state.step, None, None
+            tok_last += int(out["n_tokens"].item())
+            if step % t.log_every == 0 or step == t.max_steps or step == 1:
+                if env.device.type == "cuda": torch.cuda.synchronize()
+                rec = self._step_record(out, tok_last, time.perf_counter() - t_last, peak)
+                t_last, tok_last = time.perf_counter(), 0
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
+            bar.update(1)
+            if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
+                val_loss, rec = self._validate_into(step, rec); last_val = val_loss
+                if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
+                if self.log_to_console: bar.write(f"step {step}: val_loss {val_loss:.4f}")
+                if self.early and self.early.update(step, val_loss): stopped_early = True
+            last = step == t.max_steps or stopped_early
+            rec = self._evaluate_into(step, last, rec)
+            if g.every and step % g.every == 0 and self.tokenizer is not None: self._write_samples()
+            if rec is not None: logger.log(rec)
+            for cb in self.callbacks: cb(self, rec)
+            if c.every and (step % c.every == 0 or (last and c.save_final)): self.save_checkpoint(val_loss)
+            if stopped_early:
+                if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
+                break
+    bar.close()
+    logger.close()
+    return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
+                stopped_early=stopped_early, tokens_seen=self.state.tokens_seen)
