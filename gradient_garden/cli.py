@@ -12,7 +12,7 @@ from .config import ConfigError, STAGE_FLAGS, load_config
 
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'default_train_notebook',
-           'report_path', 'add_notebook_args', 'run_notebook', 'build_parser', 'main']
+           'report_path', 'add_notebook_args', 'run_notebook', 'add_plan_args', 'run_plan', 'build_parser', 'main']
 
 # %% ../nbs/50_cli.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -115,6 +115,24 @@ def run_notebook(args) -> int:
     if rank == 0: print(f"report: {out}")
     return 0
 
+# %% ../nbs/50_cli.ipynb #71b5a15e
+def add_plan_args(p: argparse.ArgumentParser):
+    "Flags of `gg plan`."
+    add_config_args(p)
+    p.add_argument("--gpu", default="H100", help="H100, H200, A100, L40S or cpu (default H100)")
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the time estimate (default 0.4)")
+    p.add_argument("--mfu-from", default=None, help="a run folder or metrics.jsonl whose median MFU to use instead")
+
+def run_plan(args) -> int:
+    "`gg plan`: print the plan; exit status 1 (after printing it) when it does not fit."
+    from gradient_garden.engine.plan import plan, format_plan
+    cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage, world_size=1)
+    p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from)
+    print(format_plan(p))
+    return 0 if p.fits else 1
+
 # %% ../nbs/50_cli.ipynb #bd6c79d7
 def _verbs() -> dict:
     "verb -> (help, module, add_args name, run name)."
@@ -126,6 +144,7 @@ def _verbs() -> dict:
         "generate": ("generate from prompts with a checkpoint", "gradient_garden.generation", "add_generate_args", "run_generate"),
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.models.hf", "add_export_args", "run_export"),
         "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.serve", "add_serve_args", "run_serve"),
+        "plan": ("will a recipe fit, how long will it take (memory per rank, FLOPs, tokens, time)", __name__, "add_plan_args", "run_plan"),
     }
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

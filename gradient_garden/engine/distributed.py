@@ -133,6 +133,8 @@ def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Modul
 
 def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv) -> nn.Module:
     "Wrap `model` for the run: FSDP2/HSDP or DDP under torchrun, unchanged in one process; `torch.compile` when asked."
+    from gradient_garden.engine.activation_checkpointing import apply_activation_checkpointing
+    apply_activation_checkpointing(model, runtime.activation_checkpointing)  # before compile and FSDP2/DDP, torchtitan's order
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same
         for block in getattr(model, "layers", []): block.compile()
         if not (env.distributed and runtime.fsdp) and not hasattr(model, "layers"): model.compile()

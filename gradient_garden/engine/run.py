@@ -17,6 +17,7 @@ from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
 from .distributed import DistEnv, init_distributed, parallelize, barrier, broadcast_object, all_reduce
 from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
+from .plan import check_fit
 
 # %% auto #0
 __all__ = ['STAGES', 'STAGE_MODULES', 'STOP_SIGNALS', 'RUN_RECORDS', 'StageParts', 'register_stage', 'build_stage', 'StopRequest',
@@ -248,6 +249,7 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
         if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
             ckpt = load_checkpoint(checkpoint, optimizers=False)
     _check_start(cfg, start_step, ckpt)
+    check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
     lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
     try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks)

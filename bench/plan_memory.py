@@ -1,0 +1,103 @@
+"""Check `gg plan`'s memory model against measured peak memory of real CPU training steps.
+
+For three model sizes (about 10M, 50M and the 124M recipe, at micro batch 2 x 1024 tokens, fp32, the recipe's Muon +
+AdamW), with activation checkpointing `none` and `full`, in one process and on 2 FSDP2 ranks (gloo), one training
+step is run to create the gradients and optimizer state, and then a second step (forward, backward onto the
+existing gradients, optimizer step) is measured by `torch.distributed._tools` `MemTracker` / `FSDPMemTracker`, which
+follow every tensor storage the step allocates. The peak total bytes (max over ranks) are compared with
+`memory_plan(...)["total"][mode]`. Writes bench/results/plan_memory.json; the last stdout line is the same JSON.
+
+    python bench/plan_memory.py               # all rows (about 10 minutes on 2 busy cores)
+    python bench/plan_memory.py --sizes 10m   # one size
+"""
+from __future__ import annotations
+import argparse, json, os, sys, tempfile, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from gradient_garden.config import RuntimeConfig, load_recipe
+
+SIZES = {  # overrides of the 124M recipe's model
+    "10m": dict(dim=256, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=8192, tie_embeddings=False),
+    "50m": dict(dim=512, n_layers=10, n_heads=8, n_kv_heads=4, vocab_size=32768, tie_embeddings=True),
+    "124m": {},
+}
+
+def config(size: str, mode: str, batch: int, seq: int):
+    "The 124M recipe's config at `size`, fp32 on CPU, micro batch `batch` x `seq`, checkpointing `mode`."
+    cfg = load_recipe(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml").config
+    for k, v in SIZES[size].items(): setattr(cfg.model, k, v)
+    cfg.runtime = RuntimeConfig(device="cpu", precision="fp32", fsdp=True, activation_checkpointing=mode)
+    cfg.training.micro_batch_size, cfg.training.seq_len = batch, seq
+    return cfg
+
+def measured_peak(cfg, rank: int, world: int) -> dict:
+    "Peak bytes of the second of two training steps on this rank (MemTracker, or FSDPMemTracker under FSDP2)."
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.engine.distributed import DistEnv, parallelize
+    from gradient_garden.engine.optim import build_optimizers
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg.model), cfg.runtime, DistEnv(rank=rank, local_rank=rank, world_size=world))
+    opts = build_optimizers(model, cfg.optimizers, "cpu")
+    t = cfg.training
+    toks = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    def step():
+        (model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel()).backward()
+        for o in opts: o.step()
+    step()                     # gradients and optimizer state now exist; the measured step accumulates onto them
+    tracker = FSDPMemTracker(model, opts[0]) if world > 1 else MemTracker()
+    tracker.track_external(model, *opts) if world == 1 else tracker.track_external(*opts[1:])
+    t0 = time.perf_counter()
+    with tracker: step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return dict(total=peak["Total"], seconds=time.perf_counter() - t0)
+
+def _rank(rank, world, init, cfg, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    res = measured_peak(cfg, rank, world)
+    Path(f"{out}.{rank}").write_text(json.dumps(res))
+    dist.barrier(); dist.destroy_process_group()
+
+def measure(cfg, world: int) -> dict:
+    "Measured peak (max over ranks) on `world` ranks."
+    if world == 1: return measured_peak(cfg, 0, 1)
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_rank, args=(world, f"{d}/init", cfg, f"{d}/out"), nprocs=world, join=True)
+        ranks = [json.loads(Path(f"{d}/out.{r}").read_text()) for r in range(world)]
+    return dict(total=max(r["total"] for r in ranks), seconds=max(r["seconds"] for r in ranks))
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="10m,50m,124m")
+    p.add_argument("--modes", default="none,full")
+    p.add_argument("--worlds", default="1,2")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--out", default=str(ROOT/"bench"/"results"/"plan_memory.json"))
+    args = p.parse_args(argv)
+    from gradient_garden.engine.plan import memory_plan, parameter_counts
+    rows = []
+    for size in args.sizes.split(","):
+        for world in map(int, args.worlds.split(",")):
+            for mode in args.modes.split(","):
+                cfg = config(size, mode, args.batch_size, args.seq_len)
+                plan = memory_plan(cfg, "fsdp2" if world > 1 else "single", world, device_type="cpu")["total"][mode]
+                got = measure(cfg, world)
+                row = dict(size=size, parameters=parameter_counts(cfg)["total"], ranks=world, activation_checkpointing=mode,
+                           measured_mib=round(got["total"] / 2**20, 1), plan_mib=round(plan / 2**20, 1),
+                           plan_over_measured=round(plan / got["total"], 3), step_s=round(got["seconds"], 1))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    res = dict(batch_size=args.batch_size, seq_len=args.seq_len, precision="fp32", rows=rows)
+    if args.sizes == "10m,50m,124m": Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res))
+
+if __name__ == "__main__":
+    main()

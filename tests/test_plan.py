@@ -1,0 +1,49 @@
+"""`gg plan` on every recipe, the one-line answers for a plan that does not fit or an unknown GPU, and `gg train`
+refusing a run that does not fit before it builds the model."""
+from pathlib import Path
+import pytest
+from conftest import ROOT, run_gg
+from gradient_garden.config import ConfigError, load_recipe
+from gradient_garden.engine.plan import plan, format_plan, fit_message
+
+RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT/"recipes").rglob("*.yaml"))
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_plans(recipe):
+    cfg = load_recipe(ROOT/recipe).config
+    gpus = 8 if cfg.training.total_batch_size % (cfg.training.micro_batch_size * cfg.training.seq_len * 8) == 0 else 1
+    p = plan(cfg, "H100", gpus_per_node=gpus)
+    text = format_plan(p)
+    assert p.fits, fit_message(p)
+    assert text.splitlines()[0].startswith(f"{cfg.run.name}: {p.counts['total']:,} parameters")
+    assert "FLOPs per token" in text and "Chinchilla" in text and text.splitlines()[-1].startswith("fits:")
+
+def test_gg_plan_hsdp_and_measured_mfu(tmp_path):
+    metrics = tmp_path/"metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 3.0, "mfu": 0.30}\n{"step": 2, "loss": 2.9, "mfu": 0.50}\n{"step": 3, "mfu": 0.52}\n')
+    r = run_gg("plan", "--recipe", "recipes/pretraining/tendril-1b.yaml", "--gpu", "H200", "--gpus-per-node", "8",
+               "--nodes", "2", "--mfu-from", metrics)
+    lines = r.stdout.splitlines()
+    assert any(l.startswith("hsdp") for l in lines) and any(l.startswith("fsdp2") for l in lines)
+    assert "at 50% MFU (measured in" in r.stdout and "16 x H200 (2 nodes x 8)" in r.stdout
+
+def test_plan_that_does_not_fit_says_what_would():
+    r = run_gg("plan", "--recipe", "recipes/pretraining/tendril-1b.yaml", "--gpu", "L40S", "--set",
+               "runtime.activation_checkpointing=none", "training.micro_batch_size=32", "training.total_batch_size=1048576",
+               check=False)
+    assert r.returncode == 1
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("does not fit: needs") and "L40S" in last and "; try " in last, last
+
+def test_unknown_gpu_is_one_line():
+    r = run_gg("plan", "--recipe", "recipes/pretraining/tendril-124m.yaml", "--gpu", "B300", check=False)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --gpu: got 'B300'; known: H200, H100, A100, L40S, cpu"
+
+def test_train_refuses_a_run_that_does_not_fit(prepared, tmp_path):
+    # micro batch 32768 x 256 tokens of the debug model: ~1 TB of activations; refused before the model is built
+    r = run_gg("train", "--recipe", "recipes/pretraining/debug.yaml", "--set", *prepared["sets"], f"paths.runs={tmp_path}",
+               "runtime.device=cpu", "training.micro_batch_size=32768", "training.total_batch_size=8388608", check=False, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [l for l in r.stderr.splitlines() if l.strip()]
+    assert err[-1].startswith("error: runtime: does not fit: needs") and "try " in err[-1], err[-3:]
+    assert not (tmp_path/"pretraining").exists()
