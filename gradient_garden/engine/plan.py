@@ -17,12 +17,13 @@ from torch import nn
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
 
 # %% auto #0
-__all__ = ['GPU_MEMORY_GIB', 'PARALLELISMS', 'GiB', 'HEADROOM', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block',
-           'loss_chunk_bytes', 'activation_bytes', 'memory_plan', 'Plan', 'measured_mfu', 'layouts', 'plan',
-           'suggestion', 'fit_message', 'format_plan', 'device_memory', 'check_fit']
+__all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'HEADROOM', 'Accelerator', 'accelerator',
+           'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes', 'memory_plan', 'Plan',
+           'measured_mfu', 'layouts', 'plan', 'suggestion', 'fit_message', 'format_plan', 'device_memory', 'check_fit']
 
 # %% ../../nbs/27_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
+DATASHEET_NAMES = {"H200": "NVIDIA H200", "H100": "NVIDIA H100 80GB HBM3", "A100": "NVIDIA A100-SXM4-80GB", "L40S": "NVIDIA L40S"}
 
 @dataclass
 class Accelerator:
@@ -33,13 +34,13 @@ class Accelerator:
 
 def accelerator(name: str, precision: str = "bf16") -> Accelerator:
     "The `Accelerator` for `--gpu NAME` (H100, H200, A100, L40S or cpu); an unknown name is a one-line error."
-    from gradient_garden.engine.trainer import GPU_PEAK_FLOPS, measure_matmul_peak
+    from gradient_garden.engine.trainer import gpu_datasheet_flops, measure_matmul_peak
     key = {k.lower(): k for k in GPU_MEMORY_GIB}.get(name.lower())
     if name.lower() == "cpu":
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return Accelerator("cpu", ram, measure_matmul_peak(torch.device("cpu"), n=512, reps=3))
     if key is None: raise ConfigError(f"--gpu: got {name!r}; known: {', '.join(GPU_MEMORY_GIB)}, cpu")
-    peak = GPU_PEAK_FLOPS[key] * (0.5 if precision == "fp32" else 1.0)
+    peak = gpu_datasheet_flops(DATASHEET_NAMES[key], "tf32" if precision == "fp32" else precision)  # fp32 runs use TF32
     return Accelerator(key, GPU_MEMORY_GIB[key] * 2**30, peak)
 
 # %% ../../nbs/27_plan.ipynb #9d164d6a
