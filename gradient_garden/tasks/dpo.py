@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, DPOConfig, GlobalConfig
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
-from .sft import (IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
+from .sft import (open_split, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
                                        check_identity, _sources, run_prepare_stage, datasets_progress)
 from ..engine.run import StageParts, register_stage
 
@@ -127,11 +127,7 @@ def run_prepare_dpo(cfg: GlobalConfig, data: Optional[dict], args) -> int:
 class PairDataset:
     "One prepared split of preference pairs (prompt, chosen response, rejected response ids)."
     def __init__(self, data_dir, split: str):
-        self.dir = Path(data_dir)/split
-        if not (self.dir/"meta.json").is_file():
-            raise ConfigError(f"paths.datasets: no prepared DPO pairs in {self.dir}; run `gg prepare --dpo` "
-                              "(or `gg prepare --recipe recipes/dpo/debug.yaml`) first")
-        self.meta = json.loads((self.dir/"meta.json").read_text())
+        self.dir, self.meta = open_split(data_dir, split, "DPO pairs", "dpo")
         self.parts = {n: load_ragged(self.dir, n) for n in ("prompt", "chosen", "rejected")}
         self.split = split
 

@@ -20,10 +20,10 @@ from ..engine.run import StageParts, register_stage
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'DEFAULT_INSTRUCT_SOURCES', 'check_messages', 'turn_cuts', 'tokenize_chat',
-           'save_ragged', 'load_ragged', 'write_split', 'SFTDataset', 'check_source', 'load_rows', 'datasets_progress',
-           'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'run_prepare_stage', 'run_prepare_instruct',
-           'collate_rows', 'pack_rows', 'SFTLoader', 'SFTTask', 'instruct_dir', 'check_identity', 'build_instruct',
-           'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
+           'save_ragged', 'load_ragged', 'open_split', 'write_split', 'SFTDataset', 'check_source', 'load_rows',
+           'datasets_progress', 'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'run_prepare_stage',
+           'run_prepare_instruct', 'collate_rows', 'pack_rows', 'SFTLoader', 'SFTTask', 'instruct_dir',
+           'check_identity', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
 
 # %% ../../nbs/31_sft.ipynb #46a633bc
 IGNORE_INDEX = -100
@@ -67,6 +67,14 @@ def load_ragged(folder: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
     "Memory-map `name.npy` and load its offsets."
     return np.load(folder/f"{name}.npy", mmap_mode="r"), np.load(folder/f"{name}_offsets.npy")
 
+def open_split(data_dir, split: str, what: str, stage: str) -> tuple[Path, dict]:
+    "The folder and `meta.json` of one prepared split of `stage`, or one line saying how to prepare it."
+    folder = Path(data_dir)/split
+    if not (folder/"meta.json").is_file():
+        raise ConfigError(f"paths.datasets: no prepared {what} in {folder}; run `gg prepare --{stage}` "
+                          f"(or `gg prepare --recipe recipes/{stage}/debug.yaml`) first")
+    return folder, json.loads((folder/"meta.json").read_text())
+
 def write_split(folder, chats: Sequence[tuple], meta: dict) -> dict:
     "Atomically write tokenised chats `(ids, mask, cuts)` and `meta.json` into `folder`."
     folder = Path(folder)
@@ -86,11 +94,7 @@ def write_split(folder, chats: Sequence[tuple], meta: dict) -> dict:
 class SFTDataset:
     "One prepared split: token ids, supervision mask and whole-turn cut points per conversation."
     def __init__(self, data_dir, split: str):
-        self.dir = Path(data_dir)/split
-        if not (self.dir/"meta.json").is_file():
-            raise ConfigError(f"paths.datasets: no prepared instruct data in {self.dir}; run `gg prepare --instruct` "
-                              "(or `gg prepare --recipe recipes/instruct/debug.yaml`) first")
-        self.meta = json.loads((self.dir/"meta.json").read_text())
+        self.dir, self.meta = open_split(data_dir, split, "instruct data", "instruct")
         self.tokens, self.offsets = load_ragged(self.dir, "tokens")
         self.mask, _ = load_ragged(self.dir, "mask")
         self.cuts, self.cut_offsets = load_ragged(self.dir, "cuts")
