@@ -22,3 +22,20 @@ def prepared(tmp_path_factory):
     sets = [f"paths.datasets={base/'datasets'}", f"tokenizer.path={base/'tokenizer'}", f"paths.evals={base/'evals'}"]
     run_gg("prepare", "--recipe", "recipes/pretraining/debug.yaml", "--set", *sets)
     return dict(base=base, sets=sets)
+
+def kill_once_partly_written(proc, partial_files, timeout=120, min_bytes=1 << 20):
+    "SIGKILL `proc` as soon as the first of `partial_files()` holds `min_bytes`; return that file's size then."
+    import signal, time
+    deadline, size = time.time() + timeout, 0
+    try:
+        while time.time() < deadline:
+            files = partial_files()
+            if files and (size := files[0].stat().st_size) > min_bytes: break
+            assert proc.poll() is None, "writer finished before it could be killed"
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    return size

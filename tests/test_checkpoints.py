@@ -3,6 +3,7 @@ import copy, os, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest
 import torch
+from conftest import kill_once_partly_written
 
 from gradient_garden.config import ConfigError, GlobalConfig, ModelConfig
 from gradient_garden.engine.checkpoints import (CheckpointManager, list_checkpoints, load_checkpoint,
@@ -31,19 +32,8 @@ def test_kill_during_write_keeps_previous_checkpoint(tmp_path):
     d = tmp_path / "checkpoints"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(d)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).parents[1])
-    try:
-        assert proc.stdout.readline().strip() == "saved 1"
-        deadline, size = time.time() + 60, 0
-        while time.time() < deadline:  # kill as soon as the second checkpoint is partly on disk
-            tmps = _tmp_files(d)
-            if tmps and (size := tmps[0].stat().st_size) > 1 << 20: break
-            assert proc.poll() is None, "writer finished before it could be killed"
-            time.sleep(0.002)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None: proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.stdout.readline().strip() == "saved 1"
+    size = kill_once_partly_written(proc, lambda: _tmp_files(d), timeout=60)  # the second checkpoint is partly on disk
     assert not (d / "step_0000002.pt").exists(), "the interrupted checkpoint must never appear under its final name"
     left = _tmp_files(d)
     assert left and left[0].stat().st_size < 4 * BIG, f"killed after the write finished (tmp {size} bytes)"

@@ -7,7 +7,7 @@ import json, os, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest
 import torch
-from conftest import ROOT, run_gg
+from conftest import ROOT, kill_once_partly_written, run_gg
 from gradient_garden.config import ConfigError
 from gradient_garden.engine.checkpoints import CheckpointManager, list_checkpoints, load_checkpoint
 
@@ -87,19 +87,8 @@ def test_kill_during_sharded_save_keeps_previous_checkpoint(tmp_path, mode):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, mode, str(d), str(big)], stdout=subprocess.PIPE, text=True,
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     tmp = d/".step_0000002.tmp"
-    try:
-        assert proc.stdout.readline().strip() == "saved 1"
-        deadline = time.time() + 120
-        while time.time() < deadline:  # kill as soon as the second checkpoint's shards are partly on disk
-            files = list(tmp.glob("*.distcp")) if tmp.is_dir() else []
-            if files and files[0].stat().st_size > 1 << 20: break
-            assert proc.poll() is None, "writer exited before it could be killed"
-            time.sleep(0.002)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None: proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.stdout.readline().strip() == "saved 1"
+    kill_once_partly_written(proc, lambda: list(tmp.glob("*.distcp")) if tmp.is_dir() else [])  # shards partly on disk
     assert not (d/"step_0000002").exists(), "the interrupted checkpoint must never appear under its final name"
     assert tmp.is_dir() and not (tmp/"COMPLETE").exists() and (tmp/"__0_0.distcp").stat().st_size < 8 * big
     assert [p.name for p in list_checkpoints(d)] == ["step_0000001"]
