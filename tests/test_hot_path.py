@@ -310,11 +310,11 @@ def test_logged_throughput_leaves_out_validation():
     tr = make_trainer("dense", max_steps=4, log_every=2)
     tr.cfg.validation.every, tr.cfg.validation.enabled = 1, True
     real = tr.validate
-    tr.validate = lambda: (time.sleep(0.4), real())[1]
+    tr.validate = lambda: (time.sleep(1.0), real())[1]   # 2 s in the interval if validation were counted
     tr.fit()
     rec = [r for r in read_metrics(tr.run_dir) if r["step"] == 4][0]
     seconds = 2 * 2 * 2 * T / rec["tokens_per_s"]            # two steps of two micro-batches of 2 x 16 tokens
-    assert seconds < 0.4, f"the interval counted {seconds:.2f} s: validation time included"
+    assert seconds < 1.0, f"the interval counted {seconds:.2f} s: validation time included"
 
 
 def test_final_evaluation_runs_under_the_run_autocast():
