@@ -36,7 +36,7 @@ class RunConfig:
 class RuntimeConfig:
     "Where and how the computation runs."
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"   # auto: bf16 where the device has fast bf16 (engine.trainer)
     fsdp: bool = False
     compile: bool = False
     num_workers: int = 0

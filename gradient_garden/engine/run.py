@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
 from .distributed import DistEnv, init_distributed, parallelize, barrier
-from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
+from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload, resolve_precision
 
 # %% auto #0
 __all__ = ['STAGES', 'STAGE_MODULES', 'StageParts', 'register_stage', 'build_stage', 'build_run_model', 'run_training']
@@ -71,6 +71,9 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
     load_dotenv()
     env = init_distributed(cfg.runtime)
+    requested = cfg.runtime.precision
+    cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
+    if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
     validate(cfg, env.world_size)
     tokenizer = init_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -94,6 +97,7 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if env.is_main:
         save_config(cfg, trainer.run_dir/"config.yaml")
         write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.world_size),
+                                                       precision=dict(requested=requested, used=cfg.runtime.precision, why=why),
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()
     return trainer.fit() | dict(run_dir=str(trainer.run_dir))
