@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile Tendril's forward (dynamic shapes)")
     p.add_argument("--no-cache-too", action="store_true", help="also time Tendril without the KV cache")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--checkpoint", default=None, help="decode a trained checkpoint's model instead of random weights")
     return p.parse_args(argv)
 
 def main(argv=None):
@@ -50,6 +51,10 @@ def main(argv=None):
                       max_seq_len=args.max_prompt + args.new_tokens, tie_embeddings=False)
     torch.manual_seed(0)
     model = Tendril(cfg).eval()
+    if args.checkpoint:   # trained weights: greedy choices are decided by real margins, not random-init ties
+        from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+        model, run_cfg = load_model_from_checkpoint(args.checkpoint)
+        cfg = run_cfg.model
     hf = to_hf_model(model).to(args.device, DTYPES[dtype]).eval()
     model_fp32 = copy.deepcopy(model).to(args.device) if dtype != "fp32" else None
     model = model.to(args.device, DTYPES[dtype])
@@ -114,7 +119,7 @@ def main(argv=None):
     if agree_fp32 is not None:
         print(f"{dtype} vs fp32 Tendril: {med['tendril_fp32']/med['tendril']:.2f}x faster (median); greedy tokens agreeing: {agree_fp32:.1%}")
     result = dict(bench="generate", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
-                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
+                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile, checkpoint=args.checkpoint,
                   batch_size=args.batch_size, prompt_lens=lens, new_tokens=n_new, rounds=args.rounds,
                   ms_per_batch={n: round(v * 1e3, 1) for n, v in med.items()},
                   tokens_per_s={n: round(v, 1) for n, v in tps.items()},
