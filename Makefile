@@ -20,6 +20,11 @@ install: $(BIN)/python
 install-dev: $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
+	@# the chat page's browser test drives Debian's Chromium; install it where we can, never fail without it
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then \
+		(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) || \
+		echo "note: could not install chromium; tests/test_serve_browser.py will be skipped"; fi
 
 run: install
 	$(BIN)/gg prepare --recipe $(RECIPE)

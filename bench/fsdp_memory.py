@@ -1,7 +1,9 @@
-"""Per-rank memory of data parallelism: parameters + gradients + optimizer state under DDP and FSDP2, same model.
+"""Per-rank memory of data parallelism: parameters + gradients + optimizer state under DDP, FSDP2 and HSDP, same model.
 
 The launcher starts `--ranks` processes under torchrun (gloo on CPU, NCCL with one GPU per rank); in each, the same
-Tendril (the debug recipe's model unless overridden) is wrapped with DDP and then with FSDP2 (per block + root),
+Tendril (the debug recipe's model unless overridden) is wrapped with DDP, with FSDP2 (per block + root, sharded over
+every rank) and, with 4 or more ranks, with HSDP (`--replicate` x ranks/replicate mesh: sharded within a shard
+group, replicated across groups; per-rank memory = parameters / shard degree),
 trained for two optimizer steps of two micro-steps each on random tokens with the platform's own optimizers (AdamW,
 and Muon for the hidden matrices), and measured with `memory_footprint` just before the second optimizer step, when
 parameters, gradients and optimizer state all exist. Bytes are counted per rank from the tensors it holds (local
@@ -9,6 +11,7 @@ shards under FSDP2); DDP's internal all-reduce buckets are not included. On CUDA
 two steps is reported as well.
 
     python bench/fsdp_memory.py                      # 2 CPU ranks, gloo, the debug recipe's model
+    python bench/fsdp_memory.py --ranks 4                  # adds HSDP 2 x 2
     python bench/fsdp_memory.py --ranks 4 --device cuda --set model.dim=1024 model.n_layers=16
 
 The last line of stdout is one JSON object with the figures.
@@ -29,18 +32,22 @@ def parse_args(argv=None):
     p.add_argument("--set", nargs="*", default=[], dest="overrides", help="config overrides, e.g. model.dim=256")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--replicate", type=int, default=2, help="HSDP replicate degree (with 4 or more ranks)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
-def measure(cfg, env, fsdp: bool, muon: bool, args) -> dict:
-    "Footprint (bytes) of one wrapped model before its second optimizer step."
+def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
+    "Footprint (bytes) of one wrapped model (`ddp`, `fsdp2` or `hsdp`) before its second optimizer step."
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.models.tendril import build_model
     from gradient_garden.engine.distributed import parallelize, grad_sync, memory_footprint
     from gradient_garden.engine.optim import build_optimizers
     cfg.optimizers.muon.enabled = muon
     torch.manual_seed(0)
-    model = parallelize(build_model(cfg.model).to(env.device), RuntimeConfig(device=args.device, fsdp=fsdp), env)
+    mesh = dict(replicate=args.replicate, shard=env.world_size // args.replicate) if wrapper == "hsdp" else \
+           dict(replicate=1, shard=env.world_size) if wrapper == "fsdp2" else {}
+    runtime = RuntimeConfig(device=args.device, fsdp=wrapper != "ddp", **mesh)
+    model = parallelize(build_model(cfg.model).to(env.device), runtime, env)
     opts = build_optimizers(model, cfg.optimizers, env.device.type)
     gen = torch.Generator().manual_seed(env.rank)
     if env.device.type == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(env.device)
@@ -62,8 +69,8 @@ def worker(args):
     from gradient_garden.models.tendril import build_model, count_parameters
     env = init_distributed(RuntimeConfig(device=args.device))
     cfg, _ = load_config(recipe=args.recipe, overrides=args.overrides)
-    mine = {f"{w}/{o}": measure(cfg, env, w == "fsdp2", o == "muon", args)
-            for o in ("adamw", "muon") for w in ("ddp", "fsdp2")}
+    wrappers = ("ddp", "fsdp2") + (("hsdp",) if env.world_size >= 4 and env.world_size % args.replicate == 0 else ())
+    mine = {f"{w}/{o}": measure(cfg, env, w, o == "muon", args) for o in ("adamw", "muon") for w in wrappers}
     ranks = all_gather_objects(mine)
     if env.is_main:
         with torch.device("meta"): n = count_parameters(build_model(cfg.model))
@@ -75,7 +82,7 @@ def main(argv=None):
     if args.worker: return worker(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            __file__, "--worker", "--device", args.device, "--recipe", args.recipe, "--batch-size", str(args.batch_size),
-           "--seq-len", str(args.seq_len)] + (["--set", *args.overrides] if args.overrides else [])
+           "--seq-len", str(args.seq_len), "--replicate", str(args.replicate)] + (["--set", *args.overrides] if args.overrides else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     if r.returncode != 0: sys.exit(f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -92,6 +99,10 @@ def main(argv=None):
         ratio = out[f"fsdp2_{o}"]["total"] / out[f"ddp_{o}"]["total"]
         out[f"fsdp2_over_ddp_{o}"] = round(ratio, 4)
         print(f"  FSDP2 / DDP with {o}: {ratio:.3f} (ideal 1/{res['world_size']} = {1 / res['world_size']:.3f})")
+        if f"hsdp_{o}" in out:
+            shard = res["world_size"] // args.replicate
+            out[f"hsdp_over_ddp_{o}"] = round(out[f"hsdp_{o}"]["total"] / out[f"ddp_{o}"]["total"], 4)
+            print(f"  HSDP {args.replicate} x {shard} / DDP with {o}: {out[f'hsdp_over_ddp_{o}']:.3f} (ideal 1/{shard} = {1 / shard:.3f})")
     print(json.dumps(out))
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default="model", choices=["model", "blocks"],
                    help="torch.compile the whole model, or each block in place (as runtime.compile does in training)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "compiled", "liger"],
+                   help="the fused loss of the tendril contenders (auto: eager on CPU, Liger or compiled chunks on CUDA)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -133,6 +135,8 @@ def main(argv=None):
     if args.memory_child: return memory_child(args)
     dev_type, dtype, autocast_dtype = setup(args)
     cfg = model_config(args)
+    import gradient_garden.models.tendril as tendril_module
+    if hasattr(tendril_module, "LOSS_IMPL"): tendril_module.LOSS_IMPL = args.loss_impl
     names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
     if dtype != "fp32": names.append("tendril_fp32")
     dtype_of = lambda n: None if n.endswith("_fp32") else autocast_dtype   # the contender's autocast dtype

@@ -1,4 +1,4 @@
-"""One console script with a verb per job: `prepare`, `train`, `notebook`, `evaluate`, `generate`, `export`.
+"""One console script with a verb per job: `prepare`, `train`, `notebook`, `evaluate`, `generate`, `export`, `serve`.
 
 Docs: https://gradient-garden.github.io/gradient-garden/cli.html.md"""
 
@@ -106,9 +106,10 @@ def _verbs() -> dict:
         "prepare": ("tokenize datasets into shards; fetch eval sets", "gradient_garden.data.prepare", "add_prepare_args", "run_prepare"),
         "train": ("train a recipe or config", __name__, "add_train_args", "run_train"),
         "notebook": ("train through the papermill report notebook", __name__, "add_notebook_args", "run_notebook"),
-        "evaluate": ("validation loss and multiple-choice benchmarks of a checkpoint", "gradient_garden.evals", "add_evaluate_args", "run_evaluate"),
+        "evaluate": ("validation loss, multiple-choice benchmarks and any lm-eval task of a checkpoint", "gradient_garden.evals", "add_evaluate_args", "run_evaluate"),
         "generate": ("generate from prompts with a checkpoint", "gradient_garden.generation", "add_generate_args", "run_generate"),
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.models.hf", "add_export_args", "run_export"),
+        "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.serve", "add_serve_args", "run_serve"),
     }
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

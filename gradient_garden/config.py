@@ -38,8 +38,11 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"   # auto: bf16 where the device has fast bf16 (engine.trainer)
     fsdp: bool = False
+    replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
+    shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
     compile: bool = False
-    num_workers: int = 0
+    num_workers: int = 0        # background threads that prepare (and pin) the next batches
+    tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 # %% ../nbs/00_config.ipynb #117522bf
@@ -173,6 +176,8 @@ class CheckpointingConfig:
     keep_last: int = 2
     keep_best: bool = True
     save_final: bool = True
+    format: Literal["full", "sharded"] = "full"  # one gathered .pt file, or a directory of per-rank shards (dcp)
+    async_save: bool = False  # sharded only: write in the background while training continues
 
 # %% ../nbs/00_config.ipynb #2d1bef24
 @dataclass
@@ -370,6 +375,14 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
         raise ConfigError(f"optimizers.wsd_decay_fraction: got {o.wsd_decay_fraction}; must be in (0, 1]")
     if cfg.runtime.precision == "fp16" and cfg.runtime.fsdp:
         raise ConfigError("runtime.precision: got 'fp16'; FSDP2 runs use 'bf16' or 'fp32' (fp16 loss scaling needs DDP or one process)")
+    r = cfg.runtime
+    for p in ["replicate", "shard"]: _positive(f"runtime.{p}", getattr(r, p), allow_zero=True)
+    if (r.replicate or r.shard) and not r.fsdp:
+        raise ConfigError(f"runtime.{'replicate' if r.replicate else 'shard'}: got {r.replicate or r.shard}; mesh degrees need runtime.fsdp: true (DDP replicates everywhere)")
+    if r.fsdp and world_size > 1 and r.replicate and r.shard and r.replicate * r.shard != world_size:
+        raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
+    if cfg.checkpointing.async_save and cfg.checkpointing.format != "sharded":
+        raise ConfigError("checkpointing.async_save: got true; asynchronous saves need checkpointing.format: sharded")
     if cfg.distillation.enabled and not cfg.distillation.teacher:
         raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when distillation.enabled is true")
     if not 0 <= cfg.distillation.alpha <= 1:

@@ -20,10 +20,11 @@ from .config import ConfigError, GlobalConfig
 __all__ = ['FIXTURES_DIR', 'TASKS', 'DTYPES', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example', 'MCTask',
            'register_task', 'get_task', 'hellaswag_preprocess', 'hellaswag_example', 'winogrande_example',
            'arc_example', 'eval_file', 'load_examples', 'sample_indices', 'load_hub_rows', 'prepare_evals',
-           'eval_source', 'text_encoder', 'prefix_token_id', 'encode_pair', 'model_max_len', 'score_examples',
-           'HFCausalLM', 'mean_stderr', 'mc_metrics', 'evaluate_tasks', 'evaluate_from_config', 'validation_loss',
-           'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_evaluate_args', 'load_hf_checkpoint',
-           'load_evaluation_model', 'run_evaluate']
+           'eval_source', 'text_encoder', 'prefix_token_id', 'default_prefix', 'encode_pair', 'model_max_len',
+           'pair_encoder', 'score_examples', 'HFCausalLM', 'mean_stderr', 'mc_metrics', 'sample_record',
+           'evaluate_tasks', 'evaluate_from_config', 'validation_loss', 'add_prepare_eval_args', 'selected_tasks',
+           'run_prepare_evals', 'add_evaluate_args', 'load_hf_checkpoint', 'load_evaluation_model', 'samples_path',
+           'context_prefix_name', 'check_evaluate_args', 'run_evaluate']
 
 # %% ../nbs/40_evals.ipynb #c96db435
 FIXTURES_DIR = Path(gradient_garden.__file__).parent/"assets"/"evals"
@@ -144,6 +145,7 @@ def load_examples(name: str, data_dir=None) -> list[MCExample]:
 
 def sample_indices(n: int, k: Optional[int], seed: int) -> list[int]:
     "A seeded random subset of `k` of `range(n)`, ascending; all of them when `k` is None, 0 or >= n."
+    if k is not None and k < 0: raise ConfigError(f"examples: got {k}; must be >= 0 (0 or None = all rows)")
     if not k or k >= n: return list(range(n))
     return sorted(random.Random(seed).sample(range(n), k))
 
@@ -211,16 +213,37 @@ def prefix_token_id(tokenizer) -> Optional[int]:
         if isinstance(v, int) and v >= 0: return v
     return None
 
+def default_prefix(tokenizer) -> list[int]:
+    "The special tokens a tokenizer's defaults put before any text (lm-eval's HF encoding): `[BOS]` or `[]`."
+    if isinstance(getattr(tokenizer, "adds_bos", None), bool):                          # gradient_garden Tokenizer
+        return [tokenizer.bos_id] if tokenizer.adds_bos else []
+    names = {c.__name__ for c in type(tokenizer).__mro__}
+    if "PreTrainedTokenizerBase" in names: full, plain = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
+    elif type(tokenizer).__module__.startswith("tokenizers"):
+        full, plain = tokenizer.encode("a").ids, tokenizer.encode("a", add_special_tokens=False).ids
+    else: return []                                                   # tiktoken.Encoding, plain callables: no specials
+    full, plain = list(full), list(plain)
+    if full[len(full) - len(plain):] != plain:
+        raise ConfigError(f"{type(tokenizer).__name__}: its default special tokens go after the text ({full} vs {plain}); "
+                          "pass add_bos=True/False (--add-bos / --no-add-bos) to choose the prefix")
+    return full[:len(full) - len(plain)]
+
+# %% ../nbs/40_evals.ipynb #41a42b43
 def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str,
-                prefix_id: Optional[int] = None) -> tuple[list[int], list[int]]:
-    "Token ids of (context, continuation), split the way lm-evaluation-harness splits them."
-    n = len(context) - len(context.rstrip())
-    if n: context, continuation = context[:-n], context[-n:] + continuation
-    ctx = encode(context) if context else []
-    if not ctx:
+                prefix_id: Optional[int] = None, lead: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    "Token ids of (context, continuation), split as lm-eval splits them; `lead`: special tokens before the context."
+    if not context:       # lm-eval: the prefix token alone (or the continuation's own first token if it is that token)
         if prefix_id is None: raise ValueError(f"empty context for {continuation!r} needs a prefix (BOS/EOS) token")
-        ctx_ids, cont_ids = [prefix_id], encode(continuation)
-    else: ctx_ids, cont_ids = ctx, encode(context + continuation)[len(ctx):]
+        cont = encode(continuation)
+        ctx_ids, cont_ids = (cont[:1], cont[1:]) if cont[:1] == [prefix_id] else ([prefix_id], cont)
+    else:
+        n = len(context) - len(context.rstrip())
+        if n: context, continuation = context[:-n], context[-n:] + continuation
+        ctx = encode(context) if context else []
+        if not ctx and not lead:
+            if prefix_id is None: raise ValueError(f"empty context for {continuation!r} needs a prefix (BOS/EOS) token")
+            ctx_ids, cont_ids = [prefix_id], encode(continuation)
+        else: ctx_ids, cont_ids = list(lead) + ctx, encode(context + continuation)[len(ctx):]
     if not cont_ids: raise ValueError(f"continuation {continuation!r} after {context[-30:]!r} encodes to no tokens")
     return ctx_ids, cont_ids
 
@@ -268,8 +291,14 @@ def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
     out = model(tokens, **kw)
     return out if isinstance(out, torch.Tensor) else out.logits
 
-def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int = 0) -> torch.Tensor:
-    "One forward pass over `rows`; the summed target log-probs per request (float64, on CPU)."
+def _keeps_logits(model) -> bool:
+    "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
+    import inspect
+    try: return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
+    except (TypeError, ValueError): return False
+
+def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int = 0, greedy: bool = False):
+    "One forward pass over `rows`: summed target log-probs per request (float64, CPU) [and `is_greedy` flags]."
     B, T = len(rows), max(len(r.tokens) for r in rows)
     tokens = torch.full((B, T), pad_id, dtype=torch.long)
     for i, r in enumerate(rows): tokens[i, :len(r.tokens)] = torch.tensor(r.tokens)
@@ -283,12 +312,18 @@ def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int 
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         key, query = br[:, None, :], br[:, :, None]
         kw = {"attn_mask": (causal & ((key == 0) | (key == query)))[:, None].to(device), "position_ids": pos.to(device)}
-    logits = _logits(model, tokens.to(device), **kw)
     req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p, t) for i, r in enumerate(rows)
                                                              for q, p, t in r.targets]))
+    if _keeps_logits(model):             # the head (hidden -> vocabulary) only from the first scored position on
+        keep = T - int(p_idx.min())
+        kw["logits_to_keep"], p_idx = keep, p_idx - (T - keep)
+    logits = _logits(model, tokens.to(device), **kw)
     picked = logits[b_idx.to(device), p_idx.to(device)].float().log_softmax(-1)
     lp = picked.gather(1, tgt.to(device)[:, None])[:, 0].double().cpu()
-    return torch.zeros(n_requests, dtype=torch.float64).index_add_(0, req, lp)
+    lls = torch.zeros(n_requests, dtype=torch.float64).index_add_(0, req, lp)
+    if not greedy: return lls
+    misses = (picked.argmax(-1).cpu() != tgt).long()
+    return lls, torch.zeros(n_requests, dtype=torch.long).index_add_(0, req, misses) == 0
 
 # %% ../nbs/40_evals.ipynb #06719c9d
 def model_max_len(model) -> Optional[int]:
@@ -300,24 +335,37 @@ def model_max_len(model) -> Optional[int]:
         if isinstance(v, int) and v > 0: return v
     return None
 
-@torch.no_grad()
-def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: int = 16, device="cpu", *,
-                   share_context: bool = False, add_bos: bool = False, max_len: Optional[int] = None,
-                   n_batches: Optional[int] = None, progress: bool = False) -> list[list[float]]:
-    "Log-likelihood of every choice of every example, `batch_size` examples per forward pass."
+def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, str], tuple[list[int], list[int]]]:
+    "`(context, continuation) -> (ids, ids)` as lm-eval encodes them; `add_bos` None = the tokenizer's defaults."
     encode, prefix = text_encoder(tokenizer), prefix_token_id(tokenizer)
     if add_bos and prefix is None: raise ConfigError("add_bos: the tokenizer has no BOS/EOS token to prepend")
-    max_len = max_len or model_max_len(model)
-    enc = []
-    for ex in examples:
-        pairs = [encode_pair(encode, c, k, prefix) for c, k in ex.requests]
-        enc.append([([prefix] + c if add_bos else c, k) for c, k in pairs])
+    lead = default_prefix(tokenizer) if add_bos is None else [prefix] * bool(add_bos)
+    return lambda context, continuation: encode_pair(encode, context, continuation, prefix, lead)
+
+def _shared_batches(enc, batch_size: int) -> list[list[tuple[int, list[int]]]]:
+    "Whole examples, longest first, `batch_size` per batch: [(example, [its choices])]."
     order = sorted(range(len(enc)), key=lambda i: -max(len(c) + len(k) for c, k in enc[i]))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [[(i, list(range(len(enc[i])))) for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
+
+def _choice_batches(enc, batch_size: int) -> list[list[tuple[int, list[int]]]]:
+    "Single choices, longest first, `batch_size` x (most choices) per batch; never more batches than `_shared_batches`."
+    flat = sorted(((i, j) for i, e in enumerate(enc) for j in range(len(e))), key=lambda ij: -sum(map(len, enc[ij[0]][ij[1]])))
+    per = batch_size * max((len(e) for e in enc), default=1)
+    return [[(i, [j]) for i, j in flat[s:s + per]] for s in range(0, len(flat), per)]
+
+@torch.no_grad()
+def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: int = 16, device="cpu", *,
+                   share_context: bool = False, add_bos: Optional[bool] = None, max_len: Optional[int] = None,
+                   n_batches: Optional[int] = None, progress: bool = False) -> list[list[float]]:
+    "Log-likelihood of every choice of every example, `batch_size` examples per forward pass."
+    pair, prefix = pair_encoder(tokenizer, add_bos), prefix_token_id(tokenizer)
+    max_len = max_len or model_max_len(model)
+    enc = [[pair(c, k) for c, k in ex.requests] for ex in examples]
+    batches = _shared_batches(enc, batch_size) if share_context else _choice_batches(enc, batch_size)
     total = max(n_batches or 0, len(batches))
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"): model.eval()
-    out: list[list[float]] = [[] for _ in enc]
+    out: list[list[float]] = [[0.0] * len(e) for e in enc]
     try:
         from tqdm.auto import tqdm
         for bi in tqdm(range(total), desc="eval", disable=not progress, leave=False):
@@ -325,16 +373,14 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
                 _forward_rows(model, [_Row([prefix or 0], [(0, 0, 0)], [0] if share_context else None,
                                            [0] if share_context else None)], 1, device)
                 continue
-            rows, spans, n = [], [], 0
-            for i in batches[bi]:
-                row = _shared_row(enc[i], n) if share_context else None
+            rows, slots = [], []                              # slots[r]: the (example, choice) of request r
+            for i, js in batches[bi]:
+                row = _shared_row(enc[i], len(slots)) if share_context else None
                 if row is None or (max_len and len(row.tokens) > max_len):
-                    rows += [_plain_row(c, k, n + j, max_len) for j, (c, k) in enumerate(enc[i])]
+                    rows += [_plain_row(*enc[i][j], len(slots) + n, max_len) for n, j in enumerate(js)]
                 else: rows.append(row)
-                spans.append((i, n, n + len(enc[i])))
-                n += len(enc[i])
-            lls = _forward_rows(model, rows, n, device)
-            for i, a, b in spans: out[i] = lls[a:b].tolist()
+                slots += [(i, j) for j in js]
+            for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
     finally:
         if was_training: model.train()
     return out
@@ -346,12 +392,14 @@ class HFCausalLM(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens, *, attn_mask=None, position_ids=None, **kw):
+    def forward(self, tokens, *, attn_mask=None, position_ids=None, logits_to_keep: int = 0, **kw):
         if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.dtype == torch.bool:
             dtype = self.model.get_input_embeddings().weight.dtype
             attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=tokens.device).masked_fill(
                 ~attn_mask, torch.finfo(dtype).min)
-        return self.model(input_ids=tokens, attention_mask=attn_mask, position_ids=position_ids).logits
+        elif attn_mask is not None and attn_mask.dim() == 2: attn_mask = attn_mask.long()
+        return self.model(input_ids=tokens, attention_mask=attn_mask, position_ids=position_ids,
+                          logits_to_keep=logits_to_keep).logits
 
 # %% ../nbs/40_evals.ipynb #9971ea14
 def _argmax(xs: Sequence[float]) -> int:
@@ -373,6 +421,14 @@ def mc_metrics(lls: Sequence[Sequence[float]], examples: Sequence[MCExample]) ->
     return {"acc": mean(acc), "acc_stderr": mean_stderr(acc), "acc_norm": mean(norm),
             "acc_norm_stderr": mean_stderr(norm), "n": len(acc)}
 
+# %% ../nbs/40_evals.ipynb #9e0f1410
+def sample_record(doc_id: int, ex: MCExample, lls: Sequence[float], pairs: Sequence[tuple[list[int], list[int]]]) -> dict:
+    "One scored example as `--log-samples` writes it."
+    pred, pred_norm = _argmax(lls), _argmax([l / max(n, 1.0) for l, n in zip(lls, ex.lengths)])
+    return {"doc_id": doc_id, "arguments": [list(r) for r in ex.requests], "loglikelihoods": [float(l) for l in lls],
+            "n_tokens": [len(k) for _, k in pairs], "gold": ex.gold, "pred": pred, "pred_norm": pred_norm,
+            "acc": float(pred == ex.gold), "acc_norm": float(pred_norm == ex.gold)}
+
 # %% ../nbs/40_evals.ipynb #0ef6cdf9
 def _dist_info(rank, world_size) -> tuple[int, int, bool]:
     "Rank, world size and whether torch.distributed is running (explicit values win)."
@@ -383,9 +439,9 @@ def _dist_info(rank, world_size) -> tuple[int, int, bool]:
 
 def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, dict, None] = 100,
                    batch_size: int = 16, device="cpu", rank: Optional[int] = None, world_size: Optional[int] = None,
-                   data_dir=None, seed: int = 1234, *, share_context: bool = False, add_bos: bool = False,
-                   max_len: Optional[int] = None, progress: bool = False) -> dict[str, dict]:
-    "Metrics per task on a seeded subset (`examples`: int, {task: int}, or None/0 for all), split across ranks."
+                   data_dir=None, seed: int = 1234, *, share_context: bool = False, add_bos: Optional[bool] = None,
+                   max_len: Optional[int] = None, progress: bool = False, samples: Optional[dict] = None) -> dict[str, dict]:
+    "Metrics per task on a seeded subset (`examples`: int, {task: int}, None/0: all), split across ranks."
     rank, world_size, gather = _dist_info(rank, world_size)
     results = {}
     for name in names:
@@ -396,7 +452,7 @@ def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, 
         mine = idx[rank::world_size]
         n_batches = math.ceil(math.ceil(len(idx) / world_size) / batch_size)
         lls = score_examples(model, tokenizer, [exs[i] for i in mine], batch_size, device, share_context=share_context,
-                             add_bos=add_bos, max_len=max_len, n_batches=n_batches, progress=progress and rank == 0)
+                             add_bos=add_bos, max_len=max_len, n_batches=n_batches if world_size > 1 else None, progress=progress and rank == 0)
         scored = dict(zip(mine, lls))
         if gather:
             parts = [None] * world_size
@@ -405,6 +461,9 @@ def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, 
         keep = [i for i in idx if i in scored]
         results[task.name] = {**mc_metrics([scored[i] for i in keep], [exs[i] for i in keep]),
                               "source": eval_source(task.name, data_dir)}
+        if samples is not None:
+            pair = pair_encoder(tokenizer, add_bos)
+            samples[task.name] = [sample_record(i, exs[i], scored[i], [pair(c, k) for c, k in exs[i].requests]) for i in keep]
     return results
 
 # %% ../nbs/40_evals.ipynb #bc47cd0a
@@ -465,7 +524,7 @@ def run_prepare_evals(args, default_dir=None) -> int:
 
 # %% ../nbs/40_evals.ipynb #ad53c222
 def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`gg evaluate` flags (the seed's `evaluate.py` options, plus --hf-checkpoint, --evals-dir, --share-context)."
+    "`gg evaluate` flags (the seed's `evaluate.py` options, plus --hf-checkpoint, --evals-dir, --share-context, lm-eval)."
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="a gradient-garden checkpoint file (step_XXXXXXX.pt)")
     src.add_argument("--hf-checkpoint", help="a local Hugging Face model folder (AutoModelForCausalLM + AutoTokenizer)")
@@ -481,7 +540,16 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: runtime.precision")
     parser.add_argument("--seed", type=int, default=None, help="seed of the example subsets (default: evals.seed)")
     parser.add_argument("--share-context", action="store_true", help="score all choices of an example in one row")
-    parser.add_argument("--add-bos", action="store_true", help="prepend BOS to every context (lm-eval default: off)")
+    parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                        help="BOS before every context (--no-add-bos: none); default: the tokenizer's default special "
+                             "tokens, as lm-evaluation-harness's HF model (BOS for Llama 3-style tokenizers)")
+    parser.add_argument("--log-samples", action="store_true",
+                        help="also write every example's contexts, continuations, log-likelihoods and prediction")
+    g = parser.add_argument_group("lm-evaluation-harness")
+    g.add_argument("--lm-eval-tasks", default=None, help="comma-separated lm-eval task names, e.g. arc_easy,piqa")
+    g.add_argument("--lm-eval-include", default=None, help="folder of extra lm-eval task YAMLs (TaskManager include_path)")
+    g.add_argument("--lm-eval-limit", type=int, default=None, help="at most this many documents per lm-eval task")
+    g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples for the lm-eval tasks")
     parser.add_argument("--output-file-name", default="eval_results.json", help="where to write the results JSON")
     return parser
 
@@ -517,16 +585,49 @@ def _validation_batches(cfg: GlobalConfig, tokenizer, steps: int, batch_size: in
 
 def _fmt(v) -> str: return "-" if v is None else f"{v:.4f}"
 
+def _task_line(name: str, m: dict) -> str:
+    "One console line of a task's scores: acc/acc_norm with standard errors, or whatever metrics an lm-eval task has."
+    if not m["source"].startswith("lm-eval"):
+        return (f"{name:14s} acc {_fmt(m['acc'])} ± {_fmt(m['acc_stderr'])}  acc_norm {_fmt(m['acc_norm'])} "
+                f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
+    shown = [f"{k} {_fmt(v)}" for k, v in m.items() if isinstance(v, float) and not k.endswith("_stderr")]
+    return f"{name:14s} {'  '.join(shown)}  n={m['n']}  ({m['source']})"
+
+def samples_path(results_file, task: str) -> Path:
+    "Where `--log-samples` writes a task's records: `<results stem>_samples_<task>.jsonl` beside the results."
+    p = Path(results_file)
+    return p.with_name(f"{p.stem}_samples_{task}.jsonl")
+
+def context_prefix_name(tokenizer, add_bos: Optional[bool]) -> str:
+    "What goes before each context, for the results file: `bos (tokenizer default)`, `bos`, `none`, ..."
+    if add_bos is not None: return "bos" if add_bos else "none"
+    return ("bos" if default_prefix(tokenizer) else "none") + " (tokenizer default)"
+
+def check_evaluate_args(args) -> None:
+    "One-line errors for `gg evaluate` numbers out of range (never silently replaced by a default)."
+    for flag, v, low in [("--batch-size", args.batch_size, 1), ("--validation-steps", args.validation_steps, 1),
+                         ("--lm-eval-limit", getattr(args, "lm_eval_limit", None), 1),
+                         ("--num-fewshot", getattr(args, "num_fewshot", None), 0)] + [
+                        (f"--{t.flag}-examples", getattr(args, f"{t.name}_examples", None), 0) for t in TASKS.values()]:
+        if v is not None and v < low:
+            hint = " (0 = all rows)" if flag.endswith("-examples") else ""
+            raise ConfigError(f"gg evaluate {flag}: got {v}; must be >= {low}{hint}")
+
 def run_evaluate(args) -> int:
     "`gg evaluate`: validation loss and/or multiple-choice tasks of a checkpoint, written as one JSON file."
     if not (args.checkpoint or args.hf_checkpoint):
         raise ConfigError("gg evaluate: --checkpoint FILE or --hf-checkpoint DIR is required")
     names = selected_tasks(args)
-    if not names and not args.validation:
-        raise ConfigError("gg evaluate: nothing to evaluate; add --validation and/or " +
+    lm_tasks = [t.strip() for t in (getattr(args, "lm_eval_tasks", None) or "").split(",") if t.strip()]
+    if not names and not args.validation and not lm_tasks:
+        raise ConfigError("gg evaluate: nothing to evaluate; add --validation, --lm-eval-tasks and/or " +
                           " ".join(f"--{t.flag}" for t in TASKS.values()))
+    check_evaluate_args(args)
     if args.validation and args.hf_checkpoint:
         raise ConfigError("--validation needs --checkpoint: the validation shards are tokenized with the run's tokenizer")
+    if lm_tasks and args.hf_checkpoint:
+        raise ConfigError("--lm-eval-tasks needs --checkpoint; for a Hugging Face folder use lm-eval's own model: "
+                          "lm_eval --model hf --model_args pretrained=DIR --tasks ...")
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.engine.distributed import init_distributed, resolve_device, destroy_distributed
     started_dist = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not torch.distributed.is_initialized()
@@ -539,23 +640,36 @@ def run_evaluate(args) -> int:
         model, tokenizer, cfg = load_evaluation_model(args, device, DTYPES[args.dtype or "fp32"])
         ev = cfg.evals
         seed = ev.seed if args.seed is None else args.seed
-        batch_size = args.batch_size or ev.batch_size
+        batch_size = ev.batch_size if args.batch_size is None else args.batch_size
         data_dir = args.evals_dir or cfg.paths.evals
         for name in names: eval_file(name, data_dir)                    # fail before any scoring, not halfway
+        if lm_tasks:
+            try: from gradient_garden.lm_eval_model import lm_eval_task_manager
+            except ImportError as e:
+                raise ConfigError(f"--lm-eval-tasks needs lm-evaluation-harness ({e}); "
+                                  "pip install 'gradient-garden[lm_eval]'") from None
+            task_manager = lm_eval_task_manager(lm_tasks, args.lm_eval_include)
         results = {"checkpoint": args.checkpoint, "hf_checkpoint": args.hf_checkpoint, "device": str(device),
-                   "dtype": args.dtype or "fp32", "seed": seed, "batch_size": batch_size, "world_size": world_size}
+                   "dtype": args.dtype or "fp32", "seed": seed, "batch_size": batch_size, "world_size": world_size,
+                   "context_prefix": context_prefix_name(tokenizer, args.add_bos)}
         if args.validation:
-            steps = args.validation_steps or cfg.validation.steps
+            steps = cfg.validation.steps if args.validation_steps is None else args.validation_steps
             batches = _validation_batches(cfg, tokenizer, steps, args.batch_size or cfg.training.micro_batch_size, rank,
                                           world_size)
             results["validation"] = validation_loss(model, batches, device)
-        tasks = {}
+        tasks, samples = {}, {} if args.log_samples else None
         for name in names:
             k = getattr(args, f"{name}_examples")
             k = getattr(ev, f"{name}_examples", 100) if k is None else k
             tasks.update(evaluate_tasks(model, tokenizer, [name], k, batch_size, device, data_dir=data_dir, seed=seed,
                                         share_context=args.share_context, add_bos=args.add_bos,
-                                        max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=True))
+                                        max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=True,
+                                        samples=samples))
+        if lm_tasks:
+            from gradient_garden.lm_eval_model import run_lm_eval_tasks
+            tasks.update(run_lm_eval_tasks(model, tokenizer, lm_tasks, batch_size=batch_size, add_bos=args.add_bos,
+                                           include_path=args.lm_eval_include, limit=args.lm_eval_limit,
+                                           num_fewshot=args.num_fewshot, samples=samples, task_manager=task_manager))
         results["tasks"] = tasks
         results["elapsed_s"] = round(time.time() - t0, 3)
         if rank == 0:
@@ -563,10 +677,12 @@ def run_evaluate(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(out, json.dumps(results, indent=2) + "\n")
             if "validation" in results: print(f"validation loss {results['validation']['loss']:.4f}")
-            for name, m in tasks.items():
-                print(f"{name:14s} acc {_fmt(m['acc'])} ± {_fmt(m['acc_stderr'])}  acc_norm {_fmt(m['acc_norm'])} "
-                      f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
+            for name, m in tasks.items(): print(_task_line(name, m))
             print(f"results: {out}")
+            for name, recs in (samples or {}).items():
+                path = samples_path(out, name)
+                _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in recs))
+                print(f"samples: {path}")
     finally:
         if started_dist: destroy_distributed()
     return 0

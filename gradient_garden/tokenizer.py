@@ -298,6 +298,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_fr
         "".join(f"{base64.b64encode(bytes(to_byte[c] for c in t)).decode()} {i}\n" for t, i in ranked))
     return out
 
+# %% ../nbs/01_tokenizer.ipynb #4318f0ec
+from fastcore.basics import patch
+
+# %% ../nbs/01_tokenizer.ipynb #09908686
+@patch(as_prop=True)
+def adds_bos(self: Tokenizer) -> bool:
+    "True when this tokenizer's family starts every text with BOS (Hugging Face: its default special tokens)."
+    hf = getattr(self, "hf", None)
+    if hf is None: return True                                   # tiktoken: the Llama 3 convention
+    return hf.encode("a")[:1] == [self.bos_id]
+
 # %% ../nbs/01_tokenizer.ipynb #684e5a62
 def init_tokenizer(tok_cfg: TokenizerConfig) -> Tokenizer:
     "The tokenizer `tok_cfg` describes: `HFTokenizer` or `TikTokenizer` at `tok_cfg.path`."

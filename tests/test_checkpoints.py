@@ -118,3 +118,49 @@ def test_load_model_from_checkpoint_with_real_builder(tmp_path):
     bad = copy.deepcopy(cfg); bad.model.dim = 64
     torch.save(dict(torch.load(p, weights_only=True), config=bad.to_dict()), tmp_path / "wrong.pt")
     with pytest.raises(ConfigError, match="weights do not fit"): load_model_from_checkpoint(tmp_path / "wrong.pt")
+
+
+# -- sharded checkpoint directories (torch.distributed.checkpoint) --------------------------------------------------
+def _sharded(tmp_path, **meta_kw):
+    from gradient_garden.engine.checkpoints import save_sharded_checkpoint, sharded_state
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    meta = {k: v for k, v in _state().items() if k != "model"} | meta_kw
+    return save_sharded_checkpoint(sharded_state(model), meta, tmp_path/"ckpts"/"step_0000005"), model
+
+
+def test_sharded_directory_that_carries_code_is_refused_without_running_it(tmp_path):
+    import pickle
+    d, _ = _sharded(tmp_path)
+    marker = tmp_path/"pwned"
+    class Payload:
+        def __reduce__(self): return (os.system, (f"touch {marker}",))
+    (d/".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ConfigError, match="not a Gradient Garden checkpoint .*posix.system is not allowed"): load_checkpoint(d)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["no_meta", "truncated_shard", "no_metadata", "foreign_meta"])
+def test_damaged_sharded_directories_give_clear_errors(tmp_path, damage):
+    d, _ = _sharded(tmp_path)
+    if damage == "no_meta": (d/"meta.pt").unlink()
+    elif damage == "truncated_shard": (d/"__0_0.distcp").write_bytes((d/"__0_0.distcp").read_bytes()[:64])
+    elif damage == "no_metadata": (d/".metadata").unlink()
+    else: torch.save({"weights": torch.ones(1)}, d/"meta.pt")
+    with pytest.raises(ConfigError) as e: load_checkpoint(d)
+    msg = str(e.value)
+    assert msg.startswith(str(d)) and "\n" not in msg, msg
+    assert {"no_meta": "without meta.pt", "truncated_shard": "corrupted sharded checkpoint",
+            "no_metadata": "incomplete sharded checkpoint (no .metadata)", "foreign_meta": "not a Gradient Garden checkpoint"}[damage] in msg
+
+
+def test_sharded_checkpoint_of_another_architecture_or_stage_is_refused(tmp_path):
+    from gradient_garden.engine.checkpoints import check_compatible
+    d, model = _sharded(tmp_path)
+    meta = load_checkpoint(tmp_path/"ckpts", weights=False)
+    assert "model" not in meta and meta["sharded"] == str(d)
+    cfg = GlobalConfig(); cfg.model.architecture = "tendril_moe"
+    with pytest.raises(ConfigError, match="model.architecture: got 'tendril_moe'"): check_compatible(meta, cfg)
+    cfg = GlobalConfig(); cfg.training.stage = "instruct"
+    with pytest.raises(ConfigError, match="training.stage: got 'instruct'"): check_compatible(meta, cfg)
+    torch.testing.assert_close(load_checkpoint(d)["model"]["weight"], model.weight.detach())

@@ -318,3 +318,52 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
     with torch.no_grad(): ref = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
     assert math.isclose(res["validation"]["loss"], ref, rel_tol=1e-5) and res["validation"]["tokens"] == 32
     assert res["tasks"]["arc_challenge"]["n"] == 8 and res["checkpoint"] == str(ckpt)
+
+
+# -- special tokens and padding layouts ------------------------------------------------------------------------------
+
+class _LogitsOnly(torch.nn.Module):
+    "A model that takes nothing but tokens (no logits_to_keep): its head runs at every position."
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+    def forward(self, tokens): return self.inner(tokens)
+
+
+def test_with_and_without_logits_to_keep_give_the_reference(model, tok):
+    exs = E.load_examples("hellaswag")[:6]
+    enc = E.text_encoder(tok)
+    slow = [[slow_loglikelihood(model, enc, c, k) for c, k in ex.requests] for ex in exs]
+    assert E._keeps_logits(model) and not E._keeps_logits(_LogitsOnly(model))
+    for m in (model, _LogitsOnly(model)):                       # the head from the first target on, and everywhere
+        got = E.score_examples(m, tok, exs, batch_size=3)
+        np.testing.assert_allclose(np.array(sum(got, [])), np.array(sum(slow, [])), atol=1e-4, rtol=0)
+
+
+def test_default_prefix_follows_the_tokenizer(tmp_path, tok):
+    from gradient_garden.tokenizer import train_bpe, init_tokenizer
+    texts = [s for n in E.TASKS for ex in E.load_examples(n) for pair in ex.requests for s in pair]
+    platform = init_tokenizer(TokenizerConfig(path=str(train_bpe(texts, 600, tmp_path/"tok"))))
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(tmp_path/"tok")                       # the same folder, as lm-eval loads it
+    assert E.default_prefix(platform) == E.default_prefix(hf) == [platform.bos_id] == hf.encode("x")[:1]
+    assert E.default_prefix(tok) == []                                       # a tokenizer that adds nothing
+    pair = E.pair_encoder(platform)
+    ctx, cont = pair("Answer:", " ice")
+    assert ctx == hf.encode("Answer:") and ctx + cont == hf.encode("Answer: ice")
+    assert pair("", "Ice")[0] == [platform.bos_id]                           # one BOS, not two
+    assert E.pair_encoder(platform, add_bos=False)("Answer:", " ice")[0] == hf.encode("Answer:", add_special_tokens=False)
+    assert E.pair_encoder(tok, add_bos=True)("Answer:", " ice")[0][0] == E.prefix_token_id(tok)
+    args = E.add_evaluate_args(argparse.ArgumentParser())
+    assert [args.parse_args(a).add_bos for a in ([], ["--add-bos"], ["--no-add-bos"])] == [None, True, False]
+
+
+def test_evaluate_numbers_out_of_range_are_one_line_errors():
+    parse = lambda *a: E.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--checkpoint", "x.pt", "--winogrande", *a])
+    for argv, msg in [(["--batch-size", "0"], "gg evaluate --batch-size: got 0; must be >= 1"),
+                      (["--validation", "--validation-steps", "0"], "gg evaluate --validation-steps: got 0; must be >= 1"),
+                      (["--winogrande-examples", "-3"], "gg evaluate --winogrande-examples: got -3; must be >= 0 (0 = all rows)"),
+                      (["--num-fewshot", "-1"], "gg evaluate --num-fewshot: got -1; must be >= 0")]:
+        with pytest.raises(ConfigError) as e: E.run_evaluate(parse(*argv))
+        assert str(e.value) == msg
+    with pytest.raises(ConfigError, match="examples: got -3"): E.sample_indices(10, -3, 0)

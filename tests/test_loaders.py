@@ -26,7 +26,7 @@ def toy_folder(root, sizes=(3000, 3000, 3000, 1000), val_sizes=(2000,), dtype="u
             shards.append({"file": f"{split}/{f.name}", "n_tokens": n})
             pos += n
         splits[split] = {"n_tokens": pos, "shards": shards}
-    write_json_atomic(root / "meta.json", {"format": "gradient-garden-shards", "version": 1, "dtype": dtype,
+    write_json_atomic(root / "meta.json", {"format": "gradient-garden-shards", "version": 2, "dtype": dtype,
                                            "tokenizer": {"identity": identity, "name": "toy"}, "splits": splits})
     return root
 

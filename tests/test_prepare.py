@@ -57,6 +57,7 @@ def read_split_docs(out_dir, tok, split):
     ids = np.concatenate([np.fromfile(out_dir / sh["file"], meta["dtype"]) for sh in meta["splits"][split]["shards"]] or [np.zeros(0, int)])
     ends = np.flatnonzero(ids == tok.eos_id)
     starts = np.r_[0, ends[:-1] + 1]
+    starts = starts + (ids[starts] == tok.bos_id) if len(ends) else starts   # each document begins with BOS
     return [tok.decode(ids[s:e].tolist()) for s, e in zip(starts, ends)]
 
 

@@ -7,7 +7,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/loaders.html.md"""
 
 # %% ../../nbs/03_loaders.ipynb #765d2999
 from __future__ import annotations
-import json
+import json, queue, threading
 from functools import lru_cache
 from pathlib import Path
 import numpy as np
@@ -16,7 +16,8 @@ from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig
 
 # %% auto #0
-__all__ = ['load_meta', 'open_shards', 'PretrainLoader', 'to_batch', 'pretraining_loaders']
+__all__ = ['load_meta', 'open_shards', 'PretrainLoader', 'to_batch', 'pretraining_loaders', 'pin_batch', 'PrefetchLoader',
+           'prefetching']
 
 # %% ../../nbs/03_loaders.ipynb #59bf300d
 def load_meta(data_dir) -> dict:
@@ -30,6 +31,9 @@ def load_meta(data_dir) -> dict:
     meta = json.loads((d/"meta.json").read_text())
     if meta.get("format") != "gradient-garden-shards":
         raise ConfigError(f"{d/'meta.json'}: not a gradient-garden shard folder (format={meta.get('format')!r})")
+    if "version" in meta:                                    # hand-made folders without one are taken as they are
+        from gradient_garden.data.prepare import check_shard_version
+        check_shard_version(meta, d)
     return meta
 
 def open_shards(data_dir, meta: dict, split: str) -> list[np.memmap]:
@@ -159,3 +163,74 @@ def pretraining_loaders(cfg: GlobalConfig, rank: int = 0, world_size: int = 1,
     t, data_dir = cfg.training, Path(cfg.paths.datasets)/"pretraining"
     make = lambda split: PretrainLoader(data_dir, split, t.micro_batch_size, t.seq_len, rank, world_size, t.seed, tokenizer_identity)
     return make("train"), make("val")
+
+# %% ../../nbs/03_loaders.ipynb #df6a77e9
+def pin_batch(batch: dict) -> dict:
+    "The batch with its tensors in page-locked memory, so copies to a GPU can run asynchronously."
+    return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+class PrefetchLoader:
+    "Wraps any loader: a background thread prepares the next `depth` batches (pinned for CUDA); resumes exactly."
+    def __init__(self, loader, depth: int = 2, pin: bool = False):
+        if depth < 1: raise ConfigError(f"runtime.num_workers: got {depth}; batches prepared ahead must be >= 1 (or 0 for none)")
+        self.loader, self.depth, self.pin = loader, depth, pin
+        self._state = loader.state_dict()            # the position after the last batch handed out
+        self._thread = None
+
+    def _produce(self, q: queue.Queue, stop: threading.Event):
+        "Producer: the inner loader's batches with the state after each, until `stop`."
+        try:
+            while not stop.is_set():
+                b = self.loader.next_batch()
+                item = (pin_batch(b) if self.pin else b, self.loader.state_dict())
+                while not stop.is_set():
+                    try: q.put(item, timeout=0.1); break
+                    except queue.Full: pass
+        except BaseException as e: q.put(e)           # surfaces in the consumer
+
+    def _start(self):
+        self._queue, self._stop = queue.Queue(self.depth), threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True)
+        self._thread.start()
+
+    def close(self):
+        "Stop the producer; the inner loader is left after the batches it prepared (`state_dict` still tells the truth)."
+        if self._thread is not None:
+            self._stop.set(); self._thread.join(); self._thread = None
+
+    def __getattr__(self, name): return getattr(self.__dict__["loader"], name)   # split, batch_size, ...
+
+
+# %% ../../nbs/03_loaders.ipynb #342fccec
+@patch
+def next_batch(self: PrefetchLoader) -> dict:
+    "The next batch of the inner loader's order."
+    if self._thread is None: self._start()
+    item = self._queue.get()
+    if isinstance(item, BaseException): self._thread = None; raise item
+    batch, self._state = item
+    return batch
+
+@patch
+def state_dict(self: PrefetchLoader) -> dict:
+    "The inner loader's state after the last batch handed out (not after the ones prepared ahead)."
+    return self._state
+
+@patch
+def load_state_dict(self: PrefetchLoader, state: dict) -> None:
+    "Drop the prepared batches and continue from `state`."
+    self.close()
+    self.loader.load_state_dict(state)
+    self._state = self.loader.state_dict()
+
+@patch
+def fixed_batches(self: PrefetchLoader, n: int) -> list[dict]:
+    "The inner loader's validation batches (pinned for CUDA)."
+    out = self.loader.fixed_batches(n)
+    return [pin_batch(b) for b in out] if self.pin else out
+
+def prefetching(loader, num_workers: int, device_type: str = "cpu"):
+    "`loader` behind a `PrefetchLoader` preparing `num_workers` batches ahead (pinned on CUDA); unchanged for 0."
+    if num_workers == 0 or isinstance(loader, PrefetchLoader): return loader
+    return PrefetchLoader(loader, num_workers, pin=device_type == "cuda")
+

@@ -20,12 +20,13 @@ from ..tokenizer import Tokenizer, ensure_tokenizer
 
 # %% auto #0
 __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED', 'DEFAULT_PRETRAINING_DATA', 'PROGRESS_FILE',
-           'META_FILE', 'STAGE_HOOKS', 'stdlib_files', 'pydoc_topics', 'HubSource', 'LocalSource', 'EmbeddedSource',
-           'resolve_files', 'infer_format', 'parse_source', 'PretrainingData', 'parse_pretraining_data',
-           'load_mix_file', 'parse_mix_file_data', 'open_source', 'SourceStream', 'is_validation', 'shard_sizes',
-           'ShardWriter', 'write_json_atomic', 'read_json', 'token_dtype', 'encode_documents', 'next_source',
-           'tokenizer_info', 'check_tokenizer', 'clear_prepared', 'resume_point', 'prepare_pretraining',
-           'run_stage_hook', 'tokenizer_texts', 'add_prepare_args', 'run_prepare']
+           'META_FILE', 'SHARD_FORMAT', 'SHARD_VERSION', 'STAGE_HOOKS', 'stdlib_files', 'pydoc_topics', 'HubSource',
+           'LocalSource', 'EmbeddedSource', 'resolve_files', 'infer_format', 'parse_source', 'PretrainingData',
+           'parse_pretraining_data', 'load_mix_file', 'parse_mix_file_data', 'open_source', 'SourceStream',
+           'is_validation', 'shard_sizes', 'ShardWriter', 'write_json_atomic', 'read_json', 'token_dtype',
+           'encode_documents', 'next_source', 'check_shard_version', 'tokenizer_info', 'check_tokenizer',
+           'clear_prepared', 'resume_point', 'prepare_pretraining', 'run_stage_hook', 'tokenizer_texts',
+           'add_prepare_args', 'run_prepare']
 
 # %% ../../nbs/02_data.ipynb #653aa8ae
 EMBEDDED_CORPORA = ("python-stdlib", "pydoc-topics")
@@ -315,8 +316,8 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str], val_fraction: float, dtype) -> dict:
-    "Encode a batch and route each document (with its eos) to train or val; return arrays and counts per split."
-    ids = tokenizer.encode_batch(texts)
+    "Encode a batch (BOS + text + EOS per document, BOS as the family has it) and route each document to train or val."
+    ids = tokenizer.encode_batch(texts, bos=tokenizer.adds_bos)
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     parts = {"train": [], "val": []}
     n_bytes = 0
@@ -341,6 +342,20 @@ def next_source(sources: list, counts: dict, target_tokens: int, batch_chars: in
     chars_per_token = c["chars"] / c["tokens"] if c["tokens"] else 2.0   # a low first guess: better short than long
     need = share[src.name] - c["tokens"]
     return src.name, int(min(batch_chars, max(1, need * chars_per_token)))
+
+# %% ../../nbs/02_data.ipynb #532f327f
+SHARD_FORMAT, SHARD_VERSION = "gradient-garden-shards", 2
+
+def check_shard_version(found: dict, where) -> None:
+    "Refuse shards (their `meta.json` or `progress.json`) written in another format version than this one's."
+    v = found.get("version")
+    if v == SHARD_VERSION: return
+    if isinstance(v, int) and v > SHARD_VERSION:
+        raise ConfigError(f"{where}: shard format version {v} is newer than this gradient-garden reads ({SHARD_VERSION}); "
+                          "upgrade gradient-garden")
+    raise ConfigError(f"{where}: made by an older `gg prepare` (shard format version {v or 1}: documents without the "
+                      f"<|begin_of_text|> that Llama 3-style tokenizers put first; this version writes {SHARD_VERSION}); "
+                      "prepare it again with `gg prepare ... --overwrite`")
 
 # %% ../../nbs/02_data.ipynb #a9f34320
 def tokenizer_info(tokenizer: Tokenizer) -> dict:
@@ -367,9 +382,11 @@ def resume_point(out_dir: Path, spec: PretrainingData, tokenizer: Tokenizer) -> 
     if progress is None:
         meta = read_json(out_dir/META_FILE)
         if meta is not None:
+            check_shard_version(meta, out_dir)
             check_tokenizer(meta["tokenizer"], tokenizer, out_dir)
             raise ConfigError(f"{out_dir}: holds shards without {PROGRESS_FILE}, so they cannot be extended; use --overwrite")
         return None
+    check_shard_version(progress, out_dir)
     check_tokenizer(progress["tokenizer"], tokenizer, out_dir)
     if progress["layout"] != spec.layout():
         changed = [k for k in spec.layout() if progress["layout"].get(k) != spec.layout()[k]]
@@ -386,8 +403,8 @@ def _meta(spec, tokenizer, dtype, counts, writers, stage, elapsed) -> dict:
         sizes = shard_sizes(w.n_tokens, spec.shard_tokens)
         splits[split] = {"n_tokens": w.n_tokens, "documents": sum(c[f"{split}_docs"] for c in counts.values()),
                          "shards": [{"file": f"{split}/{w.path(k).name}", "n_tokens": n} for k, n in enumerate(sizes)]}
-    return {"format": "gradient-garden-shards", "version": 1, "stage": stage, "dtype": str(np.dtype(dtype)),
-            "tokenizer": tokenizer_info(tokenizer), "n_tokens": sum(w.n_tokens for w in writers.values()),
+    return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": stage, "dtype": str(np.dtype(dtype)),
+            "tokenizer": tokenizer_info(tokenizer), "documents_begin_with_bos": tokenizer.adds_bos, "n_tokens": sum(w.n_tokens for w in writers.values()),
             "documents": sum(s["documents"] for s in splits.values()), "target_tokens": spec.target_tokens,
             **spec.layout(), "sources": counts, "splits": splits, "elapsed_s": round(elapsed, 3)}
 
@@ -418,7 +435,7 @@ def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *,
     def commit():
         for w in writers.values(): w.sync()
         write_json_atomic(out_dir/PROGRESS_FILE, {
-            "tokenizer": tokenizer_info(tokenizer), "layout": spec.layout(), "counts": counts,
+            "version": SHARD_VERSION, "tokenizer": tokenizer_info(tokenizer), "layout": spec.layout(), "counts": counts,
             "n_tokens": {s: w.n_tokens for s, w in writers.items()},
             "streams": {n: st.state_dict() for n, st in streams.items() if not counts[n]["exhausted"]}})
 

@@ -1,5 +1,6 @@
-"""One file per checkpoint, written atomically, read back with `weights_only=True`; retention of the last N and
-the best; RNG states; and errors that say what is wrong with a checkpoint instead of a traceback from torch.
+"""One file, or one directory of per-rank shards, per checkpoint, written atomically, read back without unpickling
+code; resharding to any number of ranks; asynchronous saves; retention of the last N and the best; RNG states;
+and errors that say what is wrong with a checkpoint instead of a traceback from torch.
 
 Docs: https://gradient-garden.github.io/gradient-garden/checkpoints.html.md"""
 
@@ -7,20 +8,26 @@ Docs: https://gradient-garden.github.io/gradient-garden/checkpoints.html.md"""
 
 # %% ../../nbs/23_checkpoints.ipynb #ba42969e
 from __future__ import annotations
-import os, random, re, zipfile
+import io, os, pickle, random, re, shutil, warnings, zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, from_plain
+from .distributed import barrier, is_fsdp, unwrap
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'STAGE_ORDER', 'SHAPE_FIELDS',
-           'MOE_SHAPE_FIELDS', 'find_unsafe', 'rng_state', 'set_rng_state', 'save_checkpoint', 'list_checkpoints',
-           'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'base_weights',
-           'load_model_from_checkpoint']
+__all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
+           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'find_unsafe', 'rng_state', 'set_rng_state',
+           'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
+           'check_compatible', 'CheckpointManager', 'MetadataUnpickler', 'SafeReader', 'SafeLoadPlanner',
+           'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'read_metadata', 'read_sharded',
+           'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'consolidate_checkpoint',
+           'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/23_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -94,23 +101,32 @@ def save_checkpoint(state: dict, path) -> Path:
     return path
 
 # %% ../../nbs/23_checkpoints.ipynb #d6fbc36d
-CHECKPOINT_RE = re.compile(r"^step_(\d{7,})\.pt$")
+CHECKPOINT_RE = re.compile(r"^step_(\d{7,})(\.pt)?$")
+SHARDED_MARKER, SHARDED_META = "COMPLETE", "meta.pt"
+
+def is_sharded_checkpoint(p) -> bool:
+    "True for a complete sharded checkpoint directory (its completion marker is the last thing written)."
+    p = Path(p)
+    return p.is_dir() and (p/SHARDED_MARKER).is_file()
 
 def list_checkpoints(ckpt_dir) -> list[Path]:
-    "The complete checkpoint files `step_*.pt` in `ckpt_dir`, oldest step first (temporary files never match)."
+    "The complete checkpoints in `ckpt_dir` (`step_*.pt` files, sharded `step_*` dirs), oldest step first."
     d = Path(ckpt_dir)
     if not d.is_dir(): return []
-    return sorted((p for p in d.iterdir() if CHECKPOINT_RE.match(p.name) and p.is_file()),
-                  key=lambda p: int(CHECKPOINT_RE.match(p.name)[1]))
+    found = [p for p in d.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and (p.is_file() if m[2] else is_sharded_checkpoint(p))]
+    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name)[1]))
 
 def resolve_checkpoint(path) -> Path:
-    "A checkpoint file; a `checkpoints/` dir or a run dir resolves to its latest checkpoint."
+    "A checkpoint file or sharded dir; a `checkpoints/` dir or a run dir resolves to its latest checkpoint."
     p = Path(path)
-    if p.is_file(): return p
+    if p.is_file() or is_sharded_checkpoint(p): return p
     if not p.exists(): raise ConfigError(f"--checkpoint {p}: no such file or directory")
     for d in (p, p/"checkpoints"):
         if ckpts := list_checkpoints(d): return ckpts[-1]
-    raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt in it or in {p/'checkpoints'})")
+    if (p/".metadata").exists() or (p/SHARDED_META).exists() or any(p.glob("*.distcp")):
+        raise ConfigError(f"--checkpoint {p}: an incomplete sharded checkpoint (no {SHARDED_MARKER} marker: its save "
+                          f"did not finish); use an earlier checkpoint")
+    raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt or step_*/ in it or in {p/'checkpoints'})")
 
 # %% ../../nbs/23_checkpoints.ipynb #1df940cf
 def _verify_archive(p: Path):
@@ -123,25 +139,42 @@ def _verify_archive(p: Path):
     if bad is not None:
         raise ConfigError(f"{p}: corrupted checkpoint (member {bad!r} fails its CRC check); use an earlier checkpoint")
 
-def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool = False) -> dict:
-    "Load and check a Gradient Garden checkpoint with `weights_only=True`; `path` may be a run or checkpoints dir."
-    p = resolve_checkpoint(path)
+def _first_line(e: BaseException) -> str:
+    "The first line of an exception's message (its type when it has none), for one-line errors."
+    s = str(e).strip()
+    return s.splitlines()[0][:200] if s else type(e).__name__
+
+def _load_file(p: Path, map_location="cpu", verify: bool = True, mmap: bool = False) -> dict:
+    "Load a `torch.save` file with `weights_only=True` and check that it is a Gradient Garden checkpoint."
     if verify: _verify_archive(p)
     elif not zipfile.is_zipfile(p): raise ConfigError(f"{p}: corrupted or truncated checkpoint (not a zip archive)")
     try: ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _first_line(e)
         if "Weights only load failed" in first or type(e).__name__ == "UnpicklingError":
             raise ConfigError(f"{p}: not a Gradient Garden checkpoint (it holds objects that weights_only loading "
                               f"refuses; we never unpickle code)") from None
-        raise ConfigError(f"{p}: corrupted checkpoint ({type(e).__name__}: {first[:200]})") from None
+        raise ConfigError(f"{p}: corrupted checkpoint ({type(e).__name__}: {first})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         got = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ConfigError(f"{p}: not a Gradient Garden checkpoint (format {got!r}, expected {CHECKPOINT_FORMAT!r})")
     if not isinstance(ckpt.get("version"), int) or ckpt["version"] > CHECKPOINT_VERSION:
         raise ConfigError(f"{p}: checkpoint format version {ckpt.get('version')!r}; this Gradient Garden reads "
                           f"versions <= {CHECKPOINT_VERSION} (upgrade the package)")
-    if missing := [k for k in REQUIRED_KEYS if k not in ckpt]:
+    return ckpt
+
+# %% ../../nbs/23_checkpoints.ipynb #67c760de
+def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool = False, weights: bool = True,
+                    optimizers: bool = True) -> dict:
+    "Load and check a checkpoint file or sharded dir (`weights_only` throughout); `path` may be a run or checkpoints dir."
+    p = resolve_checkpoint(path)
+    if p.is_dir():  # sharded: the small meta file, then (unless `weights=False`) the full tensors, read in this process
+        ckpt = _load_file(p/SHARDED_META, verify=verify) if (p/SHARDED_META).is_file() else None
+        if ckpt is None: raise ConfigError(f"{p}: not a Gradient Garden checkpoint (a directory without {SHARDED_META})")
+        ckpt["sharded"] = str(p)
+        if weights: ckpt.update(read_sharded(p, ("model", "optimizers") if optimizers else ("model",)))
+    else: ckpt = _load_file(p, map_location, verify, mmap)
+    if missing := [k for k in REQUIRED_KEYS if k not in ckpt and not (k == "model" and "sharded" in ckpt and not weights)]:
         raise ConfigError(f"{p}: incomplete checkpoint, missing {', '.join(missing)}")
     return ckpt
 
@@ -189,11 +222,14 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
 
 # %% ../../nbs/23_checkpoints.ipynb #079d9d78
 class CheckpointManager:
-    "Saves `step_*.pt` files in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
-    def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True):
+    "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
+    def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False):
         if keep_last < 1: raise ConfigError(f"checkpointing.keep_last: got {keep_last}; must be >= 1")
-        self.dir, self.keep_last, self.keep_best = Path(ckpt_dir), keep_last, keep_best
+        self.dir, self.keep_last, self.keep_best, self.async_save = Path(ckpt_dir), keep_last, keep_best, async_save
         self._val_loss: dict[str, float | None] = {}
+        self.pending = None       # the asynchronous save in flight: (future, tmp dir, final dir, meta)
+        self.failures: list[str] = []  # one line per background write that failed
+        self._group = None
 
     def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
 
@@ -208,7 +244,7 @@ class CheckpointManager:
     def val_loss(self, path: Path) -> float | None:
         "The validation loss recorded in checkpoint `path` (None if not validated or unreadable)."
         if path.name not in self._val_loss:
-            try: v = load_checkpoint(path, verify=False, mmap=True).get("val_loss")
+            try: v = load_checkpoint(path, verify=False, mmap=True, weights=False).get("val_loss")
             except ConfigError: v = None
             self._val_loss[path.name] = v
         return self._val_loss[path.name]
@@ -231,12 +267,229 @@ class CheckpointManager:
         ckpts = self.checkpoints()
         keep = set(ckpts[-self.keep_last:])
         if self.keep_best and (b := self.best()) is not None: keep.add(b)
+        in_flight = self.pending[1] if self.pending else None
         gone = [p for p in ckpts if p not in keep]
-        gone += [p for p in self.dir.glob(".step_*.pt.tmp.*") if p.is_file()]
+        gone += [p for pat in (".step_*.pt.tmp.*", ".step_*.tmp", ".step_*.old") for p in self.dir.glob(pat) if p != in_flight]
         for p in gone:
-            p.unlink(missing_ok=True)
+            if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
+            else: p.unlink(missing_ok=True)
             self._val_loss.pop(p.name, None)
         return gone
+
+# %% ../../nbs/23_checkpoints.ipynb #1e0eb487
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+
+_DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+    "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+class MetadataUnpickler(pickle.Unpickler):
+    "Unpickle a dcp `.metadata` file into dcp's metadata classes, sizes and dtypes only (never code)."
+    def find_class(self, module, name):
+        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+class SafeReader(FileSystemReader):
+    "dcp's `FileSystemReader`, reading `.metadata` through `MetadataUnpickler`."
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        with open(Path(self.path)/".metadata", "rb") as f: md = MetadataUnpickler(f).load()
+        if getattr(md, "storage_meta", None) is None: md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+def _load_bytes_weights_only(self, read_item, value: io.BytesIO):
+    "A non-tensor entry (an optimizer hyper-parameter), read with `weights_only=True`."
+    obj = torch.load(value, weights_only=True)
+    if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+    else: self.state_dict[read_item.dest_index.fqn] = obj
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    "dcp's load planner (into existing, possibly sharded, tensors) with weights-only non-tensor entries."
+    load_bytes = _load_bytes_weights_only
+
+class SafeFullLoadPlanner(_EmptyStateDictLoadPlanner):
+    "dcp's planner that rebuilds full tensors from the metadata (one process), with weights-only entries."
+    load_bytes = _load_bytes_weights_only
+
+# %% ../../nbs/23_checkpoints.ipynb #9e74ac2e
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+DCP_ERRORS = (Exception, CheckpointException)  # dcp reports a failure on any rank as a BaseException
+
+def dcp_error(e: BaseException) -> str:
+    "One line for a dcp failure: the first failing rank's own exception, not dcp's wrapper."
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, err = next(iter(e.failures.items()))
+        if isinstance(err, tuple): err = err[0]  # (exception, traceback frames)
+        return f"rank {rank}: {type(err).__name__}: {_first_line(err)}"
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+def _owner(model: nn.Module) -> nn.Module:
+    "The module whose state dict we save: FSDP2 modules as they are, DDP / compile wrappers removed."
+    return model if is_fsdp(model) else unwrap(model)
+
+def sharded_state(model: nn.Module, optimizers=()) -> dict:
+    "`{model, optimizers}` state of this rank: its shards under FSDP2/HSDP (DTensors), whole tensors otherwise."
+    m, opts = _owner(model), StateDictOptions()
+    if not optimizers: return {"model": get_model_state_dict(m, options=opts)}
+    msd, osd = get_state_dict(m, list(optimizers), options=opts)
+    return {"model": msd, "optimizers": osd}
+
+def load_sharded_state(path, model: nn.Module, optimizers=None):
+    "Read sharded checkpoint `path` into `model` (and `optimizers`) in their current layout: any ranks, any mesh."
+    p, m = Path(path), _owner(model)
+    state, md = sharded_state(model, optimizers or ()), read_metadata(p)
+    if optimizers:  # parameters that had no optimizer state when saved (never stepped) get none now either
+        saved = set(md.state_dict_metadata)
+        st = state["optimizers"]["state"]
+        state["optimizers"]["state"] = {n: s for n, s in st.items() if all(f"optimizers.state.{n}.{k}" in saved for k in s)}
+    try: dcp.load(state, storage_reader=SafeReader(p), planner=SafeLoadPlanner())
+    except DCP_ERRORS as e:
+        raise ConfigError(f"{p}: the sharded checkpoint does not fit this model and optimizers ({dcp_error(e)})") from None
+    set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
+    if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
+
+# %% ../../nbs/23_checkpoints.ipynb #b3cfe88f
+def read_metadata(path):
+    "dcp's index of sharded checkpoint `path`, read without unpickling code; a `ConfigError` when missing or foreign."
+    p = Path(path)
+    try: return SafeReader(p).read_metadata()
+    except FileNotFoundError: raise ConfigError(f"{p}: incomplete sharded checkpoint (no .metadata)") from None
+    except pickle.UnpicklingError as e:
+        raise ConfigError(f"{p}: not a Gradient Garden checkpoint ({_first_line(e)}; we never unpickle code)") from None
+    except Exception as e: raise ConfigError(f"{p}: corrupted sharded checkpoint (.metadata: {_first_line(e)})") from None
+
+def read_sharded(path, keys=("model", "optimizers")) -> dict:
+    "The full (unsharded) `keys` of sharded checkpoint `path`, read in this one process."
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    p, out = Path(path), {}
+    read_metadata(p)  # its own errors first: dcp would wrap them
+    try: _load_state_dict(out, storage_reader=SafeReader(p), planner=SafeFullLoadPlanner(keys=set(keys)), no_dist=True)
+    except DCP_ERRORS as e: raise ConfigError(f"{p}: corrupted sharded checkpoint ({dcp_error(e)})") from None
+    return out
+
+# %% ../../nbs/23_checkpoints.ipynb #c3fc931d
+def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
+
+def _fsync_write(path: Path, write: Callable):
+    "Write a file with `write(f)`, flushed and fsynced."
+    with open(path, "wb") as f:
+        write(f); f.flush(); os.fsync(f.fileno())
+
+def sharded_meta(meta: dict) -> dict:
+    "`meta` stamped with the format, checked for the required keys (the tensors live in the shards) and safe types."
+    meta = {**meta, "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "layout": "sharded"}
+    if missing := [k for k in REQUIRED_KEYS if k != "model" and k not in meta]:
+        raise ValueError(f"checkpoint meta lacks required keys {missing}")
+    if bad := find_unsafe(meta, "meta"):
+        raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), lists)")
+    return meta
+
+def begin_sharded(final: Path) -> Path:
+    "Every rank: the fresh temporary directory (made by rank 0) that becomes checkpoint `final`."
+    tmp = final.with_name(f".{final.name}.tmp")
+    if _is_main():
+        if tmp.exists(): shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    return tmp
+
+def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
+    "Rank 0, once every shard is on disk: write `meta.pt`, then the marker, then rename `tmp` to `final`."
+    _fsync_write(tmp/SHARDED_META, lambda f: torch.save(meta, f))
+    _fsync_write(tmp/SHARDED_MARKER, lambda f: f.write(f"step {meta['step']}\n".encode()))
+    _fsync_dir(tmp)
+    old = final.with_name(f".{final.name}.old") if final.exists() else None
+    if old: os.replace(final, old)  # a checkpoint of the same step is replaced
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old: shutil.rmtree(old, ignore_errors=True)
+    return final
+
+def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
+    "Every rank: write its shards of `app_state` (`sharded_state`) and rank 0's `meta` as directory `path`, atomically."
+    final, meta = Path(path), sharded_meta(meta)
+    tmp = begin_sharded(final)
+    try: dcp.save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    except BaseException:
+        if _is_main(): shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _is_main(): commit_sharded(tmp, final, meta)
+    barrier()
+    return final
+
+# %% ../../nbs/23_checkpoints.ipynb #4c97838a
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+@patch
+def _checkpoint_group(self: CheckpointManager):
+    "A gloo process group of its own for background saves (None in one process)."
+    if not (dist.is_initialized() and dist.get_world_size() > 1): return None
+    if self._group is None: self._group = dist.new_group(backend="gloo")
+    return self._group
+
+@patch
+def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict, val_loss: float | None = None) -> Path:
+    "Every rank: write checkpoint `step_*` as a sharded dir (in the background with `async_save`); retention after."
+    self.wait()  # one save in flight at most: the previous one is committed (or reported) first
+    val_loss = None if val_loss is None else float(val_loss)
+    final, meta = self.dir/f"step_{step:07d}", sharded_meta({**meta, "step": step, "val_loss": val_loss})
+    if not self.async_save:
+        save_sharded_checkpoint(app_state, meta, final)
+        self._val_loss[final.name] = val_loss
+        if _is_main(): self.prune()
+        return final
+    group = self._checkpoint_group()
+    tmp = begin_sharded(final)
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # one plain host copy (see below)
+    fut = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                         async_stager=stager)
+    self.pending = (fut, tmp, final, meta)
+    fut.add_done_callback(lambda _: stager.close())  # its copies are freed once written
+    return final
+
+# %% ../../nbs/23_checkpoints.ipynb #847b6e38
+@patch
+def wait(self: CheckpointManager) -> Path | None:
+    "Finish the save in flight: rank 0 commits it, or (failed) reports it and keeps the previous checkpoint."
+    if self.pending is None: return None
+    fut, tmp, final, meta = self.pending
+    self.pending = None
+    try: fut.result()
+    except DCP_ERRORS as e:
+        latest = self.latest()
+        msg = (f"checkpoint {final.name}: the background write failed ({dcp_error(e)}); "
+               f"{latest.name if latest else 'no checkpoint'} stays the latest")
+        self.failures.append(msg)
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+            warnings.warn(msg)
+        return None
+    if not _is_main(): return final
+    commit_sharded(tmp, final, meta)
+    self._val_loss[final.name] = meta["val_loss"]
+    self.prune()
+    return final
+
+@patch
+def poll(self: CheckpointManager) -> Path | None:
+    "Commit the save in flight if its background write has finished; never blocks."
+    return self.wait() if self.pending is not None and self.pending[0].done() else None
+
+# %% ../../nbs/23_checkpoints.ipynb #e3a5c389
+def consolidate_checkpoint(src, dst) -> Path:
+    "Write sharded checkpoint `src` as one `.pt` file `dst` (full tensors, read in this process)."
+    ck = load_checkpoint(src)
+    return save_checkpoint({k: v for k, v in ck.items() if k not in ("sharded", "layout", "format", "version")}, dst)
 
 # %% ../../nbs/23_checkpoints.ipynb #b6970335
 def base_weights(ckpt: dict) -> dict[str, torch.Tensor]:
@@ -256,7 +509,7 @@ def base_weights(ckpt: dict) -> dict[str, torch.Tensor]:
 def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = None, *, merge_lora: bool = True,
                                build_model: Callable | None = None) -> tuple[nn.Module, GlobalConfig]:
     "Rebuild the model a checkpoint was trained with, load its weights (LoRA merged by default); `(model, cfg)`."
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, optimizers=False)  # a sharded checkpoint: the model's shards only
     try: cfg = from_plain(GlobalConfig, ckpt["config"])
     except ConfigError as e: raise ConfigError(f"{resolve_checkpoint(path)}: stored config is invalid ({e})") from None
     if build_model is None: from gradient_garden.models.tendril import build_model

@@ -18,8 +18,8 @@ except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
 __all__ = ['DistEnv', 'resolve_device', 'init_distributed', 'destroy_distributed', 'all_reduce', 'barrier', 'broadcast_object',
-           'all_gather_objects', 'apply_fsdp', 'parallelize', 'unwrap', 'is_fsdp', 'grad_sync', 'grad_norm',
-           'clip_grad_norm_', 'memory_footprint']
+           'all_gather_objects', 'mesh_shape', 'build_mesh', 'apply_fsdp', 'parallelize', 'unwrap', 'is_fsdp',
+           'grad_sync', 'grad_norm', 'clip_grad_norm_', 'memory_footprint']
 
 # %% ../../nbs/22_distributed.ipynb #6d8b29ce
 @dataclass
@@ -30,6 +30,7 @@ class DistEnv:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: str | None = None
+    local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool: return self.rank == 0
@@ -60,7 +61,8 @@ def init_distributed(runtime: RuntimeConfig | None = None) -> DistEnv:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
-    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world)
 
 def destroy_distributed():
     "Tear down the process group if there is one, after every rank has arrived (no rank exits mid-collective)."
@@ -96,30 +98,49 @@ def all_gather_objects(obj) -> list:
     dist.all_gather_object(out, obj)
     return out
 
+# %% ../../nbs/22_distributed.ipynb #b7861247
+def mesh_shape(runtime: RuntimeConfig, world_size: int, local_world_size: int | None = None) -> tuple[int, int]:
+    "`(replicate, shard)` degrees of the data-parallel mesh; by default shard within a node, replicate across nodes."
+    r, s = runtime.replicate, runtime.shard
+    if not s: s = world_size // r if r else min(local_world_size or world_size, world_size)
+    if not r: r = world_size // s
+    if r * s != world_size:
+        raise ConfigError(f"runtime.replicate x runtime.shard: got {r} x {s} = {r * s}; must equal the world size "
+                          f"{world_size} (0 picks one of them automatically)")
+    return r, s
+
+def build_mesh(runtime: RuntimeConfig, env: DistEnv):
+    "The `DeviceMesh` for FSDP2: 1-D `(shard,)` for pure FSDP2, 2-D `(replicate, shard)` for HSDP."
+    from torch.distributed.device_mesh import init_device_mesh
+    r, s = mesh_shape(runtime, env.world_size, env.local_world_size)
+    if r == 1: return init_device_mesh(env.device.type, (s,), mesh_dim_names=("shard",))
+    return init_device_mesh(env.device.type, (r, s), mesh_dim_names=("replicate", "shard"))
+
 # %% ../../nbs/22_distributed.ipynb #c7ef7792
 _PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def apply_fsdp(model: nn.Module, precision: str = "fp32") -> nn.Module:
-    "Shard `model` with FSDP2: one unit per transformer block, then the root."
+def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Module:
+    "Shard `model` with FSDP2 over `mesh` (2-D: HSDP; None: all ranks): one unit per transformer block, then the root."
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     mp = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision], reduce_dtype=torch.float32)
     blocks = getattr(model, "layers", None)
     if blocks is None: raise ConfigError(f"runtime.fsdp: model {type(model).__name__} has no `layers` to shard per block")
     n = len(blocks)
     for i, block in enumerate(blocks):
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < n - 1)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv) -> nn.Module:
-    "Wrap `model` for the run: FSDP2 or DDP under torchrun, unchanged in one process; `torch.compile` when asked."
+    "Wrap `model` for the run: FSDP2/HSDP or DDP under torchrun, unchanged in one process; `torch.compile` when asked."
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same
         for block in getattr(model, "layers", []): block.compile()
         if not (env.distributed and runtime.fsdp) and not hasattr(model, "layers"): model.compile()
     if not env.distributed: return model
-    if runtime.fsdp: return apply_fsdp(model, runtime.precision)
+    if runtime.fsdp: return apply_fsdp(model, runtime.precision, build_mesh(runtime, env))
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    # buffers (the RoPE tables) are computed identically on every rank: no broadcast before every forward
+    return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
 
 def unwrap(model: nn.Module) -> nn.Module:
     "The user's module inside DDP or `torch.compile` wrappers (FSDP2 modules are already the user's module)."
@@ -134,10 +155,18 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(unwrap(model), FSDPModule)
 
 # %% ../../nbs/22_distributed.ipynb #ef7a302e
+@contextlib.contextmanager
+def _fsdp_gradient_sync(model: nn.Module, sync: bool):
+    "FSDP2: reduce-scatter in this micro-step's backward only when `sync` is true."
+    model.set_requires_gradient_sync(sync)
+    try: yield
+    finally: model.set_requires_gradient_sync(True)
+
 def grad_sync(model: nn.Module, sync: bool):
-    "Context for one micro-step: under DDP gradients are all-reduced only when `sync` is true; a no-op otherwise."
+    "Context for one micro-step: under DDP / FSDP2 gradients are reduced only when `sync` is true; a no-op otherwise."
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
+    if is_fsdp(inner) and not sync: return _fsdp_gradient_sync(unwrap(inner), False)
     return contextlib.nullcontext()
 
 # %% ../../nbs/22_distributed.ipynb #6b18cf2f

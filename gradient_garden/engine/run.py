@@ -81,8 +81,10 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
                           f"{tokenizer.vocab_size} tokens (set model.vocab_size >= {tokenizer.vocab_size})")
     ckpt = None
     if checkpoint:
-        ckpt = load_checkpoint(checkpoint)
+        ckpt = load_checkpoint(checkpoint, weights=False)  # sharded: meta only; the trainer reads its own shards
         check_compatible(ckpt, cfg, allow_stage_change=True, tokenizer_identity=tokenizer.identity)
+        if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
+            ckpt = load_checkpoint(checkpoint, optimizers=False)
     model = build_run_model(cfg, env, ckpt)
     parts = build_stage(cfg, tokenizer, env, model)
     seed_everything(cfg.training.seed)

@@ -8,7 +8,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/trainer.html.md"""
 
 # %% ../../nbs/24_trainer.ipynb #0748bb8d
 from __future__ import annotations
-import contextlib, json, math, os, platform, random, subprocess, sys, time, warnings
+import contextlib, json, math, os, platform, random, re, subprocess, sys, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,15 +18,17 @@ import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier,
-                                                clip_grad_norm_)
-from .checkpoints import rng_state, set_rng_state
+                                                clip_grad_norm_, all_gather_objects)
+from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
+                                                load_sharded_state)
 from ..generation import default_test_prompts, encode_prompts, generate
 
 # %% auto #0
-__all__ = ['DTYPES', 'GPU_PEAK_FLOPS', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'make_grad_scaler',
-           'measure_matmul_peak', 'gpu_datasheet_flops', 'peak_flops', 'estimate_workload', 'package_versions',
-           'hardware_info', 'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping',
-           'seed_everything', 'make_profiler', 'full_state', 'load_full_state', 'TrainState', 'Trainer']
+__all__ = ['DTYPES', 'GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'cpu_bf16_units', 'resolve_precision', 'autocast_context',
+           'make_grad_scaler', 'set_tf32', 'measure_matmul_peak', 'gpu_datasheet_flops', 'compute_precision',
+           'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
+           'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
+           'load_full_state', 'TrainState', 'Trainer', 'device_scalar']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,11 +61,30 @@ def make_grad_scaler(device: torch.device, precision: str):
     "A `GradScaler` for fp16 (loss scaling), disabled otherwise."
     return torch.amp.GradScaler(device.type, enabled=resolve_precision(device, precision)[0] == "fp16")
 
+def set_tf32(device: torch.device, enabled: bool) -> bool:
+    "Let fp32 matmuls and convolutions on CUDA run on TF32 tensor cores (`runtime.tf32`); True when they now do."
+    if device.type != "cuda": return False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
+
 # %% ../../nbs/24_trainer.ipynb #96aae514
-GPU_PEAK_FLOPS = {  # dense tensor-core peak per GPU, bf16/fp16 (fp32 uses TF32 where marked)
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-    "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
-}
+GPU_DATASHEET = [  # (name pattern, dense peak TFLOP/s per precision); most specific first, matched on word boundaries
+    (r"\bH200 NVL\b", dict(bf16=835, fp16=835, tf32=418, fp32=60)),
+    (r"\bG?H200\b", dict(bf16=989, fp16=989, tf32=495, fp32=67)),
+    (r"\bH100 NVL\b", dict(bf16=835, fp16=835, tf32=418, fp32=60)),
+    (r"\bH100 PCIe\b", dict(bf16=756, fp16=756, tf32=378, fp32=51)),
+    (r"\bG?H100\b", dict(bf16=989, fp16=989, tf32=495, fp32=67)),          # SXM ("H100 80GB HBM3"), GH200's H100
+    (r"\bA100\b", dict(bf16=312, fp16=312, tf32=156, fp32=19.5)),
+    (r"\bL40S\b", dict(bf16=362, fp16=362, tf32=183, fp32=91.6)),
+    (r"\bL40\b", dict(bf16=181, fp16=181, tf32=90.5, fp32=90.5)),
+    (r"\bL4\b", dict(bf16=121, fp16=121, tf32=60, fp32=30.3)),
+    (r"\bA10\b", dict(bf16=125, fp16=125, tf32=62.5, fp32=31.2)),          # not the A10G (a different chip)
+    (r"\bRTX 4090\b", dict(bf16=165, fp16=165, tf32=82.6, fp32=82.6)),
+    (r"\bRTX 3090\b", dict(bf16=35.6, fp16=35.6, tf32=17.8, fp32=35.6)),   # GeForce: half rate with fp32 accumulation
+    (r"\bV100\b", dict(fp16=125, fp32=15.7)),                               # no bf16 or TF32 tensor cores
+    (r"\bT4\b", dict(fp16=65, fp32=8.1)),
+]
+GPU_PEAK_FLOPS = {p: v["bf16"] * 1e12 for p, v in GPU_DATASHEET if "bf16" in v}   # bf16 column, FLOP/s
 _MEASURED_PEAK: dict = {}
 
 def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 1024, reps: int = 5, dtype=torch.float32,
@@ -82,18 +103,23 @@ def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 102
     return _MEASURED_PEAK[key]
 
 def gpu_datasheet_flops(name: str, precision: str = "bf16") -> float | None:
-    "Datasheet peak FLOP/s of the GPU called `name` (TF32, half the bf16 figure, for fp32), or None if unknown."
-    for k, v in GPU_PEAK_FLOPS.items():
-        if k in name: return v if precision != "fp32" else v / 2
+    "Dense datasheet peak FLOP/s of the GPU called `name` for `precision` (bf16, fp16, tf32, fp32), or None if unknown."
+    for pattern, peaks in GPU_DATASHEET:
+        if re.search(pattern, name): return peaks[precision] * 1e12 if precision in peaks else None
     return None
 
-def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = False) -> float:
+def compute_precision(device: torch.device, precision: str, tf32: bool = False) -> str:
+    "The precision the matmuls actually run in: `tf32` for fp32 runs on CUDA with TF32 enabled, else `precision`."
+    return "tf32" if precision == "fp32" and tf32 and device.type == "cuda" else precision
+
+def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = False, tf32: bool = False) -> float:
     "Peak FLOP/s of one device in `precision`: the datasheet for known GPUs, otherwise measured (busy CPUs under-read: `refresh`)."
     precision = resolve_precision(device, precision)[0]
     if device.type == "cuda":
-        return (gpu_datasheet_flops(torch.cuda.get_device_name(device), precision)
+        return (gpu_datasheet_flops(torch.cuda.get_device_name(device), compute_precision(device, precision, tf32))
                 or measure_matmul_peak(device, 4096, dtype=DTYPES[precision], refresh=refresh))
     return measure_matmul_peak(device, dtype=DTYPES[precision], refresh=refresh)
+
 
 # %% ../../nbs/24_trainer.ipynb #d1a4d1f2
 def estimate_workload(cfg: GlobalConfig, tokens_per_s: float | None = None, world_size: int = 1) -> dict:
@@ -272,6 +298,10 @@ class Trainer:
         self._fpt = None
         self.router_metrics: dict = {}
         self.final_evaluate = final_evaluate
+        self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
+        from gradient_garden.data.loaders import prefetching   # runtime.num_workers batches prepared (and pinned) ahead
+        self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
+        self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
 
 # %% ../../nbs/24_trainer.ipynb #3abd1ea9
 @patch
@@ -290,6 +320,29 @@ def _forward_loss(self: Trainer, batch) -> tuple[torch.Tensor, dict]:
     return loss_sum, metrics, (aux() if callable(aux) else None)
 
 # %% ../../nbs/24_trainer.ipynb #f9cfe060
+def device_scalar(x, device: torch.device) -> torch.Tensor:
+    "`x` (a tensor anywhere, or a Python number) as a float64 scalar on `device`: a fill or a non-blocking copy."
+    if torch.is_tensor(x): return x.to(device=device, dtype=torch.float64, non_blocking=True)
+    return torch.full((), float(x), dtype=torch.float64, device=device)
+
+@patch
+def _to_device(self: Trainer, batch: dict) -> dict:
+    "The batch's tensors on the run's device, copied without blocking the host (the loader pins them on CUDA)."
+    return {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+@patch
+def settle_tokens(self: Trainer) -> int:
+    "Add the token counts still on the device to `state.tokens_seen` (one read); return the total."
+    if self._pending_tokens is not None:
+        self.state.tokens_seen += int(self._pending_tokens.item()); self._pending_tokens = None
+    return self.state.tokens_seen
+
+@patch
+def _reads_host_after(self: Trainer, step: int) -> bool:
+    "True after the steps where the loop reads metrics anyway (logging, checkpoints, the last step)."
+    t, c = self.cfg.training, self.cfg.checkpointing
+    return step % t.log_every == 0 or step in (1, t.max_steps) or bool(c.every and step % c.every == 0)
+
 @patch
 def train_step(self: Trainer) -> dict:
     "Read `grad_accum` micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
@@ -297,10 +350,10 @@ def train_step(self: Trainer) -> dict:
     from gradient_garden.engine.optim import set_learning_rates
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
-    batches = [{k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in self.train_loader.next_batch().items()}
-               for _ in range(self.grad_accum)]
-    count = all_reduce(torch.stack([torch.as_tensor(self.task.count(b), device=dev, dtype=torch.float64) for b in batches]).sum())
-    n_tokens = all_reduce(torch.tensor(float(sum(b["input_ids"].numel() for b in batches)), device=dev))
+    batches = [self._to_device(self.train_loader.next_batch()) for _ in range(self.grad_accum)]
+    local = torch.stack([sum(device_scalar(self.task.count(b), dev) for b in batches),
+                         device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
+    count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
     loss_total = torch.zeros((), device=dev, dtype=torch.float64)
     metric_sums: dict = {}
     for i, batch in enumerate(batches):
@@ -322,7 +375,8 @@ def train_step(self: Trainer) -> dict:
     for k, v in metric_sums.items(): out[k] = all_reduce(v) / count
     if grad_norm is not None: out["grad_norm"] = grad_norm
     self.state.step += 1
-    self.state.tokens_seen += int(n_tokens.item())
+    self._pending_tokens = n_tokens if self._pending_tokens is None else self._pending_tokens + n_tokens
+    if self._reads_host_after(self.state.step): self.settle_tokens()   # no read from the device between those steps
     return out
 
 # %% ../../nbs/24_trainer.ipynb #c1ddd034
@@ -336,57 +390,76 @@ def validate(self: Trainer) -> float:
     self.model.eval()
     dev, inner = self.env.device, unwrap(self.model)
     if hasattr(inner, "reset_router_stats"): inner.reset_router_stats()  # count validation routing only
-    tot, cnt = torch.zeros((), device=dev, dtype=torch.float64), torch.zeros((), device=dev, dtype=torch.float64)
+    sums = torch.zeros(2, device=dev, dtype=torch.float64)   # loss, count: kept on the device, read once at the end
     try:
         for b in self._val_batches:
-            b = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in b.items()}
+            b = self._to_device(b)
             self._mark_supervised(b)
             with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
-            tot += loss_sum.double(); cnt += float(self.task.count(b))
+            sums = sums + torch.stack([loss_sum.double(), device_scalar(self.task.count(b), dev)])
     finally: self.model.train()
     # router load, effective/dead experts, max share (a collective: every rank calls it)
     self.router_metrics = inner.router_metrics() if hasattr(inner, "router_metrics") else {}
-    return (all_reduce(tot) / all_reduce(cnt)).item()
+    sums = all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 # %% ../../nbs/24_trainer.ipynb #4594b5dd
 @patch
-def checkpoint_state(self: Trainer) -> dict:
-    "Everything an exact resume needs, with full (unsharded) tensors."
-    msd, osd = full_state(self.model, self.optimizers)
-    st = self.state
+def checkpoint_meta(self: Trainer) -> dict:
+    "Everything an exact resume needs but the model and optimizer tensors; loader and RNG states of every rank."
+    self.settle_tokens()   # the token count still on the device
+    st, mine = self.state, self.train_loader.state_dict()
+    if self.env.rank: mine = {k: v for k, v in mine.items() if k != "reference"}  # DPO's reference: rank 0 keeps it
+    loaders, rngs = all_gather_objects(mine), all_gather_objects(rng_state())
     return dict(step=st.step, stage=self.cfg.training.stage, architecture=self.cfg.model.architecture,
-                config=self.cfg.to_dict(), model=msd, optimizers=osd, loader=self.train_loader.state_dict(),
-                rng=rng_state(), val_history=list(st.val_history), best_val_loss=st.best_val_loss,
+                config=self.cfg.to_dict(), loader=loaders[0], loaders=loaders, rng=rngs[0], rngs=rngs,
+                val_history=list(st.val_history), best_val_loss=st.best_val_loss, world_size=self.env.world_size,
                 tokens_seen=st.tokens_seen, scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
 
 @patch
+def checkpoint_state(self: Trainer) -> dict:
+    "Everything an exact resume needs, with full (unsharded) tensors."
+    msd, osd = full_state(self.model, self.optimizers)
+    return self.checkpoint_meta() | dict(model=msd, optimizers=osd)
+
+@patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
-    "Gather the state on every rank, write it atomically from rank 0, apply retention."
-    from gradient_garden.engine.checkpoints import CheckpointManager
+    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention."
+    c = self.cfg.checkpointing
+    if self.ckpt_manager is None:
+        self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
+                                              async_save=c.async_save)
+    if c.format == "sharded":
+        return self.ckpt_manager.save_sharded(self.state.step, sharded_state(self.model, self.optimizers),
+                                              self.checkpoint_meta(), val_loss=val_loss)
     state = self.checkpoint_state()
-    path = None
-    if self.env.is_main:
-        if self.ckpt_manager is None:
-            c = self.cfg.checkpointing
-            self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best)
-        path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
+    path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss) if self.env.is_main else None
     barrier()
     return path
 
 # %% ../../nbs/24_trainer.ipynb #4470034a
+def _rank_entry(ckpt: dict, plural: str, singular: str, rank: int):
+    "This rank's entry of a per-rank list in `ckpt` (rank 0's when the checkpoint had fewer ranks), or None."
+    entries = ckpt.get(plural) or [ckpt.get(singular)]
+    return entries[rank] if rank < len(entries) else entries[0]
+
 @patch
 def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, reset_loader=False,
                           reset_val_history=False, start_step: int | None = None, restore_progress: bool = True):
-    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint dict."
+    "Restore model (and unless reset, optimizers, loader, RNG, counters) from a loaded checkpoint (either layout)."
     same_stage = ckpt.get("stage") == self.cfg.training.stage
     keep_progress = restore_progress and same_stage
-    load_full_state(self.model, None if (reset_optimizers or not keep_progress) else self.optimizers,
-                    ckpt["model"], ckpt.get("optimizers"))
+    optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
+    if "model" in ckpt: load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
+    else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
-    if not reset_loader and ckpt.get("loader"): self.train_loader.load_state_dict(ckpt["loader"])
-    if ckpt.get("rng"): set_rng_state(ckpt["rng"])
+    loader, rank = _rank_entry(ckpt, "loaders", "loader", self.env.rank), self.env.rank
+    if not reset_loader and loader:
+        ref = (ckpt.get("loader") or {}).get("reference")
+        self.train_loader.load_state_dict(loader if ref is None or "reference" in loader else loader | {"reference": ref})
+    if rng := _rank_entry(ckpt, "rngs", "rng", rank): set_rng_state(rng)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:
@@ -422,7 +495,8 @@ def run_evals(self: Trainer) -> dict:
     from gradient_garden.evals import evaluate_from_config
     m = self.model if is_fsdp(self.model) else unwrap(self.model)
     m.eval()
-    try: res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
+    try:
+        with autocast_context(self.env.device, self.cfg.runtime.precision): res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
     finally: m.train()
     return {f"{t}/{k}": v for t, r in res.items() for k, v in r.items() if isinstance(v, (int, float))}
 
@@ -434,6 +508,15 @@ def _flops_per_token(self: Trainer) -> float:
         from gradient_garden.models.tendril import flops_per_token
         self._fpt = flops_per_token(self.cfg.model, self.cfg.training.seq_len)
     return self._fpt
+
+@patch
+@contextlib.contextmanager
+def _untimed(self: Trainer):
+    "Leave the time spent inside (validation, evals, samples, checkpoints) out of the logged throughput and MFU."
+    sync = torch.cuda.synchronize if self.env.device.type == "cuda" else (lambda: None)
+    sync(); t0 = time.perf_counter()           # the queued training work is billed to training, not to this
+    try: yield
+    finally: sync(); self._untimed_s += time.perf_counter() - t0
 
 @patch
 def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: float) -> dict:
@@ -457,7 +540,7 @@ def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> di
     "Add the final evaluation (on the last step) and the scheduled evals to the record."
     if last and self.final_evaluate is not None:
         m = self.model if is_fsdp(self.model) else unwrap(self.model)
-        rec = (rec or dict(step=step)) | self.final_evaluate(m)
+        with autocast_context(self.env.device, self.cfg.runtime.precision): rec = (rec or dict(step=step)) | self.final_evaluate(m)
     e = self.cfg.evals
     if e.every and step % e.every == 0 and self.tokenizer is not None: rec = (rec or dict(step=step)) | self.run_evals()
     return rec
@@ -477,40 +560,45 @@ def fit(self: Trainer) -> dict:
     cfg, env = self.cfg, self.env
     t, v, g, c = cfg.training, cfg.validation, cfg.generation, cfg.checkpointing
     logger = MetricsLogger(self.run_dir, enabled=env.is_main, wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
-    peak = peak_flops(env.device, cfg.runtime.precision) * env.world_size
+    peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
     from tqdm.auto import tqdm
     bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not self.log_to_console, desc=f"{t.stage}", dynamic_ncols=True)
     prof = make_profiler(cfg, self.run_dir, env)
     stopped_early, last_val = False, None
     self.model.train()
-    t_last, tok_last = time.perf_counter(), 0
+    t_last, tok_mark, self._untimed_s = time.perf_counter(), self.settle_tokens(), 0.0
     with (prof if prof is not None else contextlib.nullcontext()):
         while self.state.step < t.max_steps:
             out = self.train_step()
             if prof is not None: prof.step()
             step, rec, val_loss = self.state.step, None, None
-            tok_last += int(out["n_tokens"].item())
             if step % t.log_every == 0 or step == t.max_steps or step == 1:
                 if env.device.type == "cuda": torch.cuda.synchronize()
-                rec = self._step_record(out, tok_last, time.perf_counter() - t_last, peak)
-                t_last, tok_last = time.perf_counter(), 0
+                rec = self._step_record(out, self.state.tokens_seen - tok_mark, time.perf_counter() - t_last - self._untimed_s, peak)
+                t_last, tok_mark, self._untimed_s = time.perf_counter(), self.state.tokens_seen, 0.0
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
             bar.update(1)
             if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
-                val_loss, rec = self._validate_into(step, rec); last_val = val_loss
-                if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
+                with self._untimed():
+                    val_loss, rec = self._validate_into(step, rec); last_val = val_loss
+                    if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
                 if self.log_to_console: bar.write(f"step {step}: val_loss {val_loss:.4f}")
                 if self.early and self.early.update(step, val_loss): stopped_early = True
             last = step == t.max_steps or stopped_early
-            rec = self._evaluate_into(step, last, rec)
-            if g.every and step % g.every == 0 and self.tokenizer is not None: self._write_samples()
+            with self._untimed():
+                rec = self._evaluate_into(step, last, rec)
+                if g.every and step % g.every == 0 and self.tokenizer is not None: self._write_samples()
             if rec is not None: logger.log(rec)
             for cb in self.callbacks: cb(self, rec)
-            if c.every and (step % c.every == 0 or (last and c.save_final)): self.save_checkpoint(val_loss)
+            if c.every and (step % c.every == 0 or (last and c.save_final)):
+                with self._untimed(): self.save_checkpoint(val_loss)
+            elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
             if stopped_early:
                 if self.log_to_console: bar.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
                 break
+    if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
+    barrier()
     bar.close()
     logger.close()
     return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
-                stopped_early=stopped_early, tokens_seen=self.state.tokens_seen)
+                stopped_early=stopped_early, tokens_seen=self.settle_tokens())

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops',
            'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
-           'KVCache', 'sdpa_gqa', 'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
+           'LayerKV', 'KVCache', 'sdpa_gqa', 'sdpa_kernel_class', 'plain_linear', 'fused_weight', 'hold_fused_weights',
+           'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -104,6 +105,18 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 # %% ../../nbs/10_attention.ipynb #8d124237
+class LayerKV:
+    "One layer's slot of a `KVCache`: its two buffers, written in place (no layer index, so one compiled graph serves all)."
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor): self.keys, self.values = keys, values
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        "Write `k`, `v` `[B, T, n_kv_heads, head_dim]` at `start_pos`; return all keys/values so far `[B, n_kv_heads, S, head_dim]`."
+        end = start_pos + k.shape[1]
+        if end > self.keys.shape[1]: raise ValueError(f"KV cache holds {self.keys.shape[1]} positions; asked to write up to {end}")
+        self.keys[:, start_pos:end] = k
+        self.values[:, start_pos:end] = v
+        return self.keys[:, :end].transpose(1, 2), self.values[:, :end].transpose(1, 2)
+
 class KVCache:
     "Preallocated keys and values per layer, `[batch, max_seq_len, n_kv_heads, head_dim]`, written in place."
     def __init__(self, n_layers: int, batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int):
@@ -111,22 +124,28 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
 
+    def allocate(self, dtype: torch.dtype, device) -> KVCache:
+        "Create every layer's buffers that do not exist yet, in `dtype` on `device`."
+        shape = (self.batch_size, self.max_seq_len, self.n_kv_heads, self.head_dim)
+        for i, t in enumerate(self.keys):
+            if t is None:
+                self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+        return self
+
+    def layer(self, i: int) -> LayerKV:
+        "The slot of layer `i` (its buffers must exist: `allocate` first)."
+        return LayerKV(self.keys[i], self.values[i])
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        "Write `k`, `v` `[B, T, n_kv_heads, head_dim]` at `start_pos`; return all keys/values so far `[B, n_kv_heads, S, head_dim]`."
-        end = start_pos + k.shape[1]
-        if end > self.max_seq_len: raise ValueError(f"KV cache holds {self.max_seq_len} positions; asked to write up to {end}")
-        if self.keys[layer] is None:
-            shape = (self.batch_size, self.max_seq_len, self.n_kv_heads, self.head_dim)
-            self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        kc, vc = self.keys[layer], self.values[layer]
-        kc[:, start_pos:end] = k
-        vc[:, start_pos:end] = v
-        return kc[:, :end].transpose(1, 2), vc[:, :end].transpose(1, 2)
+        "Write layer `layer`'s `k`, `v` at `start_pos` (allocating in `k`'s dtype on first use); return all so far."
+        if self.keys[layer] is None: self.allocate(k.dtype, k.device)
+        return self.layer(layer).update(k, v, start_pos)
 
     def nbytes(self) -> int:
         "Memory held by the allocated buffers."
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
 
 # %% ../../nbs/10_attention.ipynb #132ca764
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,12 +158,17 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     if T == 1 and n_rep > 1:
         out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], n_rep, d), k, v, attn_mask=mask)
         return out.reshape(B, H, 1, d)
-    causal = mask is None and T > 1
+    causal = True if mask is None and T > 1 else False   # a Python bool even when T is symbolic under torch.compile
     if n_rep == 1: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     if mask is None or q.device.type == "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+# %% ../../nbs/10_attention.ipynb #4f50399b
+def sdpa_kernel_class(mask: torch.Tensor | None) -> str:
+    "The fastest CUDA SDPA kernel class a call with `mask` can reach: `flash` without a mask, else `memory-efficient`."
+    return "flash" if mask is None else "memory-efficient"
 
 # %% ../../nbs/10_attention.ipynb #60da7613
 FUSE_MIN_TOKENS = 64
@@ -213,11 +237,12 @@ class Attention(nn.Module):
         return RotateHeads.apply(q, cos, sin, H)[0], RotateHeads.apply(k, cos, sin, KV)[0], v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+                kv_cache: KVCache | LayerKV | None = None, start_pos: int = 0) -> torch.Tensor:
         "Attend from `x` `[B, T, dim]` (positions from `cos`/`sin`) to itself, or to the cache plus itself."
         B, T, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        if kv_cache is not None: k, v = kv_cache.update(self.layer_id, k, v, start_pos)
+        if isinstance(kv_cache, KVCache): kv_cache = kv_cache.allocate(k.dtype, k.device).layer(self.layer_id)
+        if kv_cache is not None: k, v = kv_cache.update(k, v, start_pos)
         else: k, v = k.transpose(1, 2), v.transpose(1, 2)
         if mask is None and T > 1 and k.shape[2] > T: mask = attention_mask(T, k.shape[2] - T, device=x.device)
         out = sdpa_gqa(q.transpose(1, 2), k, v, mask)

@@ -16,7 +16,7 @@ from .tendril import Tendril, ffn_hidden_dim
 # %% auto #0
 __all__ = ['LLAMA_ARCHITECTURES', 'TOKENIZER_FILES', 'check_llama_compatible', 'hf_llama_config', 'model_config_from_hf',
            'to_hf_state_dict', 'from_hf_state_dict', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_files',
-           'export_hf', 'load_hf', 'add_export_args', 'run_export']
+           'export_hf', 'load_hf', 'hf_module_name', 'export_hf_with_adapter', 'add_export_args', 'run_export']
 
 # %% ../../nbs/15_hf.ipynb #dbbf3b82
 LLAMA_ARCHITECTURES = ("tendril",)
@@ -203,6 +203,25 @@ def load_hf(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Tendr
     model.load_state_dict(sd)
     return model.to(dtype=dtype).eval() if dtype is not None else model.eval(), cfg
 
+# %% ../../nbs/15_hf.ipynb #0c4b5765
+import copy
+from .lora import lora_modules, save_peft_adapter, unload_lora
+
+# %% ../../nbs/15_hf.ipynb #e3766020
+def hf_module_name(name: str) -> str:
+    "The `LlamaForCausalLM` name of a Tendril linear layer (`layers.0.attention.wq` -> `model.layers.0.self_attn.q_proj`)."
+    hf = _hf_name(name + ".weight")
+    if hf is None: raise ConfigError(f"module {name!r} has no LlamaForCausalLM equivalent; a PEFT adapter can only adapt its layers")
+    return hf[:-len(".weight")]
+
+def export_hf_with_adapter(model: Tendril, out_dir, tokenizer=None, tokenizer_dir=None,
+                           dtype: torch.dtype | None = None) -> tuple[Path, Path]:
+    "The base model (adapters dropped) as a Llama folder `out_dir`, and its LoRA adapter as a `peft` folder `out_dir/adapter`."
+    if not lora_modules(model): raise ConfigError("lora: the model has no LoRA adapters to export")
+    out = export_hf(unload_lora(copy.deepcopy(model)), out_dir, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    adapter = save_peft_adapter(model, out/"adapter", rename=hf_module_name, base_model_name_or_path=str(out.resolve()), dtype=dtype)
+    return out, adapter
+
 # %% ../../nbs/15_hf.ipynb #2f6e27dd
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -213,6 +232,8 @@ def add_export_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder to copy (default: the checkpoint's tokenizer.path)")
     parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES), help="dtype of the saved weights")
     parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    parser.add_argument("--lora-adapter", action="store_true",
+                        help="write the base model and its LoRA adapter as a PEFT folder in <out>/adapter (instead of merging)")
     return parser
 
 def run_export(args) -> int:
@@ -221,7 +242,9 @@ def run_export(args) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"--out: {out} exists and is not empty; pass --force to write into it")
-    model, cfg = load_model_from_checkpoint(args.checkpoint, "cpu", torch.float32)
+    model, cfg = load_model_from_checkpoint(args.checkpoint, "cpu", torch.float32, merge_lora=not args.lora_adapter)
+    if args.lora_adapter and not lora_modules(model):
+        raise ConfigError(f"--lora-adapter: {args.checkpoint} holds no LoRA adapters (trained without lora.enabled); export it without the flag")
     check_llama_compatible(cfg.model)
     tok_src = args.tokenizer or cfg.tokenizer.path
     tokenizer = None
@@ -233,6 +256,10 @@ def run_export(args) -> int:
     else:
         warnings.warn(f"tokenizer {tok_src} not found; exporting the model without tokenizer files")
         tok_src = None
+    if args.lora_adapter:
+        _, adapter = export_hf_with_adapter(model, out, tokenizer=tokenizer, tokenizer_dir=tok_src, dtype=_DTYPES[args.dtype])
+        print(f"wrote {out} (base LlamaForCausalLM, {args.dtype}) and the PEFT LoRA adapter {adapter}")
+        return 0
     export_hf(model, out, tokenizer=tokenizer, tokenizer_dir=tok_src, dtype=_DTYPES[args.dtype])
     print(f"wrote {out} (LlamaForCausalLM, {args.dtype}{', with tokenizer' if tok_src else ''})")
     return 0

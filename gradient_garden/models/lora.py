@@ -15,7 +15,7 @@ from ..config import ConfigError, LoraConfig
 
 # %% auto #0
 __all__ = ['LoRALinear', 'lora_modules', 'apply_lora', 'merge_lora', 'unmerge_lora', 'merge_and_unload', 'lora_state_dict',
-           'load_lora_state_dict', 'has_lora']
+           'load_lora_state_dict', 'has_lora', 'unload_lora', 'peft_adapter', 'save_peft_adapter']
 
 # %% ../../nbs/13_lora.ipynb #56d80750
 class LoRALinear(nn.Linear):
@@ -140,3 +140,52 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 def has_lora(state_dict: dict) -> bool:
     "True when a state dict carries LoRA adapters (a checkpoint of an adapted model)."
     return any("lora_" in k for k in state_dict)
+
+# %% ../../nbs/13_lora.ipynb #b9b0f270
+def unload_lora(model: nn.Module) -> nn.Module:
+    "Replace each `LoRALinear` by a plain `nn.Linear` with its base weight, dropping (not merging) the adapters; in place."
+    for name, m in lora_modules(model).items():
+        if m.merged: m.unmerge()
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        lin.weight, lin.bias = m.weight, m.bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, lin)
+    return model
+
+def peft_adapter(model: nn.Module, rename=lambda name: name, base_model_name_or_path: str | None = None,
+                 task_type: str | None = "CAUSAL_LM") -> tuple[dict, dict[str, torch.Tensor]]:
+    "`peft`'s `adapter_config.json` (a dict) and adapter tensors for the LoRA layers of `model`."
+    mods = lora_modules(model)
+    if not mods: raise ConfigError("lora: the model has no LoRA adapters to export (was it trained with lora.enabled?)")
+    if len({(m.rank, m.alpha) for m in mods.values()}) > 1:
+        raise ConfigError("lora: adapters of different ranks or alphas cannot be written as one PEFT LoraConfig")
+    m0 = next(iter(mods.values()))
+    names = {n: rename(n) for n in mods}
+    leaves = {n.rsplit(".", 1)[-1] for n in mods}
+    exact = {n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in leaves} == set(mods)
+    targets = sorted({t.rsplit(".", 1)[-1] for t in names.values()}) if exact else sorted(names.values())
+    tensors = {}
+    for n, m in mods.items():
+        tensors[f"base_model.model.{names[n]}.lora_A.weight"] = m.lora_A.detach().contiguous()
+        tensors[f"base_model.model.{names[n]}.lora_B.weight"] = m.lora_B.detach().contiguous()
+    dropout = m0.lora_dropout.p if isinstance(m0.lora_dropout, nn.Dropout) else 0.0
+    config = dict(peft_type="LORA", task_type=task_type, r=m0.rank, lora_alpha=m0.alpha, lora_dropout=dropout,
+                  target_modules=targets, bias="none", fan_in_fan_out=False, use_rslora=False, use_dora=False,
+                  init_lora_weights=True, inference_mode=True, modules_to_save=None, layers_to_transform=None,
+                  rank_pattern={}, alpha_pattern={}, base_model_name_or_path=base_model_name_or_path)
+    return config, tensors
+
+# %% ../../nbs/13_lora.ipynb #210a0079
+def save_peft_adapter(model: nn.Module, out_dir, rename=lambda name: name, base_model_name_or_path: str | None = None,
+                      task_type: str | None = "CAUSAL_LM", dtype: torch.dtype | None = None):
+    "Write `adapter_config.json` and `adapter_model.safetensors` (what `peft.PeftModel.from_pretrained` reads)."
+    import json
+    from pathlib import Path
+    from safetensors.torch import save_file
+    config, tensors = peft_adapter(model, rename, base_model_name_or_path, task_type)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v if dtype is None else v.to(dtype)).cpu() for k, v in tensors.items()}, out/"adapter_model.safetensors",
+              metadata={"format": "pt"})
+    (out/"adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

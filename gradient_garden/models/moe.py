@@ -20,9 +20,9 @@ from .tendril import (FeedForward, Tendril, TransformerBlock, ffn_hidden_dim, fl
 
 # %% auto #0
 __all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balancing_loss', 'router_z_loss', 'StackedLinear',
-           'grouped_mm', 'GroupedExperts', 'moe_dispatch', 'reference_moe', 'MoEFeedForward', 'TendrilMoE',
-           'router_metrics_from_load', 'router_load_from_metrics', 'plot_router_load', 'moe_active_matmul_params',
-           'moe_flops_per_token', 'upcycle']
+           'grouped_mm', 'GroupedExperts', 'moe_dispatch', 'reference_moe', 'grouped_mm_syncs', 'dispatch_capacity',
+           'MoEFeedForward', 'TendrilMoE', 'router_metrics_from_load', 'router_load_from_metrics', 'plot_router_load',
+           'moe_active_matmul_params', 'moe_flops_per_token', 'upcycle']
 
 # %% ../../nbs/12_moe.ipynb #9c4c40fb
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -186,6 +186,16 @@ def reference_moe(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, g
             if capacity is None or taken[e] <= capacity: out[n] += gates[n, j] * ffs[e](x[n])
     return out
 
+# %% ../../nbs/12_moe.ipynb #524a0966
+def grouped_mm_syncs(x: torch.Tensor) -> bool:
+    "True when `F.grouped_mm` on `x` would read its group ends on the host of a GPU (all but bf16 on Hopper+ CUDA)."
+    if x.device.type != "cuda": return False
+    return _matmul_dtype(x) != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0)
+
+def dispatch_capacity(x: torch.Tensor, capacity: int | None) -> int | None:
+    "The capacity to dispatch `x [N, dim]` with: the configured one, else N where the grouped matmul would synchronise."
+    return x.shape[0] if capacity is None and grouped_mm_syncs(x) else capacity
+
 # %% ../../nbs/12_moe.ipynb #ae610071
 class MoEFeedForward(nn.Module):
     "Top-k routed SwiGLU experts plus an optional shared expert; keeps its auxiliary loss and routing statistics."
@@ -213,7 +223,7 @@ class MoEFeedForward(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())
         gates, experts, probs = route(logits, self.k, self.router_kind)
-        y = moe_dispatch(x, gates, experts, self.experts, self.capacity(x.shape[0]))
+        y = moe_dispatch(x, gates, experts, self.experts, dispatch_capacity(x, self.capacity(x.shape[0])))
         if self.shared_expert is not None: y = y + self.shared_expert(x)
         mask = None if self.loss_mask is None else self.loss_mask.reshape(-1)
         if self.training:

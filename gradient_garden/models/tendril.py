@@ -8,7 +8,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/tendril.html.md"""
 
 # %% ../../nbs/11_tendril.ipynb #c665acbf
 from __future__ import annotations
-import importlib, math
+import importlib, importlib.util, math
 from typing import Callable
 import torch
 import torch.nn as nn
@@ -18,10 +18,11 @@ from .attention import (Attention, KVCache, additive_mask, attention_mask, posit
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
-__all__ = ['LOSS_CHUNK_ELEMENTS', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim', 'RMSNormFunction', 'rms_norm',
-           'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward', 'LinearCrossEntropyFunction', 'linear_cross_entropy',
-           'TransformerBlock', 'check_model_config', 'Tendril', 'register_model', 'build_model', 'count_parameters',
-           'dense_matmul_params', 'flops_per_token']
+__all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim',
+           'RMSNormFunction', 'rms_norm', 'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward', 'chunk_loss_and_grad',
+           'compiled_chunk_fn', 'LinearCrossEntropyFunction', 'loss_impl', 'linear_cross_entropy', 'TransformerBlock',
+           'check_model_config', 'Tendril', 'register_model', 'build_model', 'count_parameters', 'dense_matmul_params',
+           'flops_per_token']
 
 # %% ../../nbs/11_tendril.ipynb #2fc6111d
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -121,27 +122,55 @@ class FeedForward(nn.Module):
 
 # %% ../../nbs/11_tendril.ipynb #ae77ae28
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "default": 1 << 26}   # logits per chunk, by device type
+LOSS_IMPL = "auto"   # auto | eager | compiled | liger: auto = eager on CPU, Liger-Kernel on CUDA if installed, else compiled
 
+def chunk_loss_and_grad(hc: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    "Summed loss of one chunk and its logits' gradient `softmax - one_hot` (0 on unlabelled rows), in plain ops to compile."
+    keep = labels != ignore_index
+    target = torch.where(keep, labels, 0)
+    logits = (hc @ weight.T).float()
+    lse = logits.logsumexp(-1)
+    loss = torch.where(keep, lse - logits.gather(1, target[:, None]).squeeze(1), 0).sum()
+    one_hot = torch.arange(logits.shape[1], device=logits.device) == target[:, None]
+    grad = torch.where(keep[:, None], (logits - lse[:, None]).exp() - one_hot.float(), 0)
+    return loss, grad.to(hc.dtype)
+
+def _eager_chunk_loss_and_grad(hc, weight, labels, ignore_index: int):
+    "The same in place over the logits (one exp pass, no extra buffers): the fast path without a compiler."
+    keep = labels != ignore_index
+    target = torch.where(keep, labels, 0)[:, None]
+    logits = (hc @ weight.T).float()
+    top = logits.amax(-1, keepdim=True)
+    target_logit = logits.gather(1, target) - top
+    grad = logits.sub_(top).exp_()                                      # in place of the logits: one exp pass
+    denom = grad.sum(-1, keepdim=True)
+    loss = torch.where(keep, (denom.log() - target_logit).squeeze(1), 0).sum()   # log-sum-exp - target logit
+    grad.div_(denom.masked_fill_(~keep[:, None], float("inf")))        # softmax; unlabelled rows become 0, no host check
+    grad.scatter_add_(1, target, -keep[:, None].to(grad.dtype))         # minus the one-hot label
+    return loss, grad.to(hc.dtype)
+
+LOSS_COMPILE_BACKEND = "inductor"
+_COMPILED_CHUNK: dict = {}
+
+def compiled_chunk_fn(backend: str | None = None):
+    "`chunk_loss_and_grad` under `torch.compile` (`LOSS_COMPILE_BACKEND` by default; one compiled function per backend)."
+    backend = backend or LOSS_COMPILE_BACKEND
+    if backend not in _COMPILED_CHUNK: _COMPILED_CHUNK[backend] = torch.compile(chunk_loss_and_grad, backend=backend)
+    return _COMPILED_CHUNK[backend]
+
+
+# %% ../../nbs/11_tendril.ipynb #d3de7628
 class LinearCrossEntropyFunction(torch.autograd.Function):
     "Summed cross-entropy of `h @ weight.T` against `labels`, chunk by chunk, with the gradients formed in the forward."
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_rows: int, ignore_index: int):
+    def forward(ctx, h, weight, labels, chunk_rows: int, ignore_index: int, chunk_fn: Callable = _eager_chunk_loss_and_grad):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk_rows):
-            hc, keep = h[s:s + chunk_rows], labels[s:s + chunk_rows] != ignore_index
-            target = torch.where(keep, labels[s:s + chunk_rows], 0)[:, None]
-            logits = (hc @ weight.T).float()
-            top = logits.amax(-1, keepdim=True)
-            target_logit = logits.gather(1, target) - top
-            grad = logits.sub_(top).exp_()                                  # in place of the logits: one exp pass
-            denom = grad.sum(-1, keepdim=True)
-            total += torch.where(keep, (denom.log() - target_logit).squeeze(1), 0).sum()   # log-sum-exp - target logit
-            grad.div_(denom)                                                # softmax
-            grad.scatter_add_(1, target, -keep[:, None].to(grad.dtype))     # minus the one-hot label
-            if h.device.type != "cpu" or not bool(keep.all()): grad.mul_(keep[:, None])
-            grad = grad.to(h.dtype)
+            hc = h[s:s + chunk_rows]
+            loss, grad = chunk_fn(hc, weight, labels[s:s + chunk_rows], ignore_index)
+            total += loss
             if grad_h is not None: torch.mm(grad, weight, out=grad_h[s:s + chunk_rows])
             if grad_w is not None:
                 if grad.dtype == torch.float32: grad_w.addmm_(grad.T, hc)
@@ -155,10 +184,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
+
+def _liger_available() -> bool:
+    "True when Liger-Kernel's fused linear cross-entropy can be imported."
+    return importlib.util.find_spec("liger_kernel") is not None
+
+def loss_impl(device_type: str, setting: str | None = None) -> str:
+    "The implementation `linear_cross_entropy` uses on `device_type` for `setting` (default `LOSS_IMPL`)."
+    setting = setting or LOSS_IMPL
+    if setting not in ("auto", "eager", "compiled", "liger"):
+        raise ValueError(f"loss implementation: got {setting!r}; allowed: auto, eager, compiled, liger")
+    if setting != "auto": return setting
+    if device_type != "cuda": return "eager"
+    return "liger" if _liger_available() else "compiled"
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                         chunk_rows: int | None = None) -> torch.Tensor:
+                         chunk_rows: int | None = None, impl: str | None = None) -> torch.Tensor:
     "Summed cross-entropy (fp32) of the logits `h @ weight.T` against `labels`, without materialising all the logits."
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if h.shape[0] != labels.shape[0]:
@@ -169,18 +211,25 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         h, weight = h.to(dtype), weight.to(dtype)
     budget = LOSS_CHUNK_ELEMENTS.get(dev, LOSS_CHUNK_ELEMENTS["default"])
     rows = chunk_rows or max(1, budget // weight.shape[0], h.numel() // weight.shape[0])
-    return _chunked_loss(h, weight, labels, rows, ignore_index)
+    return _chunked_loss(h, weight, labels, rows, ignore_index, loss_impl(dev, impl))
 
 @torch.compiler.disable
-def _chunked_loss(h, weight, labels, rows: int, ignore_index: int) -> torch.Tensor:
-    "Outside any compiled graph, autocast off: the fused Function when gradients are wanted, else the loss by chunks."
+def _chunked_loss(h, weight, labels, rows: int, ignore_index: int, impl: str = "eager") -> torch.Tensor:
+    "Outside any traced graph, autocast off: Liger's kernel, or the fused Function (eager or compiled chunks), or loss only."
     with torch.autocast(h.device.type, enabled=False):
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return LinearCrossEntropyFunction.apply(h, weight, labels, rows, ignore_index)
+        wants_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        if impl == "liger":
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            out = liger_fused_linear_cross_entropy(h, weight, labels, ignore_index=ignore_index, reduction="sum")
+            return (out[0] if isinstance(out, tuple) else out).float()
+        if wants_grad:
+            fn = compiled_chunk_fn() if impl == "compiled" else _eager_chunk_loss_and_grad
+            return LinearCrossEntropyFunction.apply(h, weight, labels, rows, ignore_index, fn)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], rows):
             total += F.cross_entropy((h[s:s + rows] @ weight.T).float(), labels[s:s + rows], ignore_index=ignore_index, reduction="sum")
         return total
+
 
 # %% ../../nbs/11_tendril.ipynb #1750db24
 class TransformerBlock(nn.Module):
@@ -277,7 +326,11 @@ class Tendril(nn.Module):
             mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
             if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
                 mask = additive_mask(mask, h.dtype)
-        for layer in self.layers: h = layer(h, cos, sin, mask, kv_cache, start_pos)
+        if kv_cache is not None:  # every layer's buffers now, outside the blocks' compiled graphs; each block gets its slot
+            dev = tokens.device.type
+            kv_cache.allocate(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype, tokens.device)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
         if logits_to_keep: h = h[:, -logits_to_keep:]
         if labels is not None: return self.loss_sum(self.norm(h), labels)
         return self.head(self.norm(h))

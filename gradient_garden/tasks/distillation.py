@@ -15,22 +15,20 @@ import torch.nn.functional as F
 from ..config import ConfigError, DistillationConfig, GlobalConfig
 from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
 from .sft import IGNORE_INDEX
+from ..models.attention import additive_mask, attention_mask
 
 # %% auto #0
-__all__ = ['distillation_kl', 'load_teacher', 'teacher_vocab_size', 'check_vocab', 'load_teacher_tokenizer', 'DistillationTask',
-           'wrap_with_distillation']
+__all__ = ['distillation_kl', 'load_teacher', 'teacher_vocab_size', 'check_vocab', 'load_teacher_tokenizer',
+           'teacher_attention_mask', 'DistillationTask', 'wrap_with_distillation']
 
 # %% ../../nbs/33_distillation.ipynb #0850eee8
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
                     temperature: float = 1.0) -> torch.Tensor:
     "Sum over supervised positions of T^2 * KL(teacher_T || student_T); teacher ids beyond the student's are dropped."
     V = student_logits.shape[-1]
-    keep = labels != IGNORE_INDEX
-    s = student_logits[keep].float() / temperature
-    t = teacher_logits[keep][..., :V].float() / temperature
-    t_logp = F.log_softmax(t, -1)
-    kl = (t_logp.exp() * (t_logp - F.log_softmax(s, -1))).sum(-1)
-    return kl.sum() * temperature ** 2
+    t_logp = F.log_softmax(teacher_logits[..., :V].float() / temperature, -1)
+    kl = (t_logp.exp() * (t_logp - F.log_softmax(student_logits.float() / temperature, -1))).sum(-1)
+    return torch.where(labels != IGNORE_INDEX, kl, 0).sum() * temperature ** 2   # a mask, not an index: no host sync
 
 # %% ../../nbs/33_distillation.ipynb #4b4ec8f4
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,6 +81,14 @@ def load_teacher_tokenizer(name_or_path: str):
         return None
 
 # %% ../../nbs/33_distillation.ipynb #2a09f3c4
+def teacher_attention_mask(batch: dict, dtype: torch.dtype) -> torch.Tensor:
+    "Additive `[B, 1, T, T]` mask, causal inside each packed document (`doc_ids`, or restarts of `position_ids`)."
+    ids, doc = batch["input_ids"], batch.get("doc_ids")
+    if doc is None and batch.get("position_ids") is not None: doc = (batch["position_ids"] == 0).long().cumsum(-1)
+    mask = attention_mask(ids.shape[1], doc_ids=doc, device=ids.device)
+    if mask is None: mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()[None, None]
+    return additive_mask(mask, dtype).expand(ids.shape[0], -1, -1, -1)
+
 class DistillationTask:
     "Wraps a causal task: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE, summed over supervised tokens."
     def __init__(self, dist_cfg: DistillationConfig, teacher, task=None, student_vocab: Optional[int] = None):
@@ -93,8 +99,10 @@ class DistillationTask:
 
     @torch.no_grad()
     def teacher_logits(self, batch: dict) -> torch.Tensor:
-        "Teacher logits for the batch (packed rows: positions restart per document)."
-        return self.teacher(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits
+        "Teacher logits for the batch (packed rows: positions restart per document, attention stays inside it)."
+        mask = teacher_attention_mask(batch, next(self.teacher.parameters()).dtype)
+        return self.teacher(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), attention_mask=mask,
+                            use_cache=False).logits
 
     def loss(self, model, batch: dict):
         "Summed mixed loss over supervised tokens; metrics distill/kl and distill/ce (sums)."

@@ -325,8 +325,9 @@ class DPOTask:
         return losses.sum(), metrics
 
     def count(self, batch: dict) -> torch.Tensor:
-        "Pairs in the micro-batch."
-        return torch.tensor(batch["input_ids"].shape[0] // 2)
+        "Pairs in the micro-batch, on the batch's device (a fill, not a copy from the host)."
+        ids = batch["input_ids"]
+        return torch.full((), ids.shape[0] // 2, dtype=torch.long, device=ids.device)
 
 # %% ../../nbs/32_dpo.ipynb #ffa06f21
 @torch.no_grad()

@@ -1,0 +1,155 @@
+"""`gg serve` under load: total output tokens/s and time to first token at 1, 8 and 32 concurrent streaming clients.
+
+The real server (`gg serve`, a subprocess) and closed-loop clients (each sends its next streaming request as soon as
+the last one ends) on httpx in this process. Every request asks for exactly `--max-tokens` new tokens
+(`ignore_eos`, greedy), so each level does the same work per request. Levels run in rotated order over `--rounds`
+rounds; figures are medians. Models: the debug pretraining and SFT checkpoints when given (or found under
+`runs/`), otherwise a randomly initialised model of the debug shape with a locally trained 4k BPE (same cost per
+token; the weights do not change the arithmetic). Besides wall-clock figures, the CPU time the server and the
+clients spend per output token is reported: on a shared machine it says how efficient each level is even when
+the wall clock mostly says how much of the CPU the benchmark got.
+
+    python bench/serve.py --checkpoint debug=runs/pretraining/debug --checkpoint sft=runs/instruct/debug
+    python bench/serve.py --device cuda --max-batch-size 64 --concurrency 1 8 32 64
+
+The last line of stdout is one JSON object with the figures. Target: 8 clients >= 4x the tokens/s of one.
+"""
+from __future__ import annotations
+import argparse, asyncio, json, os, socket, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Node:\n    def __init__(self", "for i in range(",
+           "What is 12 + 7?", "Reverse the word 'garden'.", "The standard library", "with open(path) as f:"]
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", action="append", default=[], metavar="NAME=PATH", help="model to serve (repeatable)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the server")
+    return p.parse_args(argv)
+
+def default_checkpoints() -> dict[str, str]:
+    "The debug runs of this checkout, where they exist."
+    found = {n: ROOT/p for n, p in (("debug", "runs/pretraining/debug"), ("sft", "runs/instruct/debug")) if (ROOT/p/"checkpoints").is_dir()}
+    return {n: str(p) for n, p in found.items()}
+
+def random_debug_checkpoint(tmp: Path) -> str:
+    "A randomly initialised checkpoint of the debug recipe's model, with a 4k BPE trained on the standard library."
+    import torch
+    from gradient_garden.config import TokenizerConfig, load_config, to_plain
+    from gradient_garden.engine.checkpoints import save_checkpoint
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tokenizer import train_bpe
+    import argparse as a, asyncio as b, dataclasses as c, json.decoder as d, pathlib as e, typing as f
+    texts = [Path(m.__file__).read_text() for m in (a, b.base_events, c, d, e, f)]
+    cfg, _ = load_config(recipe=str(ROOT/"recipes/pretraining/debug.yaml"))
+    cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(train_bpe(texts, cfg.model.vocab_size, tmp/"tok")))
+    torch.manual_seed(0)
+    return str(save_checkpoint(dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
+                                    model=build_model(cfg.model).state_dict()), tmp/"random"/"step_0000000.pt"))
+
+def cpu_seconds(pid: int) -> float:
+    "User + system CPU time of process `pid` so far (Linux /proc)."
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def start_server(ckpt: str, args) -> tuple[subprocess.Popen, str]:
+    "`gg serve` on a free port; returns (process, base url) once it answers."
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", ckpt, "--port", str(port),
+                             "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None: raise SystemExit(f"gg serve exited:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200: return proc, url
+        except httpx.HTTPError: pass
+        time.sleep(0.2)
+    raise SystemExit("gg serve did not start")
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    "Stream one completion; (seconds to the first text, output tokens)."
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, ignore_eos=True,
+                stream_options={"include_usage": True})
+    t0, first, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]": continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"): tokens = chunk["usage"]["completion_tokens"]
+            if first is None and any(c.get("text") for c in chunk.get("choices", [])): first = time.perf_counter() - t0
+    return first, tokens
+
+async def level(url: str, model: str, clients: int, args, server_pid: int | None = None) -> dict:
+    "`clients` closed-loop clients, `requests_per_client` requests each: tokens/s and time to first token."
+    async def client_loop(i, client):
+        out = []
+        for j in range(args.requests_per_client):
+            out.append(await one_request(client, url, model, PROMPTS[(i + j) % len(PROMPTS)], args.max_tokens))
+        return out
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        cpu0 = (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time())
+        t = time.perf_counter()
+        res = await asyncio.gather(*(client_loop(i, client) for i in range(clients)))
+        wall = time.perf_counter() - t
+        cpu1 = (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time())
+    flat = [r for rs in res for r in rs]
+    ttft, tokens = sorted(f for f, _ in flat), sum(n for _, n in flat)
+    return dict(tokens_per_s=tokens / wall, ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))],
+                tokens=tokens, server_cpu_ms_per_token=1000 * (cpu1[0] - cpu0[0]) / tokens,
+                client_cpu_ms_per_token=1000 * (cpu1[1] - cpu0[1]) / tokens)
+
+def bench_model(name: str, ckpt: str, args) -> dict:
+    "All concurrency levels, rotated over rounds, against one server."
+    proc, url = start_server(ckpt, args)
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        asyncio.run(level(url, model, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1})))   # warm-up
+        runs = {c: [] for c in args.concurrency}
+        for r in range(args.rounds):
+            order = args.concurrency[r % len(args.concurrency):] + args.concurrency[:r % len(args.concurrency)]
+            for c in order: runs[c].append(asyncio.run(level(url, model, c, args, proc.pid)))
+        health = httpx.get(f"{url}/health").json()
+    finally:
+        proc.terminate(); proc.wait(timeout=30)
+    out = {}
+    for c, rs in runs.items():
+        out[c] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_median_s", "ttft_p90_s",
+                                                                   "server_cpu_ms_per_token", "client_cpu_ms_per_token")}
+        out[c]["tokens_per_round"] = rs[0]["tokens"]
+    base = out[args.concurrency[0]]["tokens_per_s"]
+    for c in out: out[c]["speedup"] = out[c]["tokens_per_s"] / base
+    print(f"\n{name} ({ckpt}); engine: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
+    print(f"{'clients':>8} {'tokens/s':>10} {'x one':>7} {'TTFT median':>12} {'TTFT p90':>9} {'server CPU/token':>17} {'client CPU/token':>17}")
+    for c, r in out.items():
+        print(f"{c:>8} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x {r['ttft_median_s'] * 1000:>10.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms"
+              f" {r['server_cpu_ms_per_token']:>15.3f}ms {r['client_cpu_ms_per_token']:>15.3f}ms")
+    return out
+
+def main(argv=None):
+    args = parse_args(argv)
+    ckpts = dict(c.split("=", 1) for c in args.checkpoint) or default_checkpoints()
+    if not ckpts: ckpts = {"debug-shape (random weights)": random_debug_checkpoint(Path(tempfile.mkdtemp()))}
+    print(f"concurrency {args.concurrency}, {args.requests_per_client} requests per client x {args.max_tokens} tokens, "
+          f"max batch {args.max_batch_size}, server threads {args.threads}, {args.rounds} rounds (medians)")
+    results = {name: bench_model(name, ck, args) for name, ck in ckpts.items()}
+    target = {n: r[8]["speedup"] >= 4 for n, r in results.items() if 8 in r and 1 in r}
+    print(json.dumps(dict(results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target)))
+
+if __name__ == "__main__": main()

@@ -1,0 +1,260 @@
+"""`gg serve` as its users use it: the real server on a free loopback port, talked to with the official `openai`
+client (and raw HTTP where a client would refuse to send the request)."""
+import json, os, socket, subprocess, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig, to_plain
+from gradient_garden.engine.checkpoints import load_model_from_checkpoint, save_checkpoint
+from gradient_garden.generation import generate
+from gradient_garden.models.tendril import Tendril
+from gradient_garden.tokenizer import init_tokenizer, train_bpe
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LEN = 128
+
+def _corpus() -> list[str]:
+    "Text that is on every machine: some of the standard library's sources."
+    import argparse, dataclasses, json as js, pathlib as pl
+    return [Path(m.__file__).read_text() for m in (argparse, dataclasses, js.encoder, js.decoder, pl)]
+
+def make_checkpoint(base: Path, stage: str, tok_dir: Path) -> Path:
+    "A checkpoint of a tiny random Tendril (seeded) for `stage`, using the tokenizer in `tok_dir`."
+    cfg = GlobalConfig()
+    cfg.run.name = f"tiny-{stage}"
+    cfg.training.stage = stage
+    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32,
+                            max_seq_len=MAX_LEN, init_std=0.1)
+    cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(tok_dir))
+    torch.manual_seed(0)
+    model = Tendril(cfg.model)
+    return save_checkpoint(dict(step=1, stage=stage, architecture="tendril", config=to_plain(cfg),
+                                model=model.state_dict()), base/stage/"step_0000001.pt")
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def wait_ready(url: str, proc=None, timeout: float = 90, headers=None):
+    "Poll `url/health` until the server answers (or its process dies)."
+    t = time.time()
+    while time.time() - t < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"gg serve exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, headers=headers).status_code == 200: return
+        except httpx.HTTPError: pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not come up in {timeout} s")
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    "Tokenizer, an instruct checkpoint, and the model as `gg generate` loads it."
+    base = tmp_path_factory.mktemp("serve")
+    tok_dir = train_bpe(_corpus(), 640, base/"tok")
+    ckpt = make_checkpoint(base, "instruct", tok_dir)
+    model, cfg = load_model_from_checkpoint(ckpt)
+    return dict(base=base, tok_dir=tok_dir, ckpt=ckpt, model=model, tok=init_tokenizer(cfg.tokenizer))
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    "`gg serve` in a subprocess on a free loopback port."
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("GG_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(tiny["ckpt"]),
+                             "--port", str(port), "--max-batch-size", "8", "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield dict(url=url, proc=proc, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
+    finally:
+        proc.terminate()
+        try: proc.wait(timeout=20)
+        except subprocess.TimeoutExpired: proc.kill()
+
+def reference(tiny, prompt_ids, n):
+    "What `generate` (the code behind `gg generate`) makes of one prompt alone, greedy."
+    out = generate(tiny["model"], tiny["tok"], [prompt_ids], max_new_tokens=n)[0]
+    return tiny["tok"].decode(out), len(out)
+
+def chat_ids(tiny, messages): return tiny["tok"].render_chat(messages, add_generation_prompt=True)[0]
+
+def test_models_and_health(server):
+    models = server["client"].models.list()
+    assert [m.id for m in models.data] == ["tiny-instruct"]
+    h = httpx.get(f"{server['url']}/health").json()
+    assert h["status"] == "ok" and h["max_batch_size"] == 8
+
+def test_chat_plain_and_streamed(server, tiny):
+    c, msgs = server["client"], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def main():"}]
+    want, n = reference(tiny, chat_ids(tiny, msgs), 20)
+    r = c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=20)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(chat_ids(tiny, msgs)) and r.usage.completion_tokens == n
+    assert r.choices[0].finish_reason == ("length" if n == 20 else "stop")
+    chunks = list(c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=20,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == n and len(chunks) > 3          # streamed piece by piece
+    sampled = [c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=1.0, top_p=0.9, seed=5,
+                                         max_tokens=12, n=2) for _ in range(2)]
+    assert [ch.message.content for ch in sampled[0].choices] == [ch.message.content for ch in sampled[1].choices]
+    assert len(sampled[0].choices) == 2
+
+def test_completions_plain_and_streamed(server, tiny):
+    c, prompt = server["client"], "import os\n"
+    want, n = reference(tiny, tiny["tok"].encode(prompt, bos=True), 16)
+    r = c.completions.create(model="tiny-instruct", prompt=prompt, temperature=0)     # max_tokens defaults to 16
+    assert r.choices[0].text == want and r.usage.completion_tokens == n
+    text = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny-instruct", prompt=prompt,
+                                                                       temperature=0, max_tokens=16, stream=True))
+    assert text == want
+    stop = want[3:6]
+    if stop.strip():
+        r = c.completions.create(model="tiny-instruct", prompt=prompt, temperature=0, stop=[stop])
+        assert r.choices[0].text == want[:want.index(stop)] and r.choices[0].finish_reason == "stop"
+
+def test_greedy_equals_gg_generate(server, tiny, tmp_path):
+    "The same prompts through `gg generate` and through the server, greedy: the same text."
+    import argparse
+    from gradient_garden.generation import add_generate_args, run_generate
+    prompts = ["def main(", "class Foo:"]
+    (tmp_path/"p.json").write_text(json.dumps(prompts))
+    out = {}
+    for instruct in (False, True):
+        f = tmp_path/f"gen{instruct}.json"
+        args = add_generate_args(argparse.ArgumentParser()).parse_args(
+            ["--checkpoint", str(tiny["ckpt"]), "--prompts", str(tmp_path/"p.json"), "--max-gen-len", "14",
+             "--device", "cpu", "--output-file-name", str(f)] + ["--instruct"] * instruct)
+        assert run_generate(args) == 0
+        out[instruct] = [r["completion"] for r in json.loads(f.read_text())["results"]]
+    c = server["client"]
+    for p, g in zip(prompts, out[False]):
+        assert c.completions.create(model="tiny-instruct", prompt=p, temperature=0, max_tokens=14).choices[0].text == g
+    for p, g in zip(prompts, out[True]):
+        r = c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": p}], temperature=0, max_tokens=14)
+        assert r.choices[0].message.content == g
+
+def test_16_concurrent_requests(server, tiny):
+    "16 requests at once (8 decode together, 8 wait and join as rows free up): each gets its own answer."
+    prompts = [f"def f{i}(x):\n    return x * {i}" for i in range(16)]
+    want = [reference(tiny, tiny["tok"].encode(p, bos=True), 24)[0] for p in prompts]
+    c = server["client"]
+    def ask(i):
+        if i % 2: return "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny-instruct", prompt=prompts[i], temperature=0, max_tokens=24, stream=True))
+        return c.completions.create(model="tiny-instruct", prompt=prompts[i], temperature=0, max_tokens=24).choices[0].text
+    before = httpx.get(f"{server['url']}/health").json()
+    with ThreadPoolExecutor(16) as ex: got = list(ex.map(ask, range(16)))
+    assert got == want
+    assert len(set(got)) > 1
+    after = httpx.get(f"{server['url']}/health").json()
+    steps, tokens = after["steps"] - before["steps"], after["tokens"] - before["tokens"]
+    assert tokens > 2 * steps, (tokens, steps)                          # many rows per decoding step
+
+def _error(r: httpx.Response, status=400) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in err["message"]
+    return err
+
+def test_bad_input_is_a_400_with_openai_error_json(server):
+    c, url = server["client"], server["url"]
+    chat = lambda **kw: c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": "hi"}], **kw)
+    for kw, param in [(dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+                      (dict(n=99), "n"), (dict(extra_body={"foo": 1}), "foo"), (dict(max_tokens=MAX_LEN), "max_tokens"),
+                      (dict(presence_penalty=1.0), "presence_penalty")]:
+        with pytest.raises(openai.BadRequestError) as e: chat(**kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny-instruct", prompt="word " * 300)
+    assert e.value.body["code"] == "context_length_exceeded" and f"maximum context length is {MAX_LEN}" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError): c.completions.create(model="gpt-4", prompt="x")
+    err = _error(httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "tiny-instruct", "messages": [',
+                            headers={"Content-Type": "application/json"}))
+    assert err["code"] == "invalid_json"
+    err = _error(httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny-instruct", "messages": [{"role": "robot", "content": "x"}]}))
+    assert err["param"] == "messages"
+    assert "Unrecognized request argument supplied: foo" in _error(httpx.post(
+        f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x", "foo": 1}))["message"]
+    _error(httpx.get(f"{url}/v1/nothing"), 404)
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+def test_disconnect_mid_stream_stops_generation(server):
+    url = server["url"]
+    before = httpx.get(f"{url}/health").json()
+    body = {"model": "tiny-instruct", "prompt": "def main(", "temperature": 0, "max_tokens": MAX_LEN - 8, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(l.startswith("data: ") for l in got)
+    for _ in range(100):
+        h = httpx.get(f"{url}/health").json()
+        if h["running"] == 0 and h["cancelled"] > before["cancelled"]: break
+        time.sleep(0.05)
+    assert h["cancelled"] == before["cancelled"] + 1 and h["running"] == 0, h
+    assert h["tokens"] - before["tokens"] < MAX_LEN - 8                  # stopped before its budget was spent
+
+def test_cli_refuses_public_address_without_key(tiny, capsys):
+    from gradient_garden.cli import main
+    env_key = os.environ.pop("GG_API_KEY", None)
+    try: rc = main(["serve", "--checkpoint", str(tiny["ckpt"]), "--host", "0.0.0.0"])
+    finally:
+        if env_key is not None: os.environ["GG_API_KEY"] = env_key
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == "error: --host 0.0.0.0: listening beyond this machine requires an API key (--api-key or GG_API_KEY)"
+
+@pytest.fixture()
+def small_server(tiny):
+    "A real uvicorn server in this process (one decoding row, one waiting place, an API key, a plain checkpoint)."
+    import uvicorn
+    from gradient_garden.serve import BatchEngine, Served, create_app
+    model, cfg = load_model_from_checkpoint(make_checkpoint(tiny["base"], "pretraining", tiny["tok_dir"]))
+    served = Served(BatchEngine(model, init_tokenizer(cfg.tokenizer), max_batch_size=1, max_queue=1), "tiny-plain", chat=False)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(served, api_key="sekrit"), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, headers={"Authorization": "Bearer sekrit"})
+    yield url
+    srv.should_exit = True
+    th.join(timeout=30)
+
+def test_api_key_queue_limit_and_plain_checkpoint(small_server):
+    url = small_server
+    assert _error(httpx.get(f"{url}/v1/models"), 401)["code"] == "invalid_api_key"
+    assert _error(httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}), 401)["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/").status_code == 200                   # the page itself holds no data
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0, timeout=120)
+    assert c.models.list().data[0].chat is False
+    with pytest.raises(openai.BadRequestError, match="use /v1/completions"):
+        c.chat.completions.create(model="tiny-plain", messages=[{"role": "user", "content": "hi"}])
+    def ask(_):
+        try: return c.completions.create(model="tiny-plain", prompt="def f(", temperature=0, max_tokens=MAX_LEN - 8).usage.completion_tokens
+        except openai.RateLimitError as e: return e.status_code
+    with ThreadPoolExecutor(6) as ex: res = list(ex.map(ask, range(6)))
+    assert res.count(429) >= 1 and any(r != 429 for r in res), res       # 1 running + 1 waiting; the rest refused
+
+def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
+    "`--hf-checkpoint` on the `gg export` folder of the checkpoint: same chat flag, same greedy tokens."
+    import argparse
+    from gradient_garden.models.hf import add_export_args, run_export
+    from gradient_garden.serve import Sequence, SamplingParams, add_serve_args, load_served
+    out = tiny["base"]/"hf"
+    assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
+    served = load_served(add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu"]))
+    assert served.chat and served.model_id == "hf" and served.max_len == MAX_LEN
+    ids = chat_ids(tiny, [{"role": "user", "content": "def main():"}])
+    s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0))
+    served.engine.submit([s]); served.engine.run_until_idle()
+    assert s.out == generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=16)[0]

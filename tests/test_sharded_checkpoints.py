@@ -1,0 +1,133 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) through the real trainer on gloo ranks: a run resumed on another
+number of ranks (2->1, 1->2, 2->4, 4->2) takes the uninterrupted run's next losses (the global batch is the same on
+every world size), on the same number exactly; an asynchronous save resumes like a synchronous one; a writer killed
+in the middle of a sharded or an asynchronous save leaves the previous checkpoint the latest; and `gg generate` /
+`gg export` read a sharded checkpoint in one process."""
+import json, os, signal, subprocess, sys, textwrap, time
+from pathlib import Path
+import pytest
+import torch
+from conftest import ROOT, run_gg
+from gradient_garden.config import ConfigError
+from gradient_garden.engine.checkpoints import CheckpointManager, list_checkpoints, load_checkpoint
+
+from trainer_worlds import STEPS, all_runs, ckpts, losses
+
+def assert_close(ref: dict, got: dict, steps, rel=1e-5):
+    "Per-step losses agree within `rel` (relative) on `steps`."
+    assert set(steps) <= set(got), sorted(got)
+    worst = max(abs(ref[s] - got[s]) / abs(ref[s]) for s in steps)
+    assert worst <= rel, [(s, ref[s], got[s]) for s in steps]
+
+@pytest.fixture(scope="module")
+def runs(prepared, tmp_path_factory):
+    """`one` (1 process) and `two` (2 ranks, FSDP2, asynchronous saves) from scratch; resumed: `one_two` (1->2 from
+    step 2), `two_four` (2->4 from step 4, saving at 6...), `four_two` (4->2 from step 6), `two_two` (2->2 from step 4)
+    and `two_one` (2->1 from step 4). See `trainer_worlds.py`."""
+    return all_runs(prepared, tmp_path_factory)
+
+def test_every_world_size_resumes_with_the_same_losses(runs):
+    one, two = losses(runs/"one"), losses(runs/"two")
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    assert_close(one, two, range(1, STEPS + 1))             # 2 ranks (FSDP2) = 1 process, same global batch
+    assert_close(one, losses(runs/"one_two"), range(3, STEPS + 1))   # 1 -> 2
+    assert_close(two, losses(runs/"two_four"), range(5, STEPS + 1))  # 2 -> 4
+    assert_close(two, losses(runs/"four_two"), range(7, STEPS + 1))  # 4 -> 2
+    assert_close(two, losses(runs/"two_one"), range(5, STEPS + 1))   # 2 -> 1
+    same = losses(runs/"two_two")                                    # 2 -> 2: bit for bit
+    assert sorted(same) == list(range(5, STEPS + 1)) and all(same[s] == two[s] for s in same), (same, two)
+
+def test_sharded_layout_and_meta(runs):
+    d = ckpts(runs/"two")
+    assert [p.name for p in list_checkpoints(d)] == [f"step_{s:07d}" for s in range(2, STEPS + 1, 2)]
+    assert not [p for p in d.iterdir() if p.name.startswith(".")], "no temporary directory left behind"
+    step4 = d/"step_0000004"
+    assert sorted(p.name for p in step4.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    meta = load_checkpoint(step4, weights=False)
+    assert (meta["step"], meta["world_size"], len(meta["loaders"]), len(meta["rngs"])) == (4, 2, 2, 2)
+    assert meta["val_history"] and meta["val_history"][0][0] == 4 and meta["val_loss"] == meta["val_history"][0][1]
+    # the shards hold no rank's full copy: each file is about half of the state
+    sizes = [(step4/f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert max(sizes) < 0.7 * sum(sizes), sizes
+    # one process, no process group: full tensors of the model and the optimizer
+    full = load_checkpoint(step4)
+    assert full["model"]["tok_embeddings.weight"].shape == (4096, 64)
+    assert full["optimizers"]["state"]["tok_embeddings.weight"]["exp_avg"].shape == (4096, 64)
+    four = load_checkpoint(ckpts(runs/"two_four")/"step_0000006", weights=False)
+    assert (four["world_size"], len(four["loaders"])) == (4, 4)
+
+def test_generate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
+    ck = ckpts(runs/"two")/f"step_{STEPS:07d}"
+    (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
+    r = run_gg("generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "4", "--device", "cpu",
+               env={"WORLD_SIZE": None, "RANK": None})
+    assert r.stdout.count("=== ") >= 1, r.stdout
+    run_gg("export", "--checkpoint", ck, "--out", tmp_path/"hf")
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path/"hf")
+    full = load_checkpoint(ck, optimizers=False)["model"]
+    torch.testing.assert_close(hf.model.embed_tokens.weight, full["tok_embeddings.weight"])
+
+WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from gradient_garden.engine.checkpoints import CheckpointManager
+    mode, d, big = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mgr = CheckpointManager(d, keep_last=3, keep_best=False, async_save=mode == "async")
+    meta = dict(stage="pretraining", architecture="tendril", config={})
+    mgr.save_sharded(1, {"model": {"w": torch.full((1000,), 1.0)}}, meta); mgr.wait()
+    print("saved 1", flush=True)
+    mgr.save_sharded(2, {"model": {"w": torch.rand(big), "v": torch.rand(big)}}, meta)
+    print("returned 2", flush=True)
+    while True: time.sleep(0.01)  # "training" on while the background write runs (async), or never reached (sync)
+""")
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_during_sharded_save_keeps_previous_checkpoint(tmp_path, mode):
+    d, big = tmp_path/"checkpoints", 25_000_000  # 2 x 100 MB of shards: about a second or more to write here
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, mode, str(d), str(big)], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tmp = d/".step_0000002.tmp"
+    try:
+        assert proc.stdout.readline().strip() == "saved 1"
+        deadline = time.time() + 120
+        while time.time() < deadline:  # kill as soon as the second checkpoint's shards are partly on disk
+            files = list(tmp.glob("*.distcp")) if tmp.is_dir() else []
+            if files and files[0].stat().st_size > 1 << 20: break
+            assert proc.poll() is None, "writer exited before it could be killed"
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None: proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (d/"step_0000002").exists(), "the interrupted checkpoint must never appear under its final name"
+    assert tmp.is_dir() and not (tmp/"COMPLETE").exists() and (tmp/"__0_0.distcp").stat().st_size < 8 * big
+    assert [p.name for p in list_checkpoints(d)] == ["step_0000001"]
+    ck = load_checkpoint(tmp_path)  # the run dir resolves to the previous checkpoint, and it loads
+    assert ck["step"] == 1 and torch.equal(ck["model"]["w"], torch.full((1000,), 1.0))
+    with pytest.raises(ConfigError, match="incomplete sharded checkpoint"): load_checkpoint(tmp)
+    mgr = CheckpointManager(d, keep_last=3, keep_best=False)  # the next save clears the debris
+    mgr.save_sharded(3, {"model": {"w": torch.ones(3)}}, dict(stage="pretraining", architecture="tendril", config={}))
+    assert sorted(p.name for p in d.iterdir()) == ["step_0000001", "step_0000003"]
+
+from test_post_training import _losses, _run_cfg, data, tok, tok_dir  # noqa: F401  (the post-training data fixtures)
+
+@pytest.mark.parametrize("stage,over", [("instruct", {}), ("dpo", {})])
+def test_sharded_resume_is_exact_for_sft_and_dpo(data, tmp_path, stage, over):
+    "SFT and DPO (precomputed reference in the loader state) resume from an asynchronous sharded save bit for bit."
+    from gradient_garden.engine.run import run_training
+    sharded = {"checkpointing": {"every": 2, "keep_last": 5, "format": "sharded", "async_save": True}}
+    full = _run_cfg(data, stage, tmp_path/"full", **over, **sharded)
+    run_training(full)
+    resumed = _run_cfg(data, stage, tmp_path/"resumed", **over, **sharded)
+    run_training(resumed, checkpoint=full.run_dir/"checkpoints"/"step_0000002")
+    (a, va), (b, vb) = _losses(full.run_dir), _losses(resumed.run_dir)
+    assert sorted(b) == [3, 4] and all(a[s] == b[s] for s in b), (a, b)
+    assert va[4] == vb[4]
+
+def test_sharded_resume_is_exact_for_moe(prepared, tmp_path):
+    from trainer_worlds import MOE, sets, train
+    train(sets(prepared, tmp_path/"full", **MOE))
+    train(sets(prepared, tmp_path/"resumed", **MOE), ckpts(tmp_path/"full")/"step_0000002")
+    a, b = losses(tmp_path/"full"), losses(tmp_path/"resumed")
+    assert sorted(b) == [3, 4] and all(a[s] == b[s] for s in b), (a, b)

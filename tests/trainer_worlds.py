@@ -1,0 +1,95 @@
+"""The trainer runs that `test_sharded_checkpoints.py` and `test_hsdp.py` check, made once per session: every spawned
+gloo world runs several jobs in turn (all ranks take part in each), so the whole matrix — resharding 1/2/4 ranks,
+HSDP 2 x 2 parity and resume — costs three spawned worlds. A job is `(name, overrides, checkpoint)`."""
+import json
+from pathlib import Path
+from conftest import ROOT
+from gloo_ranks import run_ranks
+
+RECIPE = str(ROOT/"recipes"/"pretraining"/"debug.yaml")
+STEPS = 10
+FSDP = {"runtime.fsdp": "true"}
+HSDP = {"runtime.fsdp": "true", "runtime.replicate": 2, "runtime.shard": 2}
+MUON = {"optimizers.muon.enabled": "true"}
+MOE = {"model.architecture": "tendril_moe", "model.n_experts": 4, "model.n_experts_per_token": 2, "training.max_steps": 4}
+LORA = {"lora.enabled": "true", "lora.rank": 4, "training.max_steps": 4}
+EVALS = {"evals.every": 5, "evals.hellaswag": "true", "evals.hellaswag_examples": 5, "evals.winogrande": "false",
+         "evals.arc_challenge": "false", "evals.batch_size": 2, "generation.every": 5, "generation.max_gen_len": 4}
+
+def sets(prepared, out: Path, **extra) -> list[str]:
+    """A small Tendril, micro-batches of 4 x 64 tokens and 1024 tokens per step (4 micro-steps on 1 rank, 2 on 2, 1 on
+    4: the same global batch on every world size), fp32, sharded checkpoints every 2 steps (all kept), under `out`."""
+    s = {"paths.runs": out/"runs", "training.max_steps": STEPS, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
+         "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.every": 4, "validation.steps": 1,
+         "generation.every": 0, "checkpointing.every": 2, "checkpointing.keep_last": 10, "checkpointing.format": "sharded",
+         "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu", "runtime.precision": "fp32", **extra}
+    return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
+
+def run_dir(out: Path) -> Path: return out/"runs"/"pretraining"/"debug"
+def ckpts(out: Path) -> Path: return run_dir(out)/"checkpoints"
+
+def losses(out: Path) -> dict:
+    "step -> training loss of the run under `out`."
+    recs = [json.loads(l) for l in (run_dir(out)/"metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+def train(overrides: list[str], checkpoint=None, world: int = 1):
+    "One run of the trainer in this process (or on this rank of a spawned world)."
+    from gradient_garden.config import load_config
+    from gradient_garden.engine.run import run_training
+    cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
+    return run_training(cfg, checkpoint=checkpoint)
+
+def probe_mesh(out: Path):
+    "Write where an HSDP-wrapped Tendril's parameters live (mesh shape, dim names, placements) to `out` (rank 0)."
+    import torch, torch.distributed as dist
+    from gradient_garden.config import ModelConfig, RuntimeConfig
+    from gradient_garden.engine.distributed import init_distributed, parallelize
+    from gradient_garden.models.tendril import build_model
+    runtime = RuntimeConfig(device="cpu", fsdp=True, replicate=2, shard=2)
+    env = init_distributed(runtime)
+    m = parallelize(build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)), runtime, env)
+    w = m.layers[0].attention.wq.weight
+    if env.is_main:
+        out.write_text(json.dumps(dict(shape=list(w.device_mesh.shape), names=list(w.device_mesh.mesh_dim_names),
+                                       placements=[str(p) for p in w.placements], local=list(w.to_local().shape))))
+    dist.barrier()
+
+def _world(rank, world, jobs):
+    "Rank body: run each job in turn."
+    for job in jobs:
+        if job[0] == "probe": probe_mesh(job[1])
+        else: train(job[1], job[2], world)
+
+_RUNS: dict = {}
+
+def all_runs(prepared, tmp_path_factory) -> Path:
+    "Make every run once per session; returns the folder holding one sub-folder per run name."
+    key = str(prepared["base"])
+    if key in _RUNS: return _RUNS[key]
+    base = tmp_path_factory.mktemp("trainer_worlds")
+    S = lambda name, **kw: sets(prepared, base/name, **kw)
+    c = lambda name, step: ckpts(base/name)/f"step_{step:07d}"
+    train(S("one"))                                               # 1 process, AdamW: the reference
+    train(S("one_muon", **MUON, **{"checkpointing.every": 0}))
+    train(S("one_moe", **MOE, **{"checkpointing.every": 0}))
+    train(S("one_lora", **LORA, **{"checkpointing.every": 0}))
+    run_ranks(_world, 2, base/"init2", [
+        ("two", S("two", **FSDP, **{"checkpointing.async_save": "true"}), None),   # 2 ranks, background saves
+        ("one_two", S("one_two", **FSDP), c("one", 2))])                            # 1 -> 2
+    run_ranks(_world, 4, base/"init4", [
+        ("probe", base/"mesh.json"),
+        ("two_four", S("two_four", **FSDP), c("two", 4)),                           # 2 -> 4
+        ("hsdp", S("hsdp", **HSDP, **EVALS), None),                                 # 2 x 2 HSDP, evals and samples
+        ("hsdp_hsdp", S("hsdp_hsdp", **HSDP), c("hsdp", 4)),                        # 2 x 2 -> 2 x 2
+        ("hsdp_muon", S("hsdp_muon", **HSDP, **MUON, **{"checkpointing.every": 0}), None),
+        ("hsdp_moe", S("hsdp_moe", **HSDP, **MOE, **{"checkpointing.every": 0}), None),
+        ("hsdp_lora", S("hsdp_lora", **HSDP, **LORA, **{"checkpointing.every": 0}), None)])
+    run_ranks(_world, 2, base/"init2b", [
+        ("four_two", S("four_two", **FSDP), c("two_four", 6)),                      # 4 -> 2
+        ("two_two", S("two_two", **FSDP), c("two", 4))])                            # 2 -> 2
+    train(S("two_one"), c("two", 4))                                               # 2 -> 1
+    train(S("hsdp_one"), c("hsdp", 4))                                             # 2 x 2 -> 1
+    _RUNS[key] = base
+    return base
