@@ -113,3 +113,50 @@ def test_disk_full_during_a_checkpoint_is_one_line(prepared, tmp_path):
         "error: checkpoint of step 8 not written: disk full (OSError: [Errno 28] No space left on device); "
         f"the last intact checkpoint is {ck/'step_0000004.pt'}")
     assert sorted(p.name for p in ck.iterdir()) == ["step_0000004.pt"]  # no temporary file left behind
+
+FAIL_SECOND_SHARDED_WRITE = """
+import errno, sys
+from torch.distributed.checkpoint import FileSystemWriter
+real, calls, kind = FileSystemWriter.write_data, [], sys.argv.pop(1)
+def write_data(self, plan, planner):  # every shard file of a sharded save goes through here (a background thread: async)
+    calls.append(1)
+    if len(calls) > 1: raise KeyboardInterrupt if kind == "ctrl-c" else OSError(errno.ENOSPC, "No space left on device")
+    return real(self, plan, planner)
+FileSystemWriter.write_data = write_data
+from gradient_garden.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+@pytest.mark.parametrize("async_save,kind,cause", [
+    (False, "enospc", "disk full (OSError: [Errno 28] No space left on device)"),
+    (True, "enospc", "disk full (OSError: [Errno 28] No space left on device)"),
+    (False, "ctrl-c", "interrupted (Ctrl-C)")])
+def test_a_failed_sharded_write_is_one_line(prepared, tmp_path, async_save, kind, cause):
+    "Sharded saves, synchronous or in the background: the one line, and the previous checkpoint stays the latest."
+    r = subprocess.run([sys.executable, "-c", FAIL_SECOND_SHARDED_WRITE, kind, "train", "--recipe", RECIPE, "--set",
+                        *sets(prepared, tmp_path, **{"training.max_steps": 8, "checkpointing.every": 4,
+                                                     "checkpointing.format": "sharded", "checkpointing.async_save": async_save})],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    ck = run_dir(tmp_path)/"checkpoints"
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("not written") == 1, r.stderr[-3000:]
+    how = " (background write)" if async_save else ""
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint of step 8 not written{how}: {cause}; the last intact checkpoint is {ck/'step_0000004'}")
+    assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]  # the failed write left no directory behind
+
+def test_ctrl_c_while_waiting_for_a_background_write(tmp_path):
+    "A second Ctrl-C while the run waits for its background write: the one line; the write is never committed."
+    from concurrent.futures import Future
+    from gradient_garden.engine.checkpoints import CheckpointManager, CheckpointWriteError, list_checkpoints
+    mgr = CheckpointManager(tmp_path, keep_last=2, keep_best=False, async_save=True, raise_failures=True)
+    meta = dict(stage="pretraining", architecture="tendril", config={})
+    import torch
+    mgr.save_sharded(4, {"model": {"w": torch.ones(3)}}, meta); mgr.wait()
+    mgr.save_sharded(8, {"model": {"w": torch.ones(3)}}, meta)
+    mgr.pending[0].result()  # written, not yet committed; then Ctrl-C arrives in the main thread's wait
+    interrupted = Future(); interrupted.set_exception(KeyboardInterrupt())
+    mgr.pending = (interrupted, *mgr.pending[1:])
+    with pytest.raises(CheckpointWriteError) as e: mgr.wait()
+    assert str(e.value) == (f"checkpoint of step 8 not written (background write): interrupted (Ctrl-C); "
+                            f"the last intact checkpoint is {tmp_path/'step_0000004'}")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000004"]
