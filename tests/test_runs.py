@@ -114,3 +114,18 @@ def test_rows_without_text_are_counted_and_refused_past_the_threshold(prepared, 
         "= 0.01); fix the rows, pick another text_field, or raise data.max_missing_fraction"), r.stderr
     r = run_gg("prepare", "--recipe", tmp_path/"r.yaml", "--set", *base, "data.max_missing_fraction=0.05")
     assert "note: corpus: skipped 5 of 200 rows that lack the text field" in r.stderr, r.stderr
+
+def test_resume_rolls_back_a_sharded_run(prepared, tmp_path):
+    "The same rollback for sharded checkpoint directories, also when an earlier resume left a copy in superseded/."
+    sharded = {"checkpointing.format": "sharded", "checkpointing.keep_last": 2}
+    run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **sharded))
+    ck = run_dir(tmp_path)/"checkpoints"
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_0000002", "step_0000004"]
+    (ck/"superseded"/"step_0000004").mkdir(parents=True); (ck/"superseded"/"step_0000004"/"old").write_text("x")
+    r = run_gg("train", "--recipe", RECIPE, "--checkpoint", ck/"step_0000002", "--set",
+               *sets(prepared, tmp_path, steps=3, **{**sharded, "checkpointing.keep_last": 1}))
+    assert "dropped 2 metric rows" in r.stderr and "moved 1 later checkpoints" in r.stderr, r.stderr
+    assert steps_logged(tmp_path) == [1, 2, 3]
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_0000003"]  # retention kept what it just wrote
+    moved = ck/"superseded"/"step_0000004"
+    assert (moved/"COMPLETE").is_file() and not (moved/"old").exists()  # the newer copy replaced the older one

@@ -180,7 +180,9 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
     later = [p for p in have["checkpoints"] if int(p.stem.split("_")[1]) > resume_step]
     if later:
         (ckdir/"superseded").mkdir(exist_ok=True)
-        for p in later: os.replace(p, ckdir/"superseded"/p.name)
+        for p in later:  # a file or a sharded directory; one superseded by an earlier resume makes way
+            if (dst := ckdir/"superseded"/p.name).is_dir(): shutil.rmtree(dst)
+            os.replace(p, dst)
         notes.append(f"resuming at step {resume_step}: moved {len(later)} later checkpoints to {ckdir/'superseded'}")
     return notes
 
