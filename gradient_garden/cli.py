@@ -12,7 +12,8 @@ from .config import ConfigError, STAGE_FLAGS, load_config
 
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'default_train_notebook',
-           'report_path', 'add_notebook_args', 'run_notebook', 'add_plan_args', 'run_plan', 'build_parser', 'main']
+           'report_path', 'add_notebook_args', 'run_notebook', 'add_plan_args', 'run_plan', 'build_parser',
+           'tell_torchrun', 'main']
 
 # %% ../nbs/50_cli.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -160,6 +161,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_run=getattr(m, run))
     return parser
 
+# %% ../nbs/50_cli.ipynb #74088899
+def tell_torchrun(rc: int, note: str) -> bool:
+    "Under torchrun, a failing worker's `note` for torchrun's failure summary (its error file); True if written."
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or rc == 0: return False
+    import json
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"message": note, "timestamp": int(time.time())}))
+    return True
+
+
 # %% ../nbs/50_cli.ipynb #f2d842df
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `gg` console script."
@@ -175,15 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args._run(args) or 0
     except ConfigError as e:  # under torchrun an error that every rank hits is printed once, by rank 0
-        if rank == 0 or not getattr(e, "same_on_every_rank", False): print(f"error: {e}", file=sys.stderr)
+        own = rank == 0 or not getattr(e, "same_on_every_rank", False)
+        if own: print(f"error: {e}", file=sys.stderr)
+        tell_torchrun(2, f"exit status 2: bad input, said in one 'error:' line above{'' if own else ' (by rank 0)'}")
         return 2
     except RuntimeError as e:
         if type(e).__name__ != "CheckpointWriteError": raise
         if rank == 0: print(f"error: {e}", file=sys.stderr)  # rank 0's reason, raised on every rank
+        tell_torchrun(1, "exit status 1: a checkpoint was not written; the 'error:' line above says why and names the last intact one")
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    if rc > 128: tell_torchrun(rc, f"exit status {rc}: stopped by a signal; the 'stopped by' line above names the checkpoint to resume from")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # under torchrun the work is done and written: skip interpreter teardown, where gloo's threads can abort
         sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
