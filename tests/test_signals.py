@@ -160,3 +160,20 @@ def test_ctrl_c_while_waiting_for_a_background_write(tmp_path):
     assert str(e.value) == (f"checkpoint of step 8 not written (background write): interrupted (Ctrl-C); "
                             f"the last intact checkpoint is {tmp_path/'step_0000004'}")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000004"]
+
+def test_sigterm_to_gg_notebook_reaches_the_kernel(prepared, tmp_path):
+    "SIGTERM to `gg notebook` (papermill's process; the kernel has a session of its own): checkpoint, report, one line."
+    proc = subprocess.Popen(GG + ["notebook", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{"training.max_steps": 300})],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    line = stderr.strip().splitlines()[-1]
+    step = int(line.split(" at step ")[1].split(":")[0])
+    ck = run_dir(tmp_path)/"checkpoints"/f"step_{step:07d}.pt"
+    assert proc.returncode == 128 + signal.SIGTERM and 3 <= step < 300, (proc.returncode, stderr[-3000:])
+    assert line == f"stopped by SIGTERM at step {step}: checkpoint {ck}; resume with --checkpoint {run_dir(tmp_path)}"
+    assert ck.is_file() and max(losses(tmp_path)) == step
+    report = (run_dir(tmp_path)/"report.ipynb").read_text()
+    assert "pretraining: stopped by SIGTERM" in report and '"ename"' not in report  # the report ran to its end
+    assert f"report: {run_dir(tmp_path)/'report.ipynb'}" in stdout
