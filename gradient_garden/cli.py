@@ -200,7 +200,8 @@ def tell_torchrun(rc: int, note: str) -> bool:
     if not path or rc == 0: return False
     import json
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"message": note, "timestamp": int(time.time())}))
+    # the structured form (no traceback in it): torchrun shows `message`, and copies it without a format warning
+    Path(path).write_text(json.dumps({"message": {"message": note, "extraInfo": {"timestamp": str(int(time.time()))}}}))
     return True
 
 
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # under torchrun an error that every rank hits is printed once, by rank 0
         own = rank == 0 or not getattr(e, "same_on_every_rank", False)
         if own: print(f"error: {e}", file=sys.stderr)
+        else: time.sleep(1.0)  # torchrun ends the other workers once one exits: let rank 0 say it first
         tell_torchrun(2, f"exit status 2: bad input, said in one 'error:' line above{'' if own else ' (by rank 0)'}")
         return 2
     except RuntimeError as e:
