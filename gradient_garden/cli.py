@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = args._run(args) or 0
     except ConfigError as e:  # under torchrun an error that every rank hits is printed once, by rank 0
         own = rank == 0 or not getattr(e, "same_on_every_rank", False)
+        tell_torchrun(2, f"exit status 2: bad input, said in one 'error:' line above{'' if own else ' (by rank 0)'}")
         if own: print(f"error: {e}", file=sys.stderr)
         else: time.sleep(1.0)  # torchrun ends the other workers once one exits: let rank 0 say it first
-        tell_torchrun(2, f"exit status 2: bad input, said in one 'error:' line above{'' if own else ' (by rank 0)'}")
         return 2
     except RuntimeError as e:
         if type(e).__name__ != "CheckpointWriteError": raise
