@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 / Ctrl-C finish the step, write a checkpoint and exit with one line; the resumed run
+"""Preemption: SIGTERM / SIGUSR1 / Ctrl-C finish the step, write a checkpoint and exit with one line (also through
+`gg notebook`, whose kernel gets the signal passed on); the resumed run
 reproduces the uninterrupted losses exactly (1 process, and 2 gloo ranks with the signal sent to one rank only); a
 checkpoint write that fails ends with one line naming the cause and the last intact checkpoint."""
 import json, os, signal, subprocess, sys, time
@@ -177,3 +178,22 @@ def test_sigterm_to_gg_notebook_reaches_the_kernel(prepared, tmp_path):
     report = (run_dir(tmp_path)/"report.ipynb").read_text()
     assert "pretraining: stopped by SIGTERM" in report and '"ename"' not in report  # the report ran to its end
     assert f"report: {run_dir(tmp_path)/'report.ipynb'}" in stdout
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [True])  # synchronous saves take the same path (dcp.save); ~11 s each
+def test_a_sharded_write_failing_on_one_rank_stops_all(prepared, tmp_path, async_save):
+    "2 gloo ranks, the disk fills on rank 1 only (in the background write): every rank stops, rank 0 says it once."
+    script = tmp_path/"fail_on_rank_1.py"
+    script.write_text(FAIL_SECOND_SHARDED_WRITE.replace('if len(calls) > 1:', 'if len(calls) > 1 and __import__("os").environ["RANK"] == "1":'))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "enospc",
+                        "train", "--recipe", RECIPE, "--set",
+                        *sets(prepared, tmp_path, **{"training.max_steps": 8, "checkpointing.every": 4,
+                                                     "checkpointing.format": "sharded", "checkpointing.async_save": async_save})],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    ck = run_dir(tmp_path)/"checkpoints"
+    how = " (background write)" if async_save else ""
+    line = (f"error: checkpoint of step 8 not written{how}: rank 1: disk full (OSError: [Errno 28] No space left on device); "
+            f"the last intact checkpoint is {ck/'step_0000004'}")
+    assert r.returncode != 0 and r.stderr.count(line) == 1 and r.stderr.count("step 8 not written") == 1, r.stderr[-4000:]
+    assert "exit status 1: a checkpoint was not written" in r.stderr  # torchrun's summary points at the line
+    assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]
