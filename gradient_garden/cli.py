@@ -11,8 +11,9 @@ from pathlib import Path
 from .config import ConfigError, STAGE_FLAGS, load_config
 
 # %% auto #0
-__all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'default_train_notebook',
-           'report_path', 'add_notebook_args', 'run_notebook', 'add_plan_args', 'run_plan', 'build_parser', 'main']
+__all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
+           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args', 'run_notebook',
+           'add_plan_args', 'run_plan', 'build_parser', 'tell_torchrun', 'main']
 
 # %% ../nbs/50_cli.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -61,6 +62,29 @@ def stopped_line(res: dict) -> int:
               f"--checkpoint {res['run_dir']}", file=sys.stderr, flush=True)
     return 128 + int(signal.Signals[res["stopped_by"]])
 
+# %% ../nbs/50_cli.ipynb #aaaa64f2
+import contextlib, signal, subprocess, threading
+
+# %% ../nbs/50_cli.ipynb #730f57cd
+def forward_to_children(signum: int, received: list):
+    "Send `signum` on to this process's children (papermill's kernel, not the processes it started); name it in `received`."
+    import psutil
+    received.append(signal.Signals(signum).name)
+    for child in psutil.Process().children():
+        try: child.send_signal(signum)
+        except psutil.Error: pass
+
+@contextlib.contextmanager
+def forwarding_stop_signals(received: list):
+    "While inside, SIGTERM, SIGUSR1 and Ctrl-C go on to the children (`forward_to_children`) instead of ending this process."
+    if threading.current_thread() is not threading.main_thread(): yield; return  # handlers live in the main thread
+    old = {s: signal.signal(s, lambda signum, frame: forward_to_children(signum, received))
+           for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try: yield
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
+
+
 # %% ../nbs/50_cli.ipynb #e99d65a5
 def default_train_notebook() -> Path:
     "The parameterised training notebook of this checkout."
@@ -99,11 +123,13 @@ def run_notebook(args) -> int:
                   checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
                   reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite, cwd=os.getcwd())
     time.sleep(0.5 * int(os.environ.get("LOCAL_RANK", 0)))
+    received: list[str] = []
     for attempt in range(args.retries):
         try:
-            pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                log_output=rank == 0, kernel_name="python3", language="python",
-                                coalesce_streams=True)  # one output per stream per cell, not one per progress line
+            with forwarding_stop_signals(received):  # the kernel runs in a session of its own: pass SIGTERM & co. on
+                pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
+                                    log_output=rank == 0, kernel_name="python3", language="python",
+                                    coalesce_streams=True)  # one output per stream per cell, not one per progress line
             break
         except Exception as e:
             if attempt + 1 < args.retries and _is_kernel_startup_error(e):
@@ -113,7 +139,14 @@ def run_notebook(args) -> int:
             print(f"rank {rank}: notebook {nb} failed; the executed notebook is {out}", file=sys.stderr)
             raise
     if rank == 0: print(f"report: {out}")
-    return 0
+    return _stopped_in_kernel(received[0], cfg.run_dir) if received else 0
+
+def _stopped_in_kernel(signame: str, run_dir: Path) -> int:
+    "The stop line of a run that a forwarded signal stopped inside the kernel (its checkpoint: the run's latest)."
+    from gradient_garden.engine.checkpoints import list_checkpoints
+    ck = (list_checkpoints(Path(run_dir)/"checkpoints") or [None])[-1]
+    step = int(ck.name.split("_")[1].split(".")[0]) if ck else 0
+    return stopped_line(dict(stopped_by=signame, step=step, checkpoint=ck, run_dir=run_dir))
 
 # %% ../nbs/50_cli.ipynb #71b5a15e
 def add_plan_args(p: argparse.ArgumentParser):
@@ -160,6 +193,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.set_defaults(_run=getattr(m, run))
     return parser
 
+# %% ../nbs/50_cli.ipynb #74088899
+def tell_torchrun(rc: int, note: str) -> bool:
+    "Under torchrun, a failing worker's `note` for torchrun's failure summary (its error file); True if written."
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or rc == 0: return False
+    import json
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    # the structured form (no traceback in it): torchrun shows `message`, and copies it without a format warning
+    Path(path).write_text(json.dumps({"message": {"message": note, "extraInfo": {"timestamp": str(int(time.time()))}}}))
+    return True
+
+
 # %% ../nbs/50_cli.ipynb #f2d842df
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `gg` console script."
@@ -175,15 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args._run(args) or 0
     except ConfigError as e:  # under torchrun an error that every rank hits is printed once, by rank 0
-        if rank == 0 or not getattr(e, "same_on_every_rank", False): print(f"error: {e}", file=sys.stderr)
+        own = rank == 0 or not getattr(e, "same_on_every_rank", False)
+        tell_torchrun(2, f"exit status 2: bad input, said in one 'error:' line above{'' if own else ' (by rank 0)'}")
+        if own: print(f"error: {e}", file=sys.stderr)
+        else: time.sleep(1.0)  # torchrun ends the other workers once one exits: let rank 0 say it first
         return 2
     except RuntimeError as e:
         if type(e).__name__ != "CheckpointWriteError": raise
         if rank == 0: print(f"error: {e}", file=sys.stderr)  # rank 0's reason, raised on every rank
+        tell_torchrun(1, "exit status 1: a checkpoint was not written; the 'error:' line above says why and names the last intact one")
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    if rc > 128: tell_torchrun(rc, f"exit status {rc}: stopped by a signal; the 'stopped by' line above names the checkpoint to resume from")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # under torchrun the work is done and written: skip interpreter teardown, where gloo's threads can abort
         sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)

@@ -114,3 +114,31 @@ def test_rows_without_text_are_counted_and_refused_past_the_threshold(prepared, 
         "= 0.01); fix the rows, pick another text_field, or raise data.max_missing_fraction"), r.stderr
     r = run_gg("prepare", "--recipe", tmp_path/"r.yaml", "--set", *base, "data.max_missing_fraction=0.05")
     assert "note: corpus: skipped 5 of 200 rows that lack the text field" in r.stderr, r.stderr
+
+def test_resume_rolls_back_a_sharded_run(prepared, tmp_path):
+    "The same rollback for sharded checkpoint directories, also when an earlier resume left a copy in superseded/."
+    sharded = {"checkpointing.format": "sharded", "checkpointing.keep_last": 2}
+    run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **sharded))
+    ck = run_dir(tmp_path)/"checkpoints"
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_0000002", "step_0000004"]
+    (ck/"superseded"/"step_0000004").mkdir(parents=True); (ck/"superseded"/"step_0000004"/"old").write_text("x")
+    r = run_gg("train", "--recipe", RECIPE, "--checkpoint", ck/"step_0000002", "--set",
+               *sets(prepared, tmp_path, steps=3, **{**sharded, "checkpointing.keep_last": 1}))
+    assert "dropped 2 metric rows" in r.stderr and "moved 1 later checkpoints" in r.stderr, r.stderr
+    assert steps_logged(tmp_path) == [1, 2, 3]
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_0000003"]  # retention kept what it just wrote
+    moved = ck/"superseded"/"step_0000004"
+    assert (moved/"COMPLETE").is_file() and not (moved/"old").exists()  # the newer copy replaced the older one
+
+def test_torchrun_says_a_config_error_once():
+    "2 gloo ranks, a bad --set: the one line once (rank 0); torchrun's failure table points at it, not at a traceback hint."
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gradient_garden.cli"]
+    r = subprocess.run(torchrun + ["train", "--recipe", RECIPE, "--set", "training.grad_clip=-1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = "error: training.grad_clip: got -1.0; must be >= 0 (0 or null turns clipping off; a negative clip reverses the gradient)"
+    seen = r.stdout + r.stderr
+    assert r.returncode != 0 and seen.count(line) == 1 and seen.count("training.grad_clip") == 1, seen
+    assert seen.strip().splitlines()[0] == line  # the first thing a user reads; torchrun's summary follows it
+    assert "To enable traceback" not in seen and "Root Cause" in seen, seen
+    assert "traceback : exit status 2: bad input, said in one 'error:' line above\n" in seen
+    assert "traceback : exit status 2: bad input, said in one 'error:' line above (by rank 0)" in seen

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 / Ctrl-C finish the step, write a checkpoint and exit with one line; the resumed run
+"""Preemption: SIGTERM / SIGUSR1 / Ctrl-C finish the step, write a checkpoint and exit with one line (also through
+`gg notebook`, whose kernel gets the signal passed on); the resumed run
 reproduces the uninterrupted losses exactly (1 process, and 2 gloo ranks with the signal sent to one rank only); a
 checkpoint write that fails ends with one line naming the cause and the last intact checkpoint."""
 import json, os, signal, subprocess, sys, time
@@ -113,3 +114,86 @@ def test_disk_full_during_a_checkpoint_is_one_line(prepared, tmp_path):
         "error: checkpoint of step 8 not written: disk full (OSError: [Errno 28] No space left on device); "
         f"the last intact checkpoint is {ck/'step_0000004.pt'}")
     assert sorted(p.name for p in ck.iterdir()) == ["step_0000004.pt"]  # no temporary file left behind
+
+FAIL_SECOND_SHARDED_WRITE = """
+import errno, sys
+from torch.distributed.checkpoint import FileSystemWriter
+real, calls, kind = FileSystemWriter.write_data, [], sys.argv.pop(1)
+def write_data(self, plan, planner):  # every shard file of a sharded save goes through here (a background thread: async)
+    calls.append(1)
+    if len(calls) > 1: raise KeyboardInterrupt if kind == "ctrl-c" else OSError(errno.ENOSPC, "No space left on device")
+    return real(self, plan, planner)
+FileSystemWriter.write_data = write_data
+from gradient_garden.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+@pytest.mark.parametrize("async_save,kind,cause", [
+    (False, "enospc", "disk full (OSError: [Errno 28] No space left on device)"),
+    (True, "enospc", "disk full (OSError: [Errno 28] No space left on device)"),
+    (False, "ctrl-c", "interrupted (Ctrl-C)")])
+def test_a_failed_sharded_write_is_one_line(prepared, tmp_path, async_save, kind, cause):
+    "Sharded saves, synchronous or in the background: the one line, and the previous checkpoint stays the latest."
+    r = subprocess.run([sys.executable, "-c", FAIL_SECOND_SHARDED_WRITE, kind, "train", "--recipe", RECIPE, "--set",
+                        *sets(prepared, tmp_path, **{"training.max_steps": 8, "checkpointing.every": 4,
+                                                     "checkpointing.format": "sharded", "checkpointing.async_save": async_save})],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    ck = run_dir(tmp_path)/"checkpoints"
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("not written") == 1, r.stderr[-3000:]
+    how = " (background write)" if async_save else ""
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint of step 8 not written{how}: {cause}; the last intact checkpoint is {ck/'step_0000004'}")
+    assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]  # the failed write left no directory behind
+
+def test_ctrl_c_while_waiting_for_a_background_write(tmp_path):
+    "A second Ctrl-C while the run waits for its background write: the one line; the write is never committed."
+    from concurrent.futures import Future
+    from gradient_garden.engine.checkpoints import CheckpointManager, CheckpointWriteError, list_checkpoints
+    mgr = CheckpointManager(tmp_path, keep_last=2, keep_best=False, async_save=True, raise_failures=True)
+    meta = dict(stage="pretraining", architecture="tendril", config={})
+    import torch
+    mgr.save_sharded(4, {"model": {"w": torch.ones(3)}}, meta); mgr.wait()
+    mgr.save_sharded(8, {"model": {"w": torch.ones(3)}}, meta)
+    mgr.pending[0].result()  # written, not yet committed; then Ctrl-C arrives in the main thread's wait
+    interrupted = Future(); interrupted.set_exception(KeyboardInterrupt())
+    mgr.pending = (interrupted, *mgr.pending[1:])
+    with pytest.raises(CheckpointWriteError) as e: mgr.wait()
+    assert str(e.value) == (f"checkpoint of step 8 not written (background write): interrupted (Ctrl-C); "
+                            f"the last intact checkpoint is {tmp_path/'step_0000004'}")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000004"]
+
+def test_sigterm_to_gg_notebook_reaches_the_kernel(prepared, tmp_path):
+    "SIGTERM to `gg notebook` (papermill's process; the kernel has a session of its own): checkpoint, report, one line."
+    proc = subprocess.Popen(GG + ["notebook", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{"training.max_steps": 300})],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(tmp_path, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    line = stderr.strip().splitlines()[-1]
+    step = int(line.split(" at step ")[1].split(":")[0])
+    ck = run_dir(tmp_path)/"checkpoints"/f"step_{step:07d}.pt"
+    assert proc.returncode == 128 + signal.SIGTERM and 3 <= step < 300, (proc.returncode, stderr[-3000:])
+    assert line == f"stopped by SIGTERM at step {step}: checkpoint {ck}; resume with --checkpoint {run_dir(tmp_path)}"
+    assert ck.is_file() and max(losses(tmp_path)) == step
+    report = (run_dir(tmp_path)/"report.ipynb").read_text()
+    assert "pretraining: stopped by SIGTERM" in report and '"ename"' not in report  # the report ran to its end
+    assert f"report: {run_dir(tmp_path)/'report.ipynb'}" in stdout
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [True])  # synchronous saves take the same path (dcp.save); ~11 s each
+def test_a_sharded_write_failing_on_one_rank_stops_all(prepared, tmp_path, async_save):
+    "2 gloo ranks, the disk fills on rank 1 only (in the background write): every rank stops, rank 0 says it once."
+    script = tmp_path/"fail_on_rank_1.py"
+    script.write_text(FAIL_SECOND_SHARDED_WRITE.replace('if len(calls) > 1:', 'if len(calls) > 1 and __import__("os").environ["RANK"] == "1":'))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "enospc",
+                        "train", "--recipe", RECIPE, "--set",
+                        *sets(prepared, tmp_path, **{"training.max_steps": 8, "checkpointing.every": 4,
+                                                     "checkpointing.format": "sharded", "checkpointing.async_save": async_save})],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    ck = run_dir(tmp_path)/"checkpoints"
+    how = " (background write)" if async_save else ""
+    line = (f"error: checkpoint of step 8 not written{how}: rank 1: disk full (OSError: [Errno 28] No space left on device); "
+            f"the last intact checkpoint is {ck/'step_0000004'}")
+    assert r.returncode != 0 and r.stderr.count(line) == 1 and r.stderr.count("step 8 not written") == 1, r.stderr[-4000:]
+    assert "exit status 1: a checkpoint was not written" in r.stderr  # torchrun's summary points at the line
+    assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]

@@ -26,8 +26,8 @@ __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOI
            'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
            'check_compatible', 'CheckpointManager', 'MetadataUnpickler', 'SafeReader', 'SafeLoadPlanner',
            'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'read_metadata', 'read_sharded',
-           'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'consolidate_checkpoint',
-           'base_weights', 'load_model_from_checkpoint']
+           'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError',
+           'write_failure_line', 'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/23_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -223,12 +223,14 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
 # %% ../../nbs/23_checkpoints.ipynb #079d9d78
 class CheckpointManager:
     "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
-    def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False):
+    def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
+                 raise_failures: bool = False):
         if keep_last < 1: raise ConfigError(f"checkpointing.keep_last: got {keep_last}; must be >= 1")
         self.dir, self.keep_last, self.keep_best, self.async_save = Path(ckpt_dir), keep_last, keep_best, async_save
         self._val_loss: dict[str, float | None] = {}
         self.pending = None       # the asynchronous save in flight: (future, tmp dir, final dir, meta)
         self.failures: list[str] = []  # one line per background write that failed
+        self.raise_failures = raise_failures  # a failed background write raises `CheckpointWriteError` (else: a warning)
         self._group = None
 
     def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
@@ -457,6 +459,27 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
     fut.add_done_callback(lambda _: stager.close())  # its copies are freed once written
     return final
 
+# %% ../../nbs/23_checkpoints.ipynb #9917000e
+class CheckpointWriteError(RuntimeError):
+    "A checkpoint could not be written; the message names the cause and the last intact checkpoint."
+
+def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> str:
+    "One line: why the checkpoint of `step` was not written (`how`: e.g. ' (background write)') and the last intact one."
+    rank = None
+    if isinstance(e, CheckpointException) and e.failures:  # dcp's wrapper: the first failing rank's own error
+        rank, e = next(iter(e.failures.items()))
+        if isinstance(e, tuple): e = e[0]
+    first = _first_line(e) if str(e).strip() else ""
+    if isinstance(e, KeyboardInterrupt): cause = "interrupted (Ctrl-C)"
+    elif getattr(e, "errno", None) == 28 or "No space left" in str(e) or "file write failed" in str(e):
+        cause = f"disk full ({type(e).__name__}: {first or 'ENOSPC'})"
+    else: cause = f"{type(e).__name__}: {first}"
+    if rank is not None and dist.is_initialized() and dist.get_world_size() > 1: cause = f"rank {rank}: {cause}"
+    intact = list_checkpoints(ckpt_dir)
+    last = f"the last intact checkpoint is {intact[-1]}" if intact else "no earlier checkpoint exists"
+    return f"checkpoint of step {step} not written{how}: {cause}; {last}"
+
+
 # %% ../../nbs/23_checkpoints.ipynb #847b6e38
 @patch
 def wait(self: CheckpointManager) -> Path | None:
@@ -465,14 +488,15 @@ def wait(self: CheckpointManager) -> Path | None:
     fut, tmp, final, meta = self.pending
     self.pending = None
     try: fut.result()
+    except KeyboardInterrupt as e:  # the write goes on in its thread; its temporary dir is never committed
+        if not self.raise_failures: raise
+        raise CheckpointWriteError(write_failure_line(meta["step"], e, self.dir, " (background write)")) from None
     except DCP_ERRORS as e:
-        latest = self.latest()
-        msg = (f"checkpoint {final.name}: the background write failed ({dcp_error(e)}); "
-               f"{latest.name if latest else 'no checkpoint'} stays the latest")
+        if _is_main(): shutil.rmtree(tmp, ignore_errors=True)
+        msg = write_failure_line(meta["step"], e, self.dir, " (background write)")
         self.failures.append(msg)
-        if _is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-            warnings.warn(msg)
+        if self.raise_failures: raise CheckpointWriteError(msg) from None
+        if _is_main(): warnings.warn(msg)
         return None
     if not _is_main(): return final
     commit_sharded(tmp, final, meta)

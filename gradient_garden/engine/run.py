@@ -180,7 +180,9 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
     later = [p for p in have["checkpoints"] if int(p.stem.split("_")[1]) > resume_step]
     if later:
         (ckdir/"superseded").mkdir(exist_ok=True)
-        for p in later: os.replace(p, ckdir/"superseded"/p.name)
+        for p in later:  # a file or a sharded directory; one superseded by an earlier resume makes way
+            if (dst := ckdir/"superseded"/p.name).is_dir(): shutil.rmtree(dst)
+            os.replace(p, dst)
         notes.append(f"resuming at step {resume_step}: moved {len(later)} later checkpoints to {ckdir/'superseded'}")
     return notes
 
@@ -228,18 +230,10 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
     return lock
 
 # %% ../../nbs/25_run.ipynb #44b58757
-def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
-                 reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
-    "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."
+def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> tuple:
+    "The tokenizer and the checkpoint's meta (or None), checked against `cfg` before anything is allocated."
     from gradient_garden.tokenizer import init_tokenizer
     from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
-    load_dotenv()
-    env = init_distributed(cfg.runtime)
-    requested = cfg.runtime.precision
-    cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
-    if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
-    try: validate(cfg, env.world_size)
-    except ConfigError as e: e.same_on_every_rank = True; raise
     tokenizer = init_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: got {cfg.model.vocab_size}; the tokenizer at {cfg.tokenizer.path} has "
@@ -252,6 +246,21 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
             ckpt = load_checkpoint(checkpoint, optimizers=False)
     _check_start(cfg, start_step, ckpt)
     check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
+    return tokenizer, ckpt
+
+def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
+                 reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
+    "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."
+    load_dotenv()
+    env = init_distributed(cfg.runtime)
+    requested = cfg.runtime.precision
+    cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
+    if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
+    try: validate(cfg, env.world_size)
+    except ConfigError as e: e.same_on_every_rank = True; raise
+    try:  # every rank reads the same files and config: an error here is printed once, by rank 0
+        tokenizer, ckpt = _checked_inputs(cfg, env, checkpoint, start_step)
+    except ConfigError as e: e.same_on_every_rank = True; raise
     lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
     precision = dict(requested=requested, used=cfg.runtime.precision, why=why)

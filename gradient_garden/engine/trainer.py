@@ -29,8 +29,7 @@ __all__ = ['DTYPES', 'GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'cpu_bf16_units', 'resol
            'make_grad_scaler', 'set_tf32', 'measure_matmul_peak', 'gpu_datasheet_flops', 'compute_precision',
            'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
            'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
-           'load_full_state', 'TrainState', 'Trainer', 'device_scalar', 'CheckpointWriteError', 'Progress',
-           'summary_table']
+           'load_full_state', 'TrainState', 'Trainer', 'device_scalar', 'Progress', 'summary_table']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -420,20 +419,7 @@ def checkpoint_meta(self: Trainer) -> dict:
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
 
-class CheckpointWriteError(RuntimeError):
-    "A checkpoint could not be written; the message names the cause and the last intact checkpoint."
-
-def _write_failure(step: int, e: BaseException, ckpt_dir: Path) -> str:
-    "One line: why the checkpoint of `step` was not written and which checkpoint is the last intact one."
-    from gradient_garden.engine.checkpoints import list_checkpoints
-    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-    if isinstance(e, KeyboardInterrupt): cause = "interrupted (Ctrl-C)"
-    elif getattr(e, "errno", None) == 28 or "No space left" in str(e) or "file write failed" in str(e):
-        cause = f"disk full ({type(e).__name__}: {first or 'ENOSPC'})"
-    else: cause = f"{type(e).__name__}: {first}"
-    intact = list_checkpoints(ckpt_dir)
-    last = f"the last intact checkpoint is {intact[-1]}" if intact else "no earlier checkpoint exists"
-    return f"checkpoint of step {step} not written: {cause}; {last}"
+from .checkpoints import CheckpointWriteError, write_failure_line
 
 @patch
 def checkpoint_state(self: Trainer) -> dict:
@@ -447,15 +433,17 @@ def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None
     c = self.cfg.checkpointing
     if self.ckpt_manager is None:
         self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
-                                              async_save=c.async_save)
-    if c.format == "sharded":
-        return self.ckpt_manager.save_sharded(self.state.step, sharded_state(self.model, self.optimizers),
-                                              self.checkpoint_meta(), val_loss=val_loss)
+                                              async_save=c.async_save, raise_failures=True)
+    if c.format == "sharded":  # every rank writes; dcp reports a failure on any rank to all of them
+        app_state, meta = sharded_state(self.model, self.optimizers), self.checkpoint_meta()
+        try: return self.ckpt_manager.save_sharded(self.state.step, app_state, meta, val_loss=val_loss)
+        except CheckpointWriteError: raise  # the previous background write failed
+        except BaseException as e: raise CheckpointWriteError(write_failure_line(self.state.step, e, self.ckpt_manager.dir)) from None
     state = self.checkpoint_state()
     path, err = None, None
     if self.env.is_main:
         try: path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
-        except BaseException as e: err = _write_failure(self.state.step, e, self.ckpt_manager.dir)  # disk full, Ctrl-C, ...
+        except BaseException as e: err = write_failure_line(self.state.step, e, self.ckpt_manager.dir)  # disk full, Ctrl-C, ...
     if (err := broadcast_object(err)) is not None: raise CheckpointWriteError(err)  # every rank stops, with rank 0's reason
     return path
 
