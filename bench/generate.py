@@ -6,12 +6,16 @@ tokens/s, the ratio, how many generated tokens agree between the two, and MFU of
 measured matmul peak (and the datasheet peak on GPU).
 
     python bench/generate.py                                  # CPU fp32
+    python bench/generate.py --dtype bf16                     # CPU bf16 weights, with an fp32 Tendril beside them
     python bench/generate.py --device cuda --dtype bf16 --batch-size 32
+
+With `--dtype bf16`, `tendril_fp32` (the same weights in fp32) decodes beside the others: the bf16 speed-up over it
+and how many greedy tokens bf16 decoding shares with fp32 decoding are reported.
 
 The last line of stdout is one JSON object with the figures.
 """
 from __future__ import annotations
-import argparse, json, statistics, time
+import argparse, copy, json, statistics, time
 import torch
 from gradient_garden.engine.trainer import gpu_datasheet_flops
 from common import matmul_peak_flops, sync
@@ -35,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile Tendril's forward (dynamic shapes)")
     p.add_argument("--no-cache-too", action="store_true", help="also time Tendril without the KV cache")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--checkpoint", default=None, help="decode a trained checkpoint's model instead of random weights")
     return p.parse_args(argv)
 
 def main(argv=None):
@@ -46,7 +51,12 @@ def main(argv=None):
                       max_seq_len=args.max_prompt + args.new_tokens, tie_embeddings=False)
     torch.manual_seed(0)
     model = Tendril(cfg).eval()
+    if args.checkpoint:   # trained weights: greedy choices are decided by real margins, not random-init ties
+        from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+        model, run_cfg = load_model_from_checkpoint(args.checkpoint)
+        cfg = run_cfg.model
     hf = to_hf_model(model).to(args.device, DTYPES[dtype]).eval()
+    model_fp32 = copy.deepcopy(model).to(args.device) if dtype != "fp32" else None
     model = model.to(args.device, DTYPES[dtype])
     hf.generation_config.pad_token_id = 0
     hf.generation_config.eos_token_id = None
@@ -74,8 +84,12 @@ def main(argv=None):
 
     runs = {"tendril": ours, "hf": theirs}
     if args.no_cache_too: runs["tendril_no_cache"] = lambda: ours(False)
+    if model_fp32 is not None:
+        runs["tendril_fp32"] = lambda: generate(model_fp32, None, prompts, max_new_tokens=n_new, stop_ids=[])
     outputs = {n: f() for n, f in runs.items()}        # warm-up (and compilation)
-    agree = sum(a == b for x, y in zip(outputs["tendril"], outputs["hf"]) for a, b in zip(x, y)) / (args.batch_size * n_new)
+    agreement = lambda a, b: sum(s == t for x, y in zip(outputs[a], outputs[b]) for s, t in zip(x, y)) / (args.batch_size * n_new)
+    agree = agreement("tendril", "hf")
+    agree_fp32 = agreement("tendril", "tendril_fp32") if model_fp32 is not None else None
 
     names = list(runs)
     times, cpu_times = {n: [] for n in names}, {n: [] for n in names}
@@ -90,7 +104,8 @@ def main(argv=None):
     peak = matmul_peak_flops(args.device, DTYPES[dtype])
     ctx = sum(lens) / len(lens) + n_new / 2
     fwd_flops = flops_per_token(cfg, int(ctx)) / 3         # forward only, at the mean context length while decoding
-    mfu = {n: fwd_flops * v / peak for n, v in tps.items()}
+    peak_fp32 = peak if dtype == "fp32" else matmul_peak_flops(args.device, torch.float32)
+    mfu = {n: fwd_flops * v / (peak_fp32 if n.endswith("_fp32") else peak) for n, v in tps.items()}
     datasheet = None
     if dev_type == "cuda":
         datasheet = gpu_datasheet_flops(torch.cuda.get_device_name(), dtype)
@@ -101,8 +116,10 @@ def main(argv=None):
               f"{cpu_med[n]*1e3:8.1f} {cpu_med['hf']/cpu_med[n]:6.2f}x")
     print("fastest batch (a quiet-machine estimate): " + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['hf'])/min(v):.2f}x)" for n, v in times.items()))
     print(f"prompts {lens}, {n_new} new tokens each; greedy tokens agreeing with transformers: {agree:.1%}")
+    if agree_fp32 is not None:
+        print(f"{dtype} vs fp32 Tendril: {med['tendril_fp32']/med['tendril']:.2f}x faster (median); greedy tokens agreeing: {agree_fp32:.1%}")
     result = dict(bench="generate", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
-                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
+                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile, checkpoint=args.checkpoint,
                   batch_size=args.batch_size, prompt_lens=lens, new_tokens=n_new, rounds=args.rounds,
                   ms_per_batch={n: round(v * 1e3, 1) for n, v in med.items()},
                   tokens_per_s={n: round(v, 1) for n, v in tps.items()},
@@ -112,6 +129,8 @@ def main(argv=None):
                   cpu_ms_per_batch={n: round(v * 1e3, 1) for n, v in cpu_med.items()},
                   ratio_vs_hf_cpu_time={n: round(cpu_med["hf"] / v, 3) for n, v in cpu_med.items()},
                   token_agreement=round(agree, 4), mfu={n: round(v, 5) for n, v in mfu.items()},
+                  token_agreement_vs_fp32=round(agree_fp32, 4) if agree_fp32 is not None else None,
+                  ratio_vs_tendril_fp32={n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()} if model_fp32 is not None else None,
                   mfu_datasheet={n: round(fwd_flops * v / datasheet, 5) for n, v in tps.items()} if datasheet else None,
                   matmul_peak_tflops=round(peak / 1e12, 4))
     print(json.dumps(result))

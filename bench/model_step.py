@@ -9,7 +9,11 @@ memory comes from a fresh child process per contender on CPU (growth of its peak
 MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (and the datasheet peak on GPU).
 
     python bench/model_step.py                       # CPU fp32, the issue's shape
+    python bench/model_step.py --dtype bf16                        # CPU bf16 autocast, with an fp32 Tendril beside it
     python bench/model_step.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
+
+With `--dtype bf16`, `tendril_fp32` (the same model without autocast) runs beside the bf16 contenders, so the bf16
+speed-up is measured side by side; its MFU is quoted against the fp32 peak, the others' against the bf16 peak.
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -105,7 +109,8 @@ def memory_child(args):
         else:
             for block in (model.layers if name.startswith("tendril") else model.model.layers): block.compile()
     x, y = make_batch(cfg, args)
-    for _ in range(3): step(model, opt, x, y, None, "cpu", own_loss=not name.endswith("_logits"))
+    ad = torch.bfloat16 if args.dtype == "bf16" and not name.endswith("_fp32") else None
+    for _ in range(3): step(model, opt, x, y, ad, "cpu", own_loss=not name.endswith("_logits"))
     print(json.dumps({"peak_mb": peak_rss_mb() - base}))
 
 def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
@@ -119,7 +124,7 @@ def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
         return (torch.cuda.max_memory_allocated() - before + own) / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     if args.threads: cmd += ["--threads", str(args.threads)]
-    cmd += ["--compile-mode", args.compile_mode]
+    cmd += ["--compile-mode", args.compile_mode] + (["--dtype", args.dtype] if args.dtype else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode: raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -133,6 +138,8 @@ def main(argv=None):
     import gradient_garden.models.tendril as tendril_module
     if hasattr(tendril_module, "LOSS_IMPL"): tendril_module.LOSS_IMPL = args.loss_impl
     names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
+    if dtype != "fp32": names.append("tendril_fp32")
+    dtype_of = lambda n: None if n.endswith("_fp32") else autocast_dtype   # the contender's autocast dtype
     contenders = make_contenders(cfg, args, names)
     x, y = make_batch(cfg, args)
     tokens = x.numel()
@@ -141,7 +148,7 @@ def main(argv=None):
     for n, (m, o) in contenders.items():       # warm-up (and compilation); first losses must agree: same weights
         t = time.perf_counter()
         for i in range(args.warmup):
-            loss = step(m, o, x, y, autocast_dtype, dev_type, own_loss=not n.endswith("_logits"))
+            loss = step(m, o, x, y, dtype_of(n), dev_type, own_loss=not n.endswith("_logits"))
             if i == 0: first[n] = loss.item()
         sync(args.device)
         print(f"warm-up {n}: {time.perf_counter() - t:.1f}s, first loss {first[n]:.5f}", flush=True)
@@ -152,7 +159,7 @@ def main(argv=None):
         for n in order:
             m, o = contenders[n]
             sync(args.device); t, c = time.perf_counter(), time.process_time()
-            for _ in range(args.steps_per_round): step(m, o, x, y, autocast_dtype, dev_type, own_loss=not n.endswith("_logits"))
+            for _ in range(args.steps_per_round): step(m, o, x, y, dtype_of(n), dev_type, own_loss=not n.endswith("_logits"))
             sync(args.device)
             times[n].append((time.perf_counter() - t) / args.steps_per_round)
             cpu_times[n].append((time.process_time() - c) / args.steps_per_round)
@@ -162,12 +169,13 @@ def main(argv=None):
 
     peak_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     peak = matmul_peak_flops(args.device, peak_dtype)
+    peak_fp32 = peak if dtype == "fp32" else matmul_peak_flops(args.device, torch.float32)
     fpt = flops_per_token(cfg, args.seq_len)
-    mfu = {n: fpt * v / peak for n, v in tps.items()}
+    mfu = {n: fpt * v / (peak_fp32 if n.endswith("_fp32") else peak) for n, v in tps.items()}
     datasheet = None
     if dev_type == "cuda":
         datasheet = gpu_datasheet_flops(torch.cuda.get_device_name(), dtype)
-    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, autocast_dtype, dev_type) for n in names}
+    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, dtype_of(n), dev_type) for n in names}
 
     print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s} {'cpu ms':>8s} {'vs llama':>9s}  (IQR ms)")
     for n in names:
@@ -176,7 +184,10 @@ def main(argv=None):
               f"{mem.get(n, float('nan')):8.0f} {cpu_med[n]*1e3:8.1f} {cpu_med['llama']/cpu_med[n]:8.2f}x  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
     print("fastest step (a quiet-machine estimate): " + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['llama'])/min(v):.2f}x)" for n, v in times.items()))
     print(f"params {count_parameters(contenders['tendril'][0]):,}; {fpt/1e6:.1f} MFLOP/token; "
-          f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
+          f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f" (fp32 {peak_fp32/1e12:.3f})" if dtype != "fp32" else "")
+          + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
+    if "tendril_fp32" in names:
+        print("vs tendril_fp32 (median step): " + ", ".join(f"{n} {med['tendril_fp32']/med[n]:.2f}x" for n in names if n != "tendril_fp32"))
     result = dict(bench="model_step", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
                   shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden=768,
@@ -191,7 +202,8 @@ def main(argv=None):
                   ratio_vs_llama={n: round(v / tps["llama"], 3) for n, v in tps.items()},
                   mfu={n: round(v, 4) for n, v in mfu.items()},
                   mfu_datasheet={n: round(fpt * v / datasheet, 4) for n, v in tps.items()} if datasheet else None,
-                  matmul_peak_tflops=round(peak / 1e12, 4), flops_per_token=fpt,
+                  matmul_peak_tflops=round(peak / 1e12, 4), matmul_peak_fp32_tflops=round(peak_fp32 / 1e12, 4), flops_per_token=fpt,
+                  ratio_vs_tendril_fp32={n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()} if "tendril_fp32" in med else None,
                   peak_memory_mb={n: round(v, 1) for n, v in mem.items()},
                   first_loss=first, first_loss_max_diff=max(first.values()) - min(first.values()))
     print(json.dumps(result))

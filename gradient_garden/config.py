@@ -37,7 +37,7 @@ class RunConfig:
 class RuntimeConfig:
     "Where and how the computation runs."
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"   # auto: bf16 where the device has fast bf16 (engine.trainer)
     fsdp: bool = False
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes

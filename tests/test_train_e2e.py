@@ -33,6 +33,9 @@ def test_train_writes_the_run_directory(prepared, tmp_path):
     assert ckpts == ["step_0000004.pt", "step_0000008.pt"]
     snap = json.loads((run_dir/"snapshot.json").read_text())
     assert snap["config"]["training"]["max_steps"] == 8 and "workload" in snap and "versions" in snap
+    from gradient_garden.engine.trainer import resolve_precision   # the recipe's `auto`, resolved and explained
+    assert snap["precision"] == dict(zip(["requested", "used", "why"], ["auto", *resolve_precision(torch.device("cpu"), "auto")]))
+    assert snap["config"]["runtime"]["precision"] == snap["precision"]["used"]
     for p in run_dir.rglob("*"):
         if p.is_file() and p.suffix in (".json", ".jsonl", ".yaml", ".txt", ".ipynb"):
             assert "sekrit-wandb-key-123" not in p.read_text(errors="ignore"), p
@@ -52,8 +55,8 @@ def test_resume_is_exact(prepared, tmp_path):
 def test_compiled_blocks_train_like_eager(prepared, tmp_path):
     "`runtime.compile=true` (each block through torch.compile, the fused loss eager) follows the eager losses."
     eager, compiled = tmp_path/"eager", tmp_path/"compiled"
-    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, eager, steps=4))
-    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, compiled, steps=4), "runtime.compile=true")
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, eager, steps=4), "runtime.precision=fp32")
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, compiled, steps=4), "runtime.compile=true", "runtime.precision=fp32")
     a, b = losses(eager/"runs"/"pretraining"/"debug"), losses(compiled/"runs"/"pretraining"/"debug")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for s in a: assert abs(a[s] - b[s]) < 1e-4 * a[s], (s, a[s], b[s])

@@ -213,6 +213,9 @@ def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: in
     from gradient_garden.models.tendril import flops_per_token
     for name, v in (("--gpus-per-node", gpus_per_node), ("--nodes", nodes)):
         if v < 1: raise ConfigError(f"{name}: got {v}; must be >= 1")
+    if cfg.runtime.precision == "auto":  # what `auto` picks on the target: bf16 on these GPUs, the CPU's own answer
+        from gradient_garden.engine.trainer import resolve_precision
+        cfg = _with(cfg, runtime__precision="bf16" if gpu.lower() != "cpu" else resolve_precision(torch.device("cpu"), "auto")[0])
     dev = accelerator(gpu, cfg.runtime.precision)
     world = nodes * gpus_per_node
     grad_accum_steps(cfg, world)  # the batch must divide over the ranks

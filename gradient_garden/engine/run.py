@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
 from .distributed import DistEnv, init_distributed, parallelize, barrier, broadcast_object, all_reduce
-from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
+from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload, resolve_precision
 from .plan import check_fit
 
 # %% auto #0
@@ -227,7 +227,6 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
         e = ConfigError(err); e.same_on_every_rank = True; raise e
     return lock
 
-
 # %% ../../nbs/25_run.ipynb #44b58757
 def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
                  reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
@@ -236,6 +235,9 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
     load_dotenv()
     env = init_distributed(cfg.runtime)
+    requested = cfg.runtime.precision
+    cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
+    if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
     try: validate(cfg, env.world_size)
     except ConfigError as e: e.same_on_every_rank = True; raise
     tokenizer = init_tokenizer(cfg.tokenizer)
@@ -252,10 +254,12 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
     lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
-    try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks)
+    precision = dict(requested=requested, used=cfg.runtime.precision, why=why)
+    try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks, precision)
     finally: lock.release()
 
-def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks) -> dict:
+def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks,
+           precision: dict) -> dict:
     "Build the model, stage and trainer, write config and snapshot, and fit."
     ckpt = box.pop()
     model = build_run_model(cfg, env, ckpt)
@@ -272,6 +276,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     if env.is_main:
         save_config(cfg, trainer.run_dir/"config.yaml")
         write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.world_size),
+                                                       precision=precision,
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()
     with StopRequest() as stop:

@@ -150,6 +150,9 @@ class KVCache:
 # %% ../../nbs/10_attention.ipynb #132ca764
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, S, d]`; causal when `mask` is None and T > 1."
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled():   # faster in fp32 there
+        fmask = mask.float() if mask is not None and mask.is_floating_point() else mask
+        return sdpa_gqa(q.float(), k.float(), v.float(), fmask).to(q.dtype)
     B, H, T, d = q.shape
     n_rep = H // k.shape[1]
     if T == 1 and n_rep > 1:
