@@ -178,7 +178,7 @@ class CheckpointingConfig:
     keep_last: int = 2
     keep_best: bool = True
     save_final: bool = True
-    format: Literal["full", "sharded"] = "full"  # one gathered .pt file, or a directory of per-rank shards (dcp)
+    format: Literal["auto", "full", "sharded"] = "auto"  # auto: sharded on several ranks (or async_save), one .pt file on one process
     async_save: bool = False  # sharded only: write in the background while training continues
 
 # %% ../nbs/00_config.ipynb #2d1bef24
@@ -469,7 +469,9 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
         raise ConfigError(f"runtime.{'replicate' if r.replicate else 'shard'}: got {r.replicate or r.shard}; mesh degrees need runtime.fsdp: true (DDP replicates everywhere)")
     if r.fsdp and world_size > 1 and r.replicate and r.shard and r.replicate * r.shard != world_size:
         raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
-    if cfg.checkpointing.async_save and cfg.checkpointing.format != "sharded":
+    c = cfg.checkpointing  # "auto" is settled here, where the world size is known
+    if c.format == "auto": c.format = "sharded" if world_size > 1 or c.async_save else "full"
+    if c.async_save and c.format != "sharded":
         raise ConfigError("checkpointing.async_save: got true; asynchronous saves need checkpointing.format: sharded")
     if cfg.distillation.enabled and not cfg.distillation.teacher:
         raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when distillation.enabled is true")

@@ -93,7 +93,12 @@ def _model_device(model: nn.Module) -> torch.device:
     "The device of the model's parameters."
     return next(model.parameters()).device
 
-@torch.inference_mode()
+def _no_grad_mode(model: nn.Module):
+    "`inference_mode`, or `no_grad` for FSDP2 (DTensor) parameters, whose lazily made buffers training must update later."
+    DTensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
+    sharded = DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters())
+    return torch.no_grad() if sharded else torch.inference_mode()
+
 def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop_ids,
                     use_kv_cache, pad_id, generator) -> list[list[int]]:
     "Decode one batch of prompts together (left padding); new tokens per prompt, cut at the first stop token."
@@ -164,7 +169,7 @@ def generate(model: nn.Module, tokenizer, prompts: list[list[int]], max_new_toke
     bs = batch_size or len(prompts)
     out: list = [None] * len(prompts)
     cpu = _model_device(model).type == "cpu"
-    with hold_fused_weights(model, max_bytes=HOLD_MAX_BYTES) if cpu else nullcontext():
+    with _no_grad_mode(model), hold_fused_weights(model, max_bytes=HOLD_MAX_BYTES) if cpu else nullcontext():
         for s in range(0, len(order), bs):
             idx = order[s:s + bs]
             batch = [list(prompts[i]) for i in idx]

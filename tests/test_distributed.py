@@ -67,13 +67,13 @@ def muon_runs(prepared, tmp_path_factory):
     accumulation: 4 micro-steps in one process, 2 per rank, so the 2-rank all-reduce sums the micro-batch gradients
     in another order than one process does. On CPU Newton-Schulz runs in fp32 (`ns_dtype: auto`), which keeps those
     one-ulp differences one-ulp (bf16 would magnify them to ~1e-5 in the loss). The FSDP2 run checkpoints at step 10
-    for the resume test."""
+    for the resume test, as one gathered file (`checkpointing.format: full`; `auto` would shard on 2 ranks)."""
     base = tmp_path_factory.mktemp("muon")
     extra = {"optimizers.muon.enabled": "true"}
     run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"one", **extra))
     torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"ddp", **extra))
     torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"fsdp2", **extra, **{
-        "runtime.fsdp": "true", "checkpointing.every": 10, "checkpointing.keep_last": 3}))
+        "runtime.fsdp": "true", "checkpointing.every": 10, "checkpointing.keep_last": 3, "checkpointing.format": "full"}))
     return dict(base=base, extra=extra)
 
 def test_muon_ddp_and_fsdp2_match_one_process(muon_runs):
@@ -82,6 +82,7 @@ def test_muon_ddp_and_fsdp2_match_one_process(muon_runs):
 
 def test_fsdp2_checkpoint_is_full_state(muon_runs):
     ckpt = torch.load(run_dir(muon_runs["base"]/"fsdp2")/"checkpoints"/"step_0000010.pt", weights_only=True)
+    assert ckpt["config"]["checkpointing"]["format"] == "full"                  # asked for explicitly: 2 ranks default to sharded
     assert ckpt["model"]["tok_embeddings.weight"].shape == (4096, 64)        # whole tensors, not rank shards
     assert ckpt["model"]["layers.0.attention.wq.weight"].shape == (64, 64)
     state = ckpt["optimizers"]["state"]                                          # optimizer state keyed by name

@@ -1,6 +1,7 @@
 """HSDP on 4 gloo ranks as a 2 x 2 mesh (replicate x shard), through the real trainer: the parameters are DTensors on a
 2-D mesh, sharded over `shard` and replicated over `replicate`; per-step losses of 10 steps equal one process with the
-same global batch within 1e-5 relative with AdamW and with Muon; MoE and LoRA train on it; evals and samples run on
+same global batch within 1e-5 relative with AdamW and with Muon; MoE and LoRA train on it, and so do DPO (precomputed
+reference) and distillation (teacher); evals and samples run on
 it; and a 2 x 2 sharded checkpoint resumes on 2 x 2 (bit for bit) and on 1 rank. The runs are shared with
 `test_sharded_checkpoints.py` (`trainer_worlds.py`: one 4-rank world holds all of them)."""
 import json
@@ -29,6 +30,13 @@ def test_hsdp_matches_one_process(runs, one, hsdp):
 
 def test_moe_and_lora_on_the_mesh(runs):
     for name in ("moe", "lora"): assert_close(losses(runs/f"one_{name}"), losses(runs/f"hsdp_{name}"), range(1, 5))
+
+@pytest.mark.parametrize("name, stage", [("dpo", "dpo"), ("distill", "instruct")])
+def test_dpo_and_distillation_on_the_mesh(runs, name, stage):
+    "DPO (its reference log-probs computed on the mesh) and distillation (a frozen teacher on every rank), 4 steps."
+    one, hsdp = losses(runs/f"one_{name}", stage), losses(runs/f"hsdp_{name}", stage)
+    assert sorted(hsdp) == [1, 2, 3, 4]
+    assert_close(one, hsdp, range(1, 5))
 
 def test_evals_and_samples_on_the_mesh(runs):
     d = run_dir(runs/"hsdp")

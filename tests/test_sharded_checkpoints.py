@@ -2,7 +2,7 @@
 number of ranks (2->1, 1->2, 2->4, 4->2) takes the uninterrupted run's next losses (the global batch is the same on
 every world size), on the same number exactly; an asynchronous save resumes like a synchronous one; a writer killed
 in the middle of a sharded or an asynchronous save leaves the previous checkpoint the latest; and `gg generate` /
-`gg export` read a sharded checkpoint in one process."""
+`gg export` read a sharded checkpoint in one process; an SFT run saved on 2 ranks resumes on 1."""
 import json, os, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest
@@ -37,6 +37,15 @@ def test_every_world_size_resumes_with_the_same_losses(runs):
     same = losses(runs/"two_two")                                    # 2 -> 2: bit for bit
     assert sorted(same) == list(range(5, STEPS + 1)) and all(same[s] == two[s] for s in same), (same, two)
 
+def test_sft_resumes_on_another_number_of_ranks(runs):
+    "An SFT run saved on 2 ranks continues on 1 process with the uninterrupted run's losses (the loaders' stream)."
+    one, two, resumed = (losses(runs/n, "instruct") for n in ("one_sft", "two_sft", "two_one_sft"))
+    assert_close(one, two, range(1, 5))                      # packed SFT on 2 ranks = 1 process, same global batch
+    meta = load_checkpoint(ckpts(runs/"two_sft", "instruct")/"step_0000002", weights=False)
+    assert meta["world_size"] == 2 and {l["world_size"] for l in meta["loaders"]} == {2}
+    assert sorted(resumed) == [3, 4]
+    assert_close(two, resumed, [3, 4])                       # 2 -> 1, no --reset-loader
+
 def test_sharded_layout_and_meta(runs):
     d = ckpts(runs/"two")
     assert [p.name for p in list_checkpoints(d)] == [f"step_{s:07d}" for s in range(2, STEPS + 1, 2)]
@@ -56,7 +65,7 @@ def test_sharded_layout_and_meta(runs):
     four = load_checkpoint(ckpts(runs/"two_four")/"step_0000006", weights=False)
     assert (four["world_size"], len(four["loaders"])) == (4, 4)
 
-def test_generate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
+def test_generate_evaluate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
     ck = ckpts(runs/"two")/f"step_{STEPS:07d}"
     (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
     r = run_gg("generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "4", "--device", "cpu",
@@ -67,6 +76,10 @@ def test_generate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path/"hf")
     full = load_checkpoint(ck, optimizers=False)["model"]
     torch.testing.assert_close(hf.model.embed_tokens.weight, full["tok_embeddings.weight"])
+    r = run_gg("evaluate", "--checkpoint", ckpts(runs/"two").parent, "--validation", "--validation-steps", "1",  # a run dir:
+               "--device", "cpu", "--output-file-name", tmp_path/"res.json", env={"WORLD_SIZE": None, "RANK": None})
+    val = json.loads((tmp_path/"res.json").read_text())["validation"]
+    assert val["tokens"] == 256 and val["loss"] < 8.0, val  # the trained weights: a fresh model scores ~ln(4096) = 8.3
 
 WRITER = textwrap.dedent("""
     import sys, time, torch

@@ -49,8 +49,9 @@ def signalled_then_resumed(prepared, out, start, pick_pid, sig, launcher):
     assert proc.returncode != 0 and "Traceback" not in stderr.split("stopped by")[0], stderr[-3000:]
     line = next(l for l in stderr.splitlines() if l.startswith("stopped by"))
     step = int(line.split(" at step ")[1].split(":")[0])
+    layout = ".pt" if launcher == GG else ""  # checkpointing.format: auto — one file on one process, shards on several
     assert line == (f"stopped by {signal.Signals(sig).name} at step {step}: checkpoint "
-                    f"{run_dir(out)/'checkpoints'/f'step_{step:07d}.pt'}; resume with --checkpoint {run_dir(out)}"), line
+                    f"{run_dir(out)/'checkpoints'/f'step_{step:07d}{layout}'}; resume with --checkpoint {run_dir(out)}"), line
     assert 3 <= step < STEPS, step
     assert f"{start}: stopped by {signal.Signals(sig).name}" in stdout  # the summary table says so too
     r = subprocess.run(launcher + ["train", "--recipe", RECIPE, "--checkpoint", run_dir(out), "--set", *sets(prepared, out)],

@@ -1,7 +1,8 @@
 """The trainer runs that `test_sharded_checkpoints.py` and `test_hsdp.py` check, made once per session: every spawned
 gloo world runs several jobs in turn (all ranks take part in each), so the whole matrix — resharding 1/2/4 ranks,
-HSDP 2 x 2 parity and resume — costs three spawned worlds. A job is `(name, overrides, checkpoint)`."""
-import json
+HSDP 2 x 2 parity and resume, DPO and distillation on 2 x 2, SFT resharded 2 -> 1 — costs three spawned worlds. A job
+is `(name, overrides, checkpoint)`."""
+import json, shutil
 from pathlib import Path
 from conftest import ROOT
 from gloo_ranks import run_ranks
@@ -26,13 +27,31 @@ def sets(prepared, out: Path, **extra) -> list[str]:
          "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu", "runtime.precision": "fp32", **extra}
     return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
 
-def run_dir(out: Path) -> Path: return out/"runs"/"pretraining"/"debug"
-def ckpts(out: Path) -> Path: return run_dir(out)/"checkpoints"
+def run_dir(out: Path, stage: str = "pretraining") -> Path: return out/"runs"/stage/"debug"
+def ckpts(out: Path, stage: str = "pretraining") -> Path: return run_dir(out, stage)/"checkpoints"
 
-def losses(out: Path) -> dict:
+def losses(out: Path, stage: str = "pretraining") -> dict:
     "step -> training loss of the run under `out`."
-    recs = [json.loads(l) for l in (run_dir(out)/"metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(l) for l in (run_dir(out, stage)/"metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+def post_training_inputs(prepared, base: Path) -> dict:
+    """Short verifiable chats and preference pairs prepared with the session's tokenizer (64-token context), and a tiny
+    random Llama teacher with the same vocabulary; returns the overrides that point the post-training runs at them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+    from gradient_garden.config import load_config
+    from gradient_garden.tasks.dpo import prepare_dpo
+    from gradient_garden.tasks.sft import prepare_instruct
+    cfg, _ = load_config(recipe=RECIPE, overrides=sets(prepared, base/"unused"))
+    src = {"type": "verifiable", "train": 160, "val": 16, "max_turns": 1, "seed": 0}
+    prepare_instruct({"sources": [src]}, cfg, base/"datasets"/"instruct", progress=False)
+    prepare_dpo({"sources": [{"type": "verifiable", "train": 160, "val": 16, "seed": 1}]}, cfg, base/"datasets"/"dpo", progress=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=cfg.model.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(base/"teacher")
+    shutil.copytree(cfg.tokenizer.path, base/"teacher", dirs_exist_ok=True)  # it shares the student's tokenizer
+    return {"paths.datasets": base/"datasets", "distillation.teacher": base/"teacher"}
 
 def train(overrides: list[str], checkpoint=None, world: int = 1):
     "One run of the trainer in this process (or on this rank of a spawned world)."
@@ -75,9 +94,15 @@ def all_runs(prepared, tmp_path_factory) -> Path:
     train(S("one_muon", **MUON, **{"checkpointing.every": 0}))
     train(S("one_moe", **MOE, **{"checkpointing.every": 0}))
     train(S("one_lora", **LORA, **{"checkpointing.every": 0}))
+    post = post_training_inputs(prepared, base/"post")
+    DPO = {**post, "training.stage": "dpo", "training.max_steps": 4, "checkpointing.every": 0, "validation.every": 2}
+    SFT = {**post, "training.stage": "instruct", "training.max_steps": 4, "validation.every": 2}
+    DISTILL = {**SFT, "distillation.enabled": "true", "checkpointing.every": 0}
+    train(S("one_dpo", **DPO)); train(S("one_distill", **DISTILL)); train(S("one_sft", **SFT))
     run_ranks(_world, 2, base/"init2", [
         ("two", S("two", **FSDP, **{"checkpointing.async_save": "true"}), None),   # 2 ranks, background saves
-        ("one_two", S("one_two", **FSDP), c("one", 2))])                            # 1 -> 2
+        ("one_two", S("one_two", **FSDP), c("one", 2)),                             # 1 -> 2
+        ("two_sft", S("two_sft", **FSDP, **SFT), None)])                           # SFT on 2 ranks, for 2 -> 1
     run_ranks(_world, 4, base/"init4", [
         ("probe", base/"mesh.json"),
         ("two_four", S("two_four", **FSDP), c("two", 4)),                           # 2 -> 4
@@ -85,11 +110,14 @@ def all_runs(prepared, tmp_path_factory) -> Path:
         ("hsdp_hsdp", S("hsdp_hsdp", **HSDP), c("hsdp", 4)),                        # 2 x 2 -> 2 x 2
         ("hsdp_muon", S("hsdp_muon", **HSDP, **MUON, **{"checkpointing.every": 0}), None),
         ("hsdp_moe", S("hsdp_moe", **HSDP, **MOE, **{"checkpointing.every": 0}), None),
-        ("hsdp_lora", S("hsdp_lora", **HSDP, **LORA, **{"checkpointing.every": 0}), None)])
+        ("hsdp_lora", S("hsdp_lora", **HSDP, **LORA, **{"checkpointing.every": 0}), None),
+        ("hsdp_dpo", S("hsdp_dpo", **HSDP, **DPO), None),                           # precomputed reference on 2 x 2
+        ("hsdp_distill", S("hsdp_distill", **HSDP, **DISTILL), None)])              # a replicated frozen teacher
     run_ranks(_world, 2, base/"init2b", [
         ("four_two", S("four_two", **FSDP), c("two_four", 6)),                      # 4 -> 2
         ("two_two", S("two_two", **FSDP), c("two", 4))])                            # 2 -> 2
     train(S("two_one"), c("two", 4))                                               # 2 -> 1
     train(S("hsdp_one"), c("hsdp", 4))                                             # 2 x 2 -> 1
+    train(S("two_one_sft", **SFT), ckpts(base/"two_sft", "instruct")/"step_0000002")  # SFT 2 -> 1
     _RUNS[key] = base
     return base

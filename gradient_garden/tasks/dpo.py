@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, DPOConfig, GlobalConfig
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
-from .sft import (open_split, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
+from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
                                        check_identity, _sources, run_prepare_stage, datasets_progress)
 from ..engine.run import StageParts, register_stage
 
@@ -243,7 +243,7 @@ class ModelReference:
 
 # %% ../../nbs/32_dpo.ipynb #8ab677de
 class DPOLoader:
-    "Batches of preference pairs for one rank (chosen and rejected stacked), with the reference attached; resumable."
+    "Batches of preference pairs for one rank (chosen and rejected stacked), with the reference attached; resumable on any number of ranks."
     def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True, reference=None, dataset: Optional[PairDataset] = None):
         self.data = dataset or PairDataset(data_dir, split)
@@ -255,22 +255,23 @@ class DPOLoader:
         if len(self.pairs) < world_size:
             raise ConfigError(f"training.seq_len: got {seq_len}; only {len(self.pairs)} {split} pairs fit (world size {world_size})")
         self.epoch, self.cursor = 0, 0
+        self._orders: dict = {}
 
     @property
     def tokenizer_identity(self) -> Optional[str]: return self.data.tokenizer_identity
 
     def _order_for(self, epoch: int, shuffle: bool) -> np.ndarray:
-        pairs = np.random.default_rng([self.seed, epoch]).permutation(self.pairs) if shuffle else self.pairs
-        return pairs[self.rank::self.world_size]
+        "All pairs in the order of `epoch` (every rank computes the same; the current epoch cached)."
+        if (epoch, shuffle) not in self._orders:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.pairs) if shuffle else self.pairs
+            self._orders = {k: v for k, v in self._orders.items() if k[1] != shuffle} | {(epoch, shuffle): order}
+        return self._orders[(epoch, shuffle)]
 
     def _take(self, epoch: int, cursor: int, shuffle: bool):
-        idx = []
-        while len(idx) < self.batch_size:
-            order = self._order_for(epoch, shuffle)
-            take = order[cursor:cursor + self.batch_size - len(idx)]
-            idx += take.tolist(); cursor += len(take)
-            if cursor >= len(order): epoch, cursor = epoch + 1, 0
-        b = collate_pairs(self.data, np.asarray(idx), self.pad_id, self.seq_len)
+        "This rank's pairs of the round starting at (epoch, cursor): every `world_size`-th of the next ones."
+        mine, epoch, cursor = stream_positions(epoch, cursor, self.batch_size, self.rank, self.world_size, lambda e: len(self.pairs))
+        idx = np.asarray([self._order_for(e, shuffle)[c] for e, c in mine])
+        b = collate_pairs(self.data, idx, self.pad_id, self.seq_len)
         return (self.reference.attach(b, self.split) if self.reference is not None else b), epoch, cursor
 
     def next_batch(self) -> dict:
@@ -279,7 +280,7 @@ class DPOLoader:
         return b
 
     def fixed_batches(self, n: int) -> list[dict]:
-        "`n` batches from the start of this rank's unshuffled share, the same at every call (validation)."
+        "`n` batches of this rank from the start of the unshuffled stream, the same at every call (validation)."
         out, epoch, cursor = [], 0, 0
         for _ in range(n):
             b, epoch, cursor = self._take(epoch, cursor, False)
@@ -287,18 +288,14 @@ class DPOLoader:
         return out
 
     def state_dict(self) -> dict:
-        d = dict(kind="dpo", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed, rank=self.rank,
-                 world_size=self.world_size, seq_len=self.seq_len, n_pairs=len(self.pairs))
+        d = dict(kind="dpo", stream="global", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed,
+                 rank=self.rank, world_size=self.world_size, seq_len=self.seq_len, n_pairs=len(self.pairs))
         if self.reference is not None: d["reference"] = self.reference.state_dict()
         return d
 
     def load_state_dict(self, d: dict):
-        "Resume at the saved position (and with the saved reference)."
-        mine = self.state_dict()
-        for k in ("kind", "split", "seed", "world_size", "seq_len", "n_pairs"):
-            if d.get(k) != mine[k]:
-                raise ConfigError(f"loader state: {k} was {d.get(k)!r} when saved, is {mine[k]!r} now; "
-                                  "exact resume needs the same data and settings (or resume with --reset-loader)")
+        "Resume at the saved stream position, any world size (and with the saved reference)."
+        check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "seq_len", "n_pairs"))
         self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
         if self.reference is not None and d.get("reference"): self.reference.load_state_dict(d["reference"])
 

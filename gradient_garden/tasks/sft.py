@@ -22,8 +22,9 @@ from ..engine.run import StageParts, register_stage
 __all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'DEFAULT_INSTRUCT_SOURCES', 'check_messages', 'turn_cuts', 'tokenize_chat',
            'save_ragged', 'load_ragged', 'open_split', 'write_split', 'SFTDataset', 'check_source', 'load_rows',
            'datasets_progress', 'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'run_prepare_stage',
-           'run_prepare_instruct', 'collate_rows', 'pack_rows', 'SFTLoader', 'SFTTask', 'instruct_dir',
-           'check_identity', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
+           'run_prepare_instruct', 'collate_rows', 'pack_rows', 'stream_positions', 'SFTLoader', 'check_stream_state',
+           'SFTTask', 'instruct_dir', 'check_identity', 'build_instruct', 'prompt_ids', 'lockstep_generate',
+           'evaluate_exact_match']
 
 # %% ../../nbs/31_sft.ipynb #46a633bc
 IGNORE_INDEX = -100
@@ -282,8 +283,17 @@ def pack_rows(order: np.ndarray, n_positions: np.ndarray, capacity: int, window:
     return rows + [r[1] for r in open_rows]
 
 # %% ../../nbs/31_sft.ipynb #88510760
+def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int, epoch_len):
+    "This rank's `n` positions `(epoch, index)` of the next `n x world_size` stream items, and the position after them."
+    mine = []
+    for k in range(n * world_size):
+        if k % world_size == rank: mine.append((epoch, cursor))
+        cursor += 1
+        if cursor == epoch_len(epoch): epoch, cursor = epoch + 1, 0
+    return mine, epoch, cursor
+
 class SFTLoader:
-    "Batches of chats for one rank: packed with document masking, or padded; resumable."
+    "Batches of chats for one rank: packed with document masking, or padded; resumable on any number of ranks."
     def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, packing: bool = True, shuffle: bool = True, pack_window: int = 8):
         self.data = SFTDataset(data_dir, split)
@@ -303,12 +313,11 @@ class SFTLoader:
     def tokenizer_identity(self) -> Optional[str]: return self.data.tokenizer_identity
 
     def _order_for(self, epoch: int, shuffle: bool) -> np.ndarray:
-        "This rank's conversations in the order of `epoch`."
-        docs = np.random.default_rng([self.seed, epoch]).permutation(self.docs) if shuffle else self.docs
-        return docs[self.rank::self.world_size]
+        "All conversations in the order of `epoch` (every rank computes the same)."
+        return np.random.default_rng([self.seed, epoch]).permutation(self.docs) if shuffle else self.docs
 
     def _epoch_rows(self, epoch: int, shuffle: bool) -> list[list[int]]:
-        "This rank's rows of `epoch` (cached for the current epoch)."
+        "The rows of `epoch`, packed from the whole order (cached for the current epoch)."
         key = (epoch, shuffle)
         if key not in self._cache:
             order = self._order_for(epoch, shuffle)
@@ -317,13 +326,10 @@ class SFTLoader:
         return self._cache[key]
 
     def _rows(self, n_rows: int, epoch: int, cursor: int, shuffle: bool):
-        "Take `n_rows` rows starting at (epoch, cursor); returns rows of (ids, mask) and the new position."
-        rows = []
-        for _ in range(n_rows):
-            ids = self._epoch_rows(epoch, shuffle)
-            rows.append([self.data.example(i, int(self.lengths[i])) for i in ids[cursor]])
-            cursor += 1
-            if cursor == len(ids): epoch, cursor = epoch + 1, 0
+        "This rank's `n_rows` rows of the round starting at (epoch, cursor); rows of (ids, mask) and the new position."
+        mine, epoch, cursor = stream_positions(epoch, cursor, n_rows, self.rank, self.world_size,
+                                               lambda e: len(self._epoch_rows(e, shuffle)))
+        rows = [[self.data.example(i, int(self.lengths[i])) for i in self._epoch_rows(e, shuffle)[c]] for e, c in mine]
         return rows, epoch, cursor
 
     def next_batch(self) -> dict:
@@ -332,7 +338,7 @@ class SFTLoader:
         return collate_rows(rows, self.seq_len, self.pad_id, self.packing)
 
     def fixed_batches(self, n: int) -> list[dict]:
-        "`n` batches from the start of this rank's unshuffled share, identical at every call (validation)."
+        "`n` batches of this rank from the start of the unshuffled stream, identical at every call (validation)."
         out, epoch, cursor = [], 0, 0
         for _ in range(n):
             rows, epoch, cursor = self._rows(self.batch_size, epoch, cursor, False)
@@ -340,17 +346,24 @@ class SFTLoader:
         return out
 
     def state_dict(self) -> dict:
-        return dict(kind="sft", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed, rank=self.rank,
-                    world_size=self.world_size, packing=self.packing, pack_window=self.pack_window, seq_len=self.seq_len,
-                    n_docs=len(self.docs))
+        return dict(kind="sft", stream="global", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed,
+                    rank=self.rank, world_size=self.world_size, packing=self.packing, pack_window=self.pack_window,
+                    seq_len=self.seq_len, n_docs=len(self.docs))
 
     def load_state_dict(self, d: dict):
-        "Resume at the saved position; refuse a state from different data, sequence length, packing or world size."
-        for k in ("kind", "split", "seed", "world_size", "packing", "pack_window", "seq_len", "n_docs"):
-            if d.get(k) != self.state_dict()[k]:
-                raise ConfigError(f"loader state: {k} was {d.get(k)!r} when saved, is {self.state_dict()[k]!r} now; "
-                                  "exact resume needs the same data and settings (or resume with --reset-loader)")
+        "Resume at the saved stream position (any world size); refuse a state from different data, length or packing."
+        check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "packing", "pack_window", "seq_len", "n_docs"))
         self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
+
+def check_stream_state(saved: dict, mine: dict, keys):
+    "One clear line when a saved loader state cannot continue this loader's stream."
+    if saved.get("stream") != "global" and saved.get("world_size", 1) != 1:
+        raise ConfigError(f"loader state: written by the per-rank {saved.get('kind')} loader of older versions on "
+                          f"{saved.get('world_size')} ranks, whose order cannot be continued; resume with --reset-loader")
+    for k in keys:
+        if saved.get(k) != mine[k]:
+            raise ConfigError(f"loader state: {k} was {saved.get(k)!r} when saved, is {mine[k]!r} now; "
+                              "exact resume needs the same data and settings (or resume with --reset-loader)")
 
 # %% ../../nbs/31_sft.ipynb #be3ea24d
 class SFTTask(CausalLMTask):
