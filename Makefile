@@ -1,13 +1,15 @@
 # Gradient Garden — two commands for a fresh machine:
 #   make run    install, prepare the embedded default corpus and train the debug recipe (CPU, minutes)
-#   make test   install with dev extras, check notebooks are clean and exported, run nbdev-test and pytest
+#   make test   install with dev extras, check notebooks are clean and exported, run them (their committed outputs
+#               must match a fresh run) and pytest
+#   make book   run every notebook and keep its outputs, so the notebooks read as a book without running them
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 RECIPE ?= recipes/pretraining/debug.yaml
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev run test check-clean nbtest pytest export clean-nbs
+.PHONY: install install-dev run test check-clean nbtest book pytest export clean-nbs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,7 +45,12 @@ check-clean:
 
 nbtest: export OMP_NUM_THREADS=1
 nbtest:
-	$(BIN)/nbdev-test --n-workers 2 --timing
+	bash tools/nbtest.sh $(BIN)
+
+book: export OMP_NUM_THREADS=1
+book:
+	$(BIN)/nbdev-test --n-workers 2 --timing --save
+	$(BIN)/nbdev-clean
 
 pytest: export OMP_NUM_THREADS=1
 pytest:
