@@ -41,6 +41,11 @@ def losses(runs: Path) -> dict:
     recs = [json.loads(l) for l in (runs/"pretraining"/"tendril-124m"/"metrics.jsonl").read_text().splitlines() if l.strip()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
+def step_checkpoint(ckpt_dir: Path, step: int) -> Path:
+    "The checkpoint of `step` in either layout: `step_N.pt` (one process) or the sharded `step_N/` (several ranks)."
+    (found,) = [p for p in ckpt_dir.glob(f"step_{step:07d}*") if p.suffix == ".pt" or p.is_dir()]
+    return found
+
 def hf_logits_match(ckpt: Path, out: Path) -> float:
     "Export `ckpt` with `gg export` and return the max |logit difference| between the HF model and ours."
     import torch
@@ -65,7 +70,7 @@ def main(argv=None) -> dict:
     res["peak_rss_largest_rank_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     full = losses(work/"full")
     ckpt_dir = work/"full"/"pretraining"/"tendril-124m"/"checkpoints"
-    mid = ckpt_dir/"step_0000002.pt"
+    mid = step_checkpoint(ckpt_dir, 2)   # sharded: 2 ranks write their own shards, resumed on 2 and on 1
     res["resume_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *overrides(work, work/"r2")])
     res["resume_1rank_s"], _ = run([*GG, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *overrides(work, work/"r1")])
     r2, r1 = losses(work/"r2"), losses(work/"r1")
@@ -73,7 +78,7 @@ def main(argv=None) -> dict:
     res["resume_2ranks_equal"] = sorted(r2) == [3, 4] and all(r2[s] == full[s] for s in r2)
     res["resume_1rank_max_rel"] = max(abs(r1[s] - full[s]) / abs(full[s]) for s in (3, 4))
     t0 = time.perf_counter()
-    res["hf_max_abs_logit_diff"] = hf_logits_match(ckpt_dir/f"step_{STEPS:07d}.pt", work/"hf")
+    res["hf_max_abs_logit_diff"] = hf_logits_match(step_checkpoint(ckpt_dir, STEPS), work/"hf")
     res["export_s"] = time.perf_counter() - t0
     sys.path.insert(0, str(ROOT))
     from gradient_garden.config import load_config
