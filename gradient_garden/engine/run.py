@@ -230,6 +230,7 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
     return lock
 
 # %% ../../nbs/25_run.ipynb #44b58757
+# the run's order in one place: inputs, checks, the run directory's lock, then the build and fit in `_train`
 def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> tuple:
     "The tokenizer and the checkpoint's meta (or None), checked against `cfg` before anything is allocated."
     from gradient_garden.tokenizer import init_tokenizer

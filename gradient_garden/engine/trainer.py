@@ -651,6 +651,7 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
 
 # %% ../../nbs/24_trainer.ipynb #8251b0d9
+# one reading of the loop top to bottom; each step's work is a named, checked method above
 @patch
 def fit(self: Trainer) -> dict:
     "Train to `training.max_steps` (or early stop, or a stop request); log, validate, sample, evaluate, checkpoint, summarise."
