@@ -9,8 +9,12 @@ measured matmul peak (and the datasheet peak on GPU).
     python bench/generate.py --dtype bf16                     # CPU bf16 weights, with an fp32 Tendril beside them
     python bench/generate.py --device cuda --dtype bf16 --batch-size 32
 
-With `--dtype bf16`, `tendril_fp32` (the same weights in fp32) decodes beside the others: the bf16 speed-up over it
-and how many greedy tokens bf16 decoding shares with fp32 decoding are reported.
+With `--dtype bf16`, Tendril decodes its fp32 weights under `torch.autocast(bf16)` (bf16 matmuls on held bf16 weight
+copies, fp32 residual stream, fp32 attention on CPU, bf16 KV cache, the head's top logits re-scored in fp32), and
+`tendril_fp32` (the same weights, no autocast) decodes beside the others; transformers' model is cast to bf16. The
+bf16 speed-up over fp32 and two agreements with fp32 greedy decoding are reported: free-running (position by
+position over the 64 new tokens of every row: once a row differs, its later tokens count as misses) and
+teacher-forced (top-1 of bf16 vs fp32 on the fp32 greedy sequence, each position with the fp32 prefix).
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -42,6 +46,24 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None, help="decode a trained checkpoint's model instead of random weights")
     return p.parse_args(argv)
 
+def teacher_forced_agreement(model, prompts, greedy, low) -> float:
+    "Share of positions where the top-1 token under `low` (autocast) equals fp32's, on the fp32 greedy sequences."
+    from gradient_garden.models.tendril import rescore_top_logits
+    hits = total = 0
+    with torch.inference_mode():
+        for p, g in zip(prompts, greedy):
+            seq = torch.tensor([p + g], device=next(model.parameters()).device)
+            want = model(seq)[0, len(p) - 1:-1].argmax(-1)
+            normed = {}
+            hook = model.norm.register_forward_hook(lambda m, i, o: normed.setdefault("h", o))
+            try:
+                with low: logits = model(seq)
+            finally: hook.remove()
+            if low.fast_dtype != torch.float32 and torch.is_tensor(normed.get("h")):   # as decoding does: top logits in fp32
+                logits = rescore_top_logits(logits, normed["h"], model.output.weight)
+            hits += (logits[0, len(p) - 1:-1].argmax(-1) == want).sum().item(); total += len(g)
+    return hits / total
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads: torch.set_num_threads(args.threads)
@@ -56,8 +78,9 @@ def main(argv=None):
         model, run_cfg = load_model_from_checkpoint(args.checkpoint)
         cfg = run_cfg.model
     hf = to_hf_model(model).to(args.device, DTYPES[dtype]).eval()
-    model_fp32 = copy.deepcopy(model).to(args.device) if dtype != "fp32" else None
-    model = model.to(args.device, DTYPES[dtype])
+    model = model.to(args.device)
+    model_fp32 = (copy.deepcopy(model) if args.compile else model) if dtype != "fp32" else None   # fp32, no autocast
+    low = torch.autocast(dev_type, dtype=DTYPES[dtype], enabled=dtype != "fp32")
     hf.generation_config.pad_token_id = 0
     hf.generation_config.eos_token_id = None
     hf.generation_config.bos_token_id = None
@@ -76,7 +99,7 @@ def main(argv=None):
     if args.compile: fwd_model.forward = torch.compile(model.forward, dynamic=True)
 
     def ours(cache=True):
-        return generate(fwd_model, None, prompts, max_new_tokens=n_new, stop_ids=[], use_kv_cache=cache)
+        with low: return generate(fwd_model, None, prompts, max_new_tokens=n_new, stop_ids=[], use_kv_cache=cache)
     def theirs():
         with torch.inference_mode():
             out = hf.generate(input_ids=ids, attention_mask=am, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
@@ -90,6 +113,7 @@ def main(argv=None):
     agreement = lambda a, b: sum(s == t for x, y in zip(outputs[a], outputs[b]) for s, t in zip(x, y)) / (args.batch_size * n_new)
     agree = agreement("tendril", "hf")
     agree_fp32 = agreement("tendril", "tendril_fp32") if model_fp32 is not None else None
+    forced_fp32 = teacher_forced_agreement(model, prompts, outputs["tendril_fp32"], low) if model_fp32 is not None else None
 
     names = list(runs)
     times, cpu_times = {n: [] for n in names}, {n: [] for n in names}
@@ -117,7 +141,8 @@ def main(argv=None):
     print("fastest batch (a quiet-machine estimate): " + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['hf'])/min(v):.2f}x)" for n, v in times.items()))
     print(f"prompts {lens}, {n_new} new tokens each; greedy tokens agreeing with transformers: {agree:.1%}")
     if agree_fp32 is not None:
-        print(f"{dtype} vs fp32 Tendril: {med['tendril_fp32']/med['tendril']:.2f}x faster (median); greedy tokens agreeing: {agree_fp32:.1%}")
+        print(f"{dtype} vs fp32 Tendril: {med['tendril_fp32']/med['tendril']:.2f}x faster (median), {cpu_med['tendril_fp32']/cpu_med['tendril']:.2f}x "
+              f"(CPU time); greedy tokens agreeing: {agree_fp32:.1%} free-running, {forced_fp32:.1%} teacher-forced")
     result = dict(bench="generate", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile, checkpoint=args.checkpoint,
                   batch_size=args.batch_size, prompt_lens=lens, new_tokens=n_new, rounds=args.rounds,
@@ -130,6 +155,8 @@ def main(argv=None):
                   ratio_vs_hf_cpu_time={n: round(cpu_med["hf"] / v, 3) for n, v in cpu_med.items()},
                   token_agreement=round(agree, 4), mfu={n: round(v, 5) for n, v in mfu.items()},
                   token_agreement_vs_fp32=round(agree_fp32, 4) if agree_fp32 is not None else None,
+                  teacher_forced_agreement_vs_fp32=round(forced_fp32, 4) if forced_fp32 is not None else None,
+                  ratio_vs_tendril_fp32_cpu_time={n: round(cpu_med["tendril_fp32"] / v, 3) for n, v in cpu_med.items()} if model_fp32 is not None else None,
                   ratio_vs_tendril_fp32={n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()} if model_fp32 is not None else None,
                   mfu_datasheet={n: round(fwd_flops * v / datasheet, 5) for n, v in tps.items()} if datasheet else None,
                   matmul_peak_tflops=round(peak / 1e12, 4))

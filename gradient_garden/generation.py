@@ -12,7 +12,7 @@ import argparse, inspect, json, warnings
 from pathlib import Path
 import torch
 import torch.nn as nn
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from .config import ConfigError, read_data_file
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
@@ -22,8 +22,8 @@ from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms
 
 # %% auto #0
 __all__ = ['HOLD_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next', 'decode_step_applies',
-           'decode_step', 'generate', 'encode_prompts', 'generate_text', 'default_test_prompts', 'load_prompts',
-           'resolve_device', 'add_generate_args', 'run_generate']
+           'decode_step', 'hold_decode_weights', 'generate', 'encode_prompts', 'generate_text', 'default_test_prompts',
+           'load_prompts', 'resolve_device', 'add_generate_args', 'run_generate']
 
 # %% ../nbs/14_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -47,19 +47,33 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 # %% ../nbs/14_generation.ipynb #595c245d
+def _held(m: nn.Module) -> torch.Tensor | None:
+    "The weight copy `m` holds for decoding (fused, or in the autocast dtype), if any."
+    return m.__dict__.get("_held_weight")
+
 def decode_step_applies(model: nn.Module) -> bool:
-    "True when `decode_step` reproduces `model.forward`: a plain dense Tendril holding fused weights, no hooks or autocast."
+    "True when `decode_step` reproduces `model.forward`: a plain dense Tendril holding its decoding weights, no hooks."
     if not isinstance(model, Tendril) or type(model).forward is not Tendril.forward or "forward" in model.__dict__: return False
-    if torch.is_autocast_enabled(model.rope_cos.device.type) or nn.modules.module._global_forward_hooks \
-            or nn.modules.module._global_forward_pre_hooks: return False
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks: return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()): return False
     if type(model.tok_embeddings) is not nn.Embedding or type(model.norm) is not RMSNorm: return False
+    dev = model.rope_cos.device.type
+    low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None   # autocast: every matmul weight held in it
     for b in model.layers:
         parts_plain = (type(b) is TransformerBlock and type(b.attention) is Attention and type(b.feed_forward) is FeedForward
                        and type(b.attention_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm)
         if not parts_plain or not (plain_linear(b.attention.wo) and plain_linear(b.feed_forward.w2)): return False
-        if b.attention.__dict__.get("_held_weight") is None or b.feed_forward.__dict__.get("_held_weight") is None: return False
+        if _held(b.attention) is None or _held(b.feed_forward) is None: return False
+        if low is not None and any(_held(m) is None or _held(m).dtype != low
+                                   for m in (b.attention, b.feed_forward, b.attention.wo, b.feed_forward.w2)): return False
     return True
+
+
+# %% ../nbs/14_generation.ipynb #4f6dcbc1
+def _linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
+    "`x @ W.T` with `weight`, else the weight `m` holds, else `m.weight`; `x` cast to the weight's dtype."
+    w = weight if weight is not None else _held(m) if _held(m) is not None else m.weight
+    return F.linear(x.to(w.dtype), w)
 
 def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
                 pad_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,21 +84,21 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
     else:
         pos = pad_mask.sum(-1, keepdim=True) - 1                     # positions count real tokens only
         cos, sin = model.rope_cos[pos].unsqueeze(2), model.rope_sin[pos].unsqueeze(2)
-    h = F.embedding(tokens, model.tok_embeddings.weight)
+    h = F.embedding(tokens, model.tok_embeddings.weight)          # the residual stream stays in the weights' dtype
     if pad_mask is not None:
         mask = additive_mask(pad_mask[:, None, None, :], h.dtype)
     for layer in model.layers:
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
-        qkv = F.linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att._held_weight)
-        qkv = qkv.view(B, 1, H + 2 * KV, d)
+        qkv = _linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att).view(B, 1, H + 2 * KV, d)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
         k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
         out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)
-        h = h + F.linear(out.transpose(1, 2).reshape(B, 1, H * d), att.wo.weight)
-        gate, up = F.linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff._held_weight).chunk(2, -1)
-        h = h + F.linear(F.silu(gate) * up, ff.w2.weight)
+        h = h + _linear(out.transpose(1, 2).reshape(B, 1, H * d), att.wo)
+        gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff).chunk(2, -1)
+        h = h + _linear(F.silu(gate) * up, ff.w2)
     return model.head(rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
+
 
 # %% ../nbs/14_generation.ipynb #5d3c92f4
 HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding holds fused q/k/v and w1/w3 copies up to this size
@@ -99,17 +113,43 @@ def _no_grad_mode(model: nn.Module):
     sharded = DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters())
     return torch.no_grad() if sharded else torch.inference_mode()
 
-def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop_ids,
-                    use_kv_cache, pad_id, generator) -> list[list[int]]:
-    "Decode one batch of prompts together (left padding); new tokens per prompt, cut at the first stop token."
-    device, B, L = _model_device(model), len(prompts), max(len(p) for p in prompts)
-    total = L + max_new_tokens
+
+@contextmanager
+def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES):
+    "Hold the fused weights; under autocast on CPU also every block matmul weight and the head in the autocast dtype."
+    dev = _model_device(model).type
+    with hold_fused_weights(model, max_bytes=max_bytes):
+        if not (torch.is_autocast_enabled(dev) and isinstance(model, Tendril)): yield model; return
+        low = torch.get_autocast_dtype(dev)
+        mods = [m for b in model.layers for m in (b.attention, b.feed_forward) if _held(m) is not None]
+        lins = [m for b in model.layers for m in (getattr(b.attention, "wo", None), getattr(b.feed_forward, "w2", None))
+                if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
+        for m in mods: m._held_weight = _held(m).to(low)            # hold_fused_weights clears these on the way out
+        for m in lins: m._held_weight = m.weight.detach().to(low)
+        try: yield model
+        finally:
+            for m in lins: m._held_weight = None
+
+
+# %% ../nbs/14_generation.ipynb #4900252a
+def _left_padded(prompts: list[list[int]], total: int, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    "Token ids `[B, total]` with the prompts right-aligned at the longest one's end, and the mask of real tokens."
+    B, L = len(prompts), max(len(p) for p in prompts)
     tokens = torch.full((B, total), pad_id, dtype=torch.long)
     real = torch.zeros((B, total), dtype=torch.bool)
     for i, p in enumerate(prompts):
         tokens[i, L - len(p):L] = torch.tensor(p, dtype=torch.long)
         real[i, L - len(p):L] = True
-    tokens, real = tokens.to(device), real.to(device)
+    return tokens.to(device), real.to(device)
+
+
+# %% ../nbs/14_generation.ipynb #04f6d923
+def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop_ids,
+                    use_kv_cache, pad_id, generator) -> list[list[int]]:
+    "Decode one batch of prompts together (left padding); new tokens per prompt, cut at the first stop token."
+    device, B, L = _model_device(model), len(prompts), max(len(p) for p in prompts)
+    total = L + max_new_tokens
+    tokens, real = _left_padded(prompts, total, pad_id, device)
     padded = any(len(p) != L for p in prompts)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     seen = None
@@ -169,7 +209,7 @@ def generate(model: nn.Module, tokenizer, prompts: list[list[int]], max_new_toke
     bs = batch_size or len(prompts)
     out: list = [None] * len(prompts)
     cpu = _model_device(model).type == "cpu"
-    with _no_grad_mode(model), hold_fused_weights(model, max_bytes=HOLD_MAX_BYTES) if cpu else nullcontext():
+    with _no_grad_mode(model), hold_decode_weights(model) if cpu else nullcontext():
         for s in range(0, len(order), bs):
             idx = order[s:s + bs]
             batch = [list(prompts[i]) for i in idx]

@@ -14,10 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops',
-           'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
-           'LayerKV', 'KVCache', 'sdpa_gqa', 'sdpa_kernel_class', 'plain_linear', 'fused_weight', 'hold_fused_weights',
-           'Attention']
+__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope',
+           'RotateHeads', 'plain_ops', 'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids',
+           'attention_mask', 'additive_mask', 'LayerKV', 'KVCache', 'BlockAttentionFunction', 'block_attention_applies',
+           'sdpa_gqa', 'sdpa_kernel_class', 'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -147,12 +147,65 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
+# %% ../../nbs/10_attention.ipynb #faf526a0
+BLOCK_ATTENTION_MAX_BYTES = 32 * 2**20   # saved probabilities per layer, above which bf16 CPU training keeps SDPA
+
+def _fp32_up(t: torch.Tensor) -> torch.Tensor:
+    "Half-precision tensors upcast to fp32; others unchanged."
+    return t.float() if t.element_size() < 4 else t
+
+# %% ../../nbs/10_attention.ipynb #43b198c7
+class BlockAttentionFunction(torch.autograd.Function):
+    "Attention of `q` `[B, H, T, d]` on `k`, `v` `[B, KV, S, d]`: matmuls in the input dtype, softmax in fp32, one batch row at a time."
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        B, H, T, d = q.shape
+        KV, S = k.shape[1], k.shape[2]
+        r, scale = H // KV, d ** -0.5
+        if mask is None: mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril_(S - T)[None]
+        out = torch.empty(B, KV, r * T, d, dtype=q.dtype, device=q.device)
+        probs = torch.empty(B, KV, r * T, S, dtype=q.dtype, device=q.device)
+        qg = q.reshape(B, KV, r * T, d)                     # the r query heads of a K/V group, stacked along time
+        for b in range(B):
+            s = _fp32_up(torch.matmul(qg[b], k[b].transpose(-1, -2))).view(KV, r, T, S)
+            s.masked_fill_(~mask[min(b, mask.shape[0] - 1)], float("-inf"))
+            torch.softmax(s.mul_(scale), -1, out=s)
+            probs[b].copy_(s.view(KV, r * T, S))
+            torch.matmul(probs[b], v[b], out=out[b])
+        out = out.view(B, H, T, d)
+        ctx.save_for_backward(q, k, v, probs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, probs, out = ctx.saved_tensors
+        B, H, T, d = q.shape
+        KV, S = k.shape[1], k.shape[2]
+        r, scale = H // KV, d ** -0.5
+        grad, qg = grad.to(q.dtype).reshape(B, KV, r * T, d), q.reshape(B, KV, r * T, d)
+        dq, dk, dv = torch.empty_like(qg), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.linalg.vecdot(_fp32_up(grad), _fp32_up(out.reshape(B, KV, r * T, d)))[..., None]
+        for b in range(B):
+            torch.matmul(probs[b].transpose(-1, -2), grad[b], out=dv[b])
+            ds = _fp32_up(torch.matmul(grad[b], v[b].transpose(-1, -2))).sub_(delta[b]).mul_(probs[b]).mul_(scale).to(q.dtype)
+            torch.matmul(ds, k[b], out=dq[b])
+            torch.matmul(ds.transpose(-1, -2), qg[b], out=dk[b])
+        return dq.view(B, H, T, d), dk, dv, None
+
+# %% ../../nbs/10_attention.ipynb #f8eb37c8
+def block_attention_applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    "True for bf16 CPU training attention (eager, causal or boolean mask) whose probabilities fit `BLOCK_ATTENTION_MAX_BYTES`."
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or plain_ops() or q.shape[2] == 1: return False
+    if mask is not None and mask.dtype != torch.bool: return False
+    return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.element_size() <= BLOCK_ATTENTION_MAX_BYTES
+
 # %% ../../nbs/10_attention.ipynb #132ca764
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, S, d]`; causal when `mask` is None and T > 1."
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled():   # faster in fp32 there
         fmask = mask.float() if mask is not None and mask.is_floating_point() else mask
         return sdpa_gqa(q.float(), k.float(), v.float(), fmask).to(q.dtype)
+    if block_attention_applies(q, k, mask): return BlockAttentionFunction.apply(q, k, v, mask)   # bf16 CPU training
     B, H, T, d = q.shape
     n_rep = H // k.shape[1]
     if T == 1 and n_rep > 1:

@@ -10,6 +10,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/tendril.html.md"""
 from __future__ import annotations
 import importlib, importlib.util, math
 from typing import Callable
+from fastcore.basics import patch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,11 +19,11 @@ from .attention import (Attention, KVCache, additive_mask, attention_mask, posit
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
-__all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim',
-           'RMSNormFunction', 'rms_norm', 'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward', 'chunk_loss_and_grad',
-           'compiled_chunk_fn', 'LinearCrossEntropyFunction', 'loss_impl', 'linear_cross_entropy', 'TransformerBlock',
-           'check_model_config', 'Tendril', 'register_model', 'build_model', 'count_parameters', 'dense_matmul_params',
-           'flops_per_token']
+__all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'RESCORE_TOP_K', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES',
+           'ffn_hidden_dim', 'RMSNormFunction', 'rms_norm', 'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward',
+           'chunk_loss_and_grad', 'compiled_chunk_fn', 'LinearCrossEntropyFunction', 'loss_impl',
+           'linear_cross_entropy', 'TransformerBlock', 'check_model_config', 'Tendril', 'rescore_top_logits',
+           'register_model', 'build_model', 'count_parameters', 'dense_matmul_params', 'flops_per_token']
 
 # %% ../../nbs/11_tendril.ipynb #2fc6111d
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -56,6 +57,8 @@ class RMSNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]: grad_w = (_fp32_at_least(grad) * xhat).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
         return grad_x, grad_w, None
 
+
+# %% ../../nbs/11_tendril.ipynb #9445a487
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     "RMSNorm of the last dimension: `RMSNormFunction` when training eagerly, else the plain formula."
     if plain_ops():
@@ -186,6 +189,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         gw = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None
 
+
+# %% ../../nbs/11_tendril.ipynb #6729bf2a
 def _liger_available() -> bool:
     "True when Liger-Kernel's fused linear cross-entropy can be imported."
     return importlib.util.find_spec("liger_kernel") is not None
@@ -199,6 +204,8 @@ def loss_impl(device_type: str, setting: str | None = None) -> str:
     if device_type != "cuda": return "eager"
     return "liger" if _liger_available() else "compiled"
 
+
+# %% ../../nbs/11_tendril.ipynb #a48ae432
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                          chunk_rows: int | None = None, impl: str | None = None) -> torch.Tensor:
     "Summed cross-entropy (fp32) of the logits `h @ weight.T` against `labels`, without materialising all the logits."
@@ -299,52 +306,74 @@ class Tendril(nn.Module):
         c = self.cfg
         return KVCache(c.n_layers, batch_size, max_seq_len or c.max_seq_len, c.n_kv_heads, c.head_dim)
 
-    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, start_pos: int = 0,
-                logits_to_keep: int = 0, labels: torch.Tensor | None = None) -> torch.Tensor:
-        "Logits `[B, T, vocab]` for `tokens` `[B, T]`; with `labels` `[B, T]`, their summed cross-entropy instead."
-        if labels is not None and logits_to_keep:
-            raise ValueError("labels (the loss over every position) cannot be combined with logits_to_keep")
-        T = tokens.shape[1]
-        end = start_pos + T
-        if end > self.rope_cos.shape[0]:
-            raise ValueError(f"positions up to {end} exceed model.max_seq_len = {self.rope_cos.shape[0]}")
-        pad_mask = full_mask = None
-        if attn_mask is not None:
-            if attn_mask.dim() == 2: pad_mask = attn_mask.bool()
-            elif attn_mask.dim() == 4: full_mask = attn_mask.bool()
-            else: raise ValueError(f"attn_mask: expected [B, S] padding mask or [B, 1, T, S] boolean mask, got shape {tuple(attn_mask.shape)}")
-        if position_ids is None:
-            if doc_ids is not None: position_ids = positions_from_doc_ids(doc_ids)
-            elif pad_mask is not None and T == 1: position_ids = pad_mask.sum(-1, keepdim=True).clamp(min=1) - 1
-            elif pad_mask is not None: position_ids = positions_from_pad_mask(pad_mask)[:, start_pos:]
-        if position_ids is None: cos, sin = self.rope_cos[start_pos:end, None], self.rope_sin[start_pos:end, None]
-        else: cos, sin = self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2)
-        h = self.tok_embeddings(tokens)
-        mask = full_mask
-        if mask is None:
-            mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
-            if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
-                mask = additive_mask(mask, h.dtype)
-        if kv_cache is not None:  # every layer's buffers now, outside the blocks' compiled graphs; each block gets its slot
-            dev = tokens.device.type
-            kv_cache.allocate(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype, tokens.device)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
-        if logits_to_keep: h = h[:, -logits_to_keep:]
-        if labels is not None: return self.loss_sum(self.norm(h), labels)
-        return self.head(self.norm(h))
 
-    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        "Summed cross-entropy (fp32) of the head's logits for final hidden states `h` against `labels` (-100 = none)."
-        if plain_linear(self.output): return linear_cross_entropy(h, self.output.weight, labels)
-        return F.cross_entropy(self.output(h).flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+# %% ../../nbs/11_tendril.ipynb #ad52872a
+@patch
+def forward(self: Tendril, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+            doc_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+            start_pos: int = 0, logits_to_keep: int = 0, labels: torch.Tensor | None = None) -> torch.Tensor:
+    "Logits `[B, T, vocab]` for `tokens` `[B, T]`; with `labels` `[B, T]`, their summed cross-entropy instead."
+    if labels is not None and logits_to_keep:
+        raise ValueError("labels (the loss over every position) cannot be combined with logits_to_keep")
+    T = tokens.shape[1]
+    end = start_pos + T
+    if end > self.rope_cos.shape[0]:
+        raise ValueError(f"positions up to {end} exceed model.max_seq_len = {self.rope_cos.shape[0]}")
+    pad_mask = full_mask = None
+    if attn_mask is not None:
+        if attn_mask.dim() == 2: pad_mask = attn_mask.bool()
+        elif attn_mask.dim() == 4: full_mask = attn_mask.bool()
+        else: raise ValueError(f"attn_mask: expected [B, S] padding mask or [B, 1, T, S] boolean mask, got shape {tuple(attn_mask.shape)}")
+    if position_ids is None:
+        if doc_ids is not None: position_ids = positions_from_doc_ids(doc_ids)
+        elif pad_mask is not None and T == 1: position_ids = pad_mask.sum(-1, keepdim=True).clamp(min=1) - 1
+        elif pad_mask is not None: position_ids = positions_from_pad_mask(pad_mask)[:, start_pos:]
+    if position_ids is None: cos, sin = self.rope_cos[start_pos:end, None], self.rope_sin[start_pos:end, None]
+    else: cos, sin = self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2)
+    h = self.tok_embeddings(tokens)
+    mask = full_mask
+    if mask is None:
+        mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
+        if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
+            mask = additive_mask(mask, h.dtype)
+    if kv_cache is not None:  # every layer's buffers now, outside the blocks' compiled graphs; each block gets its slot
+        dev = tokens.device.type
+        kv_cache.allocate(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype, tokens.device)
+    for i, layer in enumerate(self.layers):
+        h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
+    if logits_to_keep: h = h[:, -logits_to_keep:]
+    if labels is not None: return self.loss_sum(self.norm(h), labels)
+    return self.head(self.norm(h))
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        "The output projection; for a few tokens of CPU inference computed as `W @ h.T` (see the notebook)."
-        if h.device.type == "cpu" and h.shape[0] * h.shape[1] <= 32 and not torch.is_grad_enabled() and plain_linear(self.output):
-            return (self.output.weight @ h.flatten(0, 1).T).T.unflatten(0, h.shape[:2])
-        return self.output(h)
+
+# %% ../../nbs/11_tendril.ipynb #8df310b4
+@patch
+def loss_sum(self: Tendril, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    "Summed cross-entropy (fp32) of the head's logits for final hidden states `h` against `labels` (-100 = none)."
+    if plain_linear(self.output): return linear_cross_entropy(h, self.output.weight, labels)
+    return F.cross_entropy(self.output(h).flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+RESCORE_TOP_K = 8   # inference under autocast recomputes this many of each row's top logits in fp32
+
+def rescore_top_logits(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int = RESCORE_TOP_K) -> torch.Tensor:
+    "`logits` `[..., V]` in fp32, each row's top `k` recomputed in fp32 from `h` `[..., d]` and the head `weight` `[V, d]`."
+    with torch.autocast(h.device.type, enabled=False):
+        out = logits.to(torch.float32, copy=True)
+        idx = out.topk(min(k, out.shape[-1]), dim=-1).indices
+        return out.scatter_(-1, idx, (weight[idx].float() @ h.float().unsqueeze(-1)).squeeze(-1))
+
+@patch
+def head(self: Tendril, h: torch.Tensor) -> torch.Tensor:
+    "The output projection; for a few tokens of inference `W @ h.T` on CPU, or under autocast the top logits re-scored in fp32."
+    few = h.shape[0] * h.shape[1] <= 32 and not torch.is_grad_enabled() and plain_linear(self.output)
+    if few and torch.is_autocast_enabled(h.device.type):
+        held = self.output.__dict__.get("_held_weight")            # a low-precision copy held for decoding, if any
+        low = self.output(h) if held is None else F.linear(h.to(held.dtype), held)
+        return rescore_top_logits(low, h, self.output.weight)
+    if few and h.device.type == "cpu":
+        return (self.output.weight @ h.flatten(0, 1).T).T.unflatten(0, h.shape[:2])
+    return self.output(h)
+
 
 # %% ../../nbs/11_tendril.ipynb #a9d17058
 MODELS: dict[str, type] = {}
