@@ -13,7 +13,10 @@ MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (
     python bench/model_step.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
 
 With `--dtype bf16`, `tendril_fp32` (the same model without autocast) runs beside the bf16 contenders, so the bf16
-speed-up is measured side by side; its MFU is quoted against the fp32 peak, the others' against the bf16 peak.
+speed-up is measured side by side; its MFU is quoted against the fp32 peak, the others' against the bf16 peak. On CPU
+`tendril_sdpa` is Tendril bf16 with PyTorch's SDPA (flash) kernel instead of `BlockAttentionFunction`, which bf16
+CPU training uses by default (`models.attention.BLOCK_ATTENTION_MAX_BYTES`). Every contender is timed the same way:
+forward with its loss, backward, fused AdamW step and `zero_grad`, under the same autocast.
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -27,6 +30,12 @@ import torch.nn.functional as F
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import Tendril, count_parameters, flops_per_token
 from gradient_garden.models.hf import to_hf_model
+import gradient_garden.models.attention as attention
+BLOCK_BYTES = attention.BLOCK_ATTENTION_MAX_BYTES
+
+def use_attention_of(name: str):
+    "`tendril_sdpa` attends with SDPA in bf16 CPU training; every other contender with the default choice."
+    attention.BLOCK_ATTENTION_MAX_BYTES = 0 if name == "tendril_sdpa" else BLOCK_BYTES
 
 
 def parse_args(argv=None):
@@ -110,6 +119,7 @@ def memory_child(args):
             for block in (model.layers if name.startswith("tendril") else model.model.layers): block.compile()
     x, y = make_batch(cfg, args)
     ad = torch.bfloat16 if args.dtype == "bf16" and not name.endswith("_fp32") else None
+    use_attention_of(name)
     for _ in range(3): step(model, opt, x, y, ad, "cpu", own_loss=not name.endswith("_logits"))
     print(json.dumps({"peak_mb": peak_rss_mb() - base}))
 
@@ -139,6 +149,7 @@ def main(argv=None):
     if hasattr(tendril_module, "LOSS_IMPL"): tendril_module.LOSS_IMPL = args.loss_impl
     names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
     if dtype != "fp32": names.append("tendril_fp32")
+    if dtype == "bf16" and dev_type == "cpu": names.insert(1, "tendril_sdpa")
     dtype_of = lambda n: None if n.endswith("_fp32") else autocast_dtype   # the contender's autocast dtype
     contenders = make_contenders(cfg, args, names)
     x, y = make_batch(cfg, args)
@@ -147,6 +158,7 @@ def main(argv=None):
     first = {}
     for n, (m, o) in contenders.items():       # warm-up (and compilation); first losses must agree: same weights
         t = time.perf_counter()
+        use_attention_of(n)
         for i in range(args.warmup):
             loss = step(m, o, x, y, dtype_of(n), dev_type, own_loss=not n.endswith("_logits"))
             if i == 0: first[n] = loss.item()
@@ -158,6 +170,7 @@ def main(argv=None):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
             m, o = contenders[n]
+            use_attention_of(n)
             sync(args.device); t, c = time.perf_counter(), time.process_time()
             for _ in range(args.steps_per_round): step(m, o, x, y, dtype_of(n), dev_type, own_loss=not n.endswith("_logits"))
             sync(args.device)
