@@ -10,7 +10,7 @@ measured matmul peak (and the datasheet peak on GPU).
     python bench/generate.py --device cuda --dtype bf16 --batch-size 32
 
 With `--dtype bf16`, Tendril decodes its fp32 weights under `torch.autocast(bf16)` (bf16 matmuls on held bf16 weight
-copies, fp32 residual stream, fp32 attention on CPU, bf16 KV cache, the head's top logits re-scored in fp32), and
+copies, fp32 residual stream, fp32 attention on CPU over an fp32 KV cache, the head's top logits re-scored in fp32), and
 `tendril_fp32` (the same weights, no autocast) decodes beside the others; transformers' model is cast to bf16. The
 bf16 speed-up over fp32 and two agreements with fp32 greedy decoding are reported: free-running (position by
 position over the 64 new tokens of every row: once a row differs, its later tokens count as misses) and

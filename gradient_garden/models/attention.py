@@ -205,6 +205,7 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not torch.is_grad_enabled():   # faster in fp32 there
         fmask = mask.float() if mask is not None and mask.is_floating_point() else mask
         return sdpa_gqa(q.float(), k.float(), v.float(), fmask).to(q.dtype)
+    if k.dtype != q.dtype: k, v = k.to(q.dtype), v.to(q.dtype)     # an fp32 CPU cache under autocast, with gradients
     if block_attention_applies(q, k, mask): return BlockAttentionFunction.apply(q, k, v, mask)   # bf16 CPU training
     B, H, T, d = q.shape
     n_rep = H // k.shape[1]

@@ -337,8 +337,9 @@ def forward(self: Tendril, tokens: torch.Tensor, *, position_ids: torch.Tensor |
         if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
             mask = additive_mask(mask, h.dtype)
     if kv_cache is not None:  # every layer's buffers now, outside the blocks' compiled graphs; each block gets its slot
-        dev = tokens.device.type
-        kv_cache.allocate(torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype, tokens.device)
+        dev = tokens.device.type      # in the compute dtype; on CPU in fp32, where attention runs in fp32 anyway
+        low = torch.is_autocast_enabled(dev) and dev != "cpu"
+        kv_cache.allocate(torch.get_autocast_dtype(dev) if low else h.dtype, tokens.device)
     for i, layer in enumerate(self.layers):
         h = layer(h, cos, sin, mask, None if kv_cache is None else kv_cache.layer(i), start_pos)
     if logits_to_keep: h = h[:, -logits_to_keep:]
