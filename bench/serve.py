@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the server")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     return p.parse_args(argv)
 
 def default_checkpoints() -> dict[str, str]:
@@ -81,35 +81,59 @@ def start_server(ckpt: str, args) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
     raise SystemExit("gg serve did not start")
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
-    "Stream one completion; (seconds to the first text, output tokens)."
-    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, ignore_eos=True,
-                stream_options={"include_usage": True})
-    t0, first, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]": continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"): tokens = chunk["usage"]["completion_tokens"]
-            if first is None and any(c.get("text") for c in chunk.get("choices", [])): first = time.perf_counter() - t0
-    return first, tokens
+class Connection:
+    """One keep-alive HTTP/1.1 connection of a bench client, on asyncio streams: it reads every byte of each stream but
+    parses only the first text event (time to first token) and the last events (usage), so that the clients, which
+    share the machine with the server, cost it little CPU."""
+    def __init__(self, url: str): self.host, self.port = url.split("//")[1].split(":")
+    async def __aenter__(self):
+        self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
+        return self
+    async def __aexit__(self, *exc):
+        self.writer.close()
+        await self.writer.wait_closed()
+
+    async def stream(self, body: dict) -> tuple[float, int]:
+        "POST one streaming completion and read it to its end; (seconds to the first text, output tokens)."
+        data = json.dumps(body).encode()
+        t0, first = time.perf_counter(), None
+        self.writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+            raise SystemExit(f"unexpected answer: {head[:300]!r}")
+        tail = b""
+        while not tail.endswith(b"\r\n0\r\n\r\n"):    # the last chunk of a chunked body
+            got = await self.reader.read(1 << 16)
+            if not got: raise SystemExit("the server closed the connection mid-stream")
+            if first is None and b'"text": "' in got.replace(b'"text": ""', b""): first = time.perf_counter() - t0
+            tail = (tail + got)[-4096:]
+        events = [json.loads(line[6:]) for line in tail.split(b"\n") if line.startswith(b"data: {")]
+        if b"data: [DONE]" not in tail or not events or not events[-1].get("usage"):
+            raise SystemExit(f"stream did not end with a usage chunk and [DONE]: {tail[-300:]!r}")
+        return first, events[-1]["usage"]["completion_tokens"]
 
 async def level(url: str, model: str, clients: int, args, server_pid: int | None = None) -> dict:
-    "`clients` closed-loop clients, `requests_per_client` requests each: tokens/s and time to first token."
-    async def client_loop(i, client):
+    "`clients` closed-loop clients, `requests_per_client` requests each, one connection each: tokens/s and TTFT."
+    async def client_loop(i, conn):
         out = []
         for j in range(args.requests_per_client):
-            out.append(await one_request(client, url, model, PROMPTS[(i + j) % len(PROMPTS)], args.max_tokens))
+            body = dict(model=model, prompt=PROMPTS[(i + j) % len(PROMPTS)], max_tokens=args.max_tokens, temperature=0,
+                        stream=True, ignore_eos=True, stream_options={"include_usage": True})
+            out.append(await conn.stream(body))
         return out
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    conns = [Connection(url) for _ in range(clients)]
+    for c in conns: await c.__aenter__()
+    try:
         cpu0 = (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time())
         t = time.perf_counter()
-        res = await asyncio.gather(*(client_loop(i, client) for i in range(clients)))
+        res = await asyncio.gather(*(client_loop(i, c) for i, c in enumerate(conns)))
         wall = time.perf_counter() - t
         cpu1 = (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time())
+    finally:
+        for c in conns: await c.__aexit__()
     flat = [r for rs in res for r in rs]
+    if any(n != args.max_tokens for _, n in flat): raise SystemExit(f"a stream had {min(n for _, n in flat)} tokens, not {args.max_tokens}")
     ttft, tokens = sorted(f for f, _ in flat), sum(n for _, n in flat)
     return dict(tokens_per_s=tokens / wall, ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))],
                 tokens=tokens, server_cpu_ms_per_token=1000 * (cpu1[0] - cpu0[0]) / tokens,

@@ -28,8 +28,8 @@ from .models.attention import KVCache, hold_fused_weights
 __all__ = ['log', 'LOOPBACK_NAMES', 'TextStream', 'SamplingParams', 'Sequence', 'EngineClosed', 'QueueFull', 'BatchEngine',
            'StreamOptions', 'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'APIError',
            'validation_error', 'parse_body', 'Served', 'chat_prompt', 'completion_prompts', 'check_request',
-           'sampling_params', 'RequestRun', 'collect_run', 'chat_page', 'create_app', 'is_loopback', 'add_serve_args',
-           'load_served', 'run_serve']
+           'sampling_params', 'LoopWaker', 'loop_waker', 'RequestRun', 'collect_run', 'chat_page', 'create_app',
+           'is_loopback', 'add_serve_args', 'load_served', 'run_serve']
 
 # %% ../nbs/60_serve.ipynb #da3336b8
 class TextStream:
@@ -130,6 +130,7 @@ class BatchEngine:
         self.col, self.fast = 0, False
         self.stats = dict(served=0, cancelled=0, rejected=0, tokens=0, steps=0, prefills=0, realigns=0)
         self._cv, self._closed, self._thread = threading.Condition(), False, None
+        self.after_step: list[Callable] = []   # called on the engine thread once the step's events are emitted
 
 # %% ../nbs/60_serve.ipynb #4f1c11f1
 @patch
@@ -299,8 +300,15 @@ def step(self: BatchEngine) -> bool:
             self.stats["cancelled"] += sum(r.cancelled for r in self.rows)
             self._keep([not r.cancelled for r in self.rows])
         self._admit()
+        self._notify()
         if self.rows: self._decode()
+        self._notify()
     return self.pending() > 0
+
+@patch
+def _notify(self: BatchEngine):
+    "Tell the listeners (`after_step`) that the events of a step are out: one wake-up per step, not one per token."
+    for f in list(self.after_step): f()
 
 @patch
 @contextmanager
@@ -327,6 +335,7 @@ def _fail_all(self: BatchEngine, message: str):
     with self._cv: dropped, self.waiting = self.rows + list(self.waiting), deque()
     self.rows, self.cache, self.starts, self.last, self.col = [], None, None, None, 0
     for s in dropped: s.emit("error", message)
+    self._notify()
 
 @patch
 def _loop(self: BatchEngine):
@@ -494,25 +503,51 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingPar
                           seed=None if req.seed is None else req.seed + choice, ignore_eos=req.ignore_eos)
 
 # %% ../nbs/60_serve.ipynb #a9df717a
+class LoopWaker:
+    "Wakes the requests of one event loop that got events in an engine step, with one thread-to-loop hop per step."
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.due, self.scheduled = loop, deque(), False
+
+    def mark(self, run: "RequestRun"):
+        "Engine thread: `run` has new events."
+        if not run._due: run._due = True; self.due.append(run)
+
+    def flush(self):
+        "Engine thread, end of a step: schedule one wake-up for all marked runs (unless one is on its way)."
+        if self.scheduled or not self.due: return
+        self.scheduled = True
+        try: self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError: pass              # the event loop is gone (server stopped)
+
+    def _wake(self):
+        "Event loop: wake every marked run (marks made while this runs schedule the next wake-up)."
+        self.scheduled = False
+        while self.due:
+            run = self.due.popleft()
+            run._due = False
+            run.ready.set()
+
+def loop_waker(engine: BatchEngine) -> LoopWaker:
+    "The waker of the running event loop on `engine` (made and hooked to its steps on first use)."
+    loop, mine = asyncio.get_running_loop(), [getattr(f, "__self__", None) for f in engine.after_step]
+    if found := [w for w in mine if isinstance(w, LoopWaker) and w.loop is loop]: return found[0]
+    engine.after_step[:] = [f for f, w in zip(engine.after_step, mine) if not (isinstance(w, LoopWaker) and w.loop.is_closed())]
+    engine.after_step.append((waker := LoopWaker(loop)).flush)
+    return waker
+
+# %% ../nbs/60_serve.ipynb #f9d40a66
 class RequestRun:
     "The sequences of one request, and the inbox their events arrive in from the engine thread."
     def __init__(self, served: Served, prompts: list[list[int]], params: list[SamplingParams]):
-        self.served, self.loop = served, asyncio.get_running_loop()
-        self.inbox, self.ready, self._waking = deque(), asyncio.Event(), False
+        self.served, self.waker = served, loop_waker(served.engine)
+        self.inbox, self.ready, self._due = deque(), asyncio.Event(), False
         self.seqs = [Sequence(p, sp, emit=self._emitter(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _emitter(self, i: int) -> Callable:
         def emit(kind, payload):
             self.inbox.append((i, kind, payload))
-            if self._waking: return            # a wake-up is scheduled and will see this event
-            self._waking = True
-            try: self.loop.call_soon_threadsafe(self._wake)
-            except RuntimeError: pass          # the event loop is gone (server stopped)
+            self.waker.mark(self)
         return emit
-
-    def _wake(self):
-        self._waking = False
-        self.ready.set()
 
     async def __aenter__(self):
         try: self.served.engine.submit(self.seqs)
