@@ -53,29 +53,33 @@ class TextStream:
         return max((k for s in self.stop for k in range(min(len(s) - 1, len(self.text)), 0, -1)
                     if self.text.endswith(s[:k])), default=0)
 
-    def _release(self, final: bool = False) -> str:
-        "The text that is safe to hand out now; cuts at a stop string."
-        if self.stop and not self.stopped:
-            start = max(0, self.sent - max(map(len, self.stop)))
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-            if hits: self.text, self.stopped, final = self.text[:min(hits)], True, True
-        end = len(self.text) if final else len(self.text) - self._held()
-        out = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return out
+# %% ../nbs/60_serve.ipynb #91fb751b
+@patch
+def _release(self: TextStream, final: bool = False) -> str:
+    "The text that is safe to hand out now; cuts at a stop string."
+    if self.stop and not self.stopped:
+        start = max(0, self.sent - max(map(len, self.stop)))
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits: self.text, self.stopped, final = self.text[:min(hits)], True, True
+    end = len(self.text) if final else len(self.text) - self._held()
+    out = self.text[self.sent:end]
+    self.sent = max(self.sent, end)
+    return out
 
-    def push(self, token_id: int) -> str:
-        "Add one token; return the new text that may be shown ('' while a character or a stop string is incomplete)."
-        if self.stopped: return ""
-        self.ids.append(int(token_id))
-        self._decode_new()
-        return self._release()
+@patch
+def push(self: TextStream, token_id: int) -> str:
+    "Add one token; return the new text that may be shown ('' while a character or a stop string is incomplete)."
+    if self.stopped: return ""
+    self.ids.append(int(token_id))
+    self._decode_new()
+    return self._release()
 
-    def finish(self) -> str:
-        "Everything still held back, at the end of generation."
-        if self.stopped: return ""
-        self._decode_new(final=True)
-        return self._release(final=True)
+@patch
+def finish(self: TextStream) -> str:
+    "Everything still held back, at the end of generation."
+    if self.stopped: return ""
+    self._decode_new(final=True)
+    return self._release(final=True)
 
 # %% ../nbs/60_serve.ipynb #8c0c1251
 @dataclass
@@ -213,6 +217,7 @@ def _keep(self: BatchEngine, alive: list[bool]):
         for l, t in enumerate(buffers): buffers[l] = t.index_select(0, idx)
     self.starts, self.last = self.starts.index_select(0, idx), self.last.index_select(0, idx)
 
+# %% ../nbs/60_serve.ipynb #ec8eacfe
 @patch
 def _join(self: BatchEngine, rows: list[Sequence], tmp: KVCache, width: int, starts: torch.Tensor, first: torch.Tensor):
     "Add prefilled rows (their cache `tmp` holds `width` columns) so that their data ends at the write column."
@@ -234,6 +239,20 @@ def _join(self: BatchEngine, rows: list[Sequence], tmp: KVCache, width: int, sta
     self.cache.batch_size = len(self.rows)
 
 # %% ../nbs/60_serve.ipynb #e40a611a
+@patch
+def _prepare(self: BatchEngine, s: Sequence):
+    "Per-sequence state made when it is admitted: text stream, generator, seen-token mask."
+    p = s.params
+    s.stream = TextStream(self.tok, p.stop)
+    if not p.greedy:
+        s.generator = torch.Generator(device=self.device)
+        if p.seed is None: s.generator.seed()
+        else: s.generator.manual_seed(p.seed)
+    if p.repetition_penalty != 1.0:
+        s.seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
+        s.seen[0, torch.tensor(s.prompt, device=self.device)] = True
+
+# %% ../nbs/60_serve.ipynb #eefdcf31
 @patch
 def _admit(self: BatchEngine):
     "Prefill waiting sequences into free rows (one left-padded forward) and sample their first tokens."
@@ -264,19 +283,7 @@ def _admit(self: BatchEngine):
     first = torch.tensor(nxt, device=self.device).index_select(0, idx)
     self._join([s for s, a in zip(new, alive) if a], tmp, width, starts.index_select(0, idx), first)
 
-@patch
-def _prepare(self: BatchEngine, s: Sequence):
-    "Per-sequence state made when it is admitted: text stream, generator, seen-token mask."
-    p = s.params
-    s.stream = TextStream(self.tok, p.stop)
-    if not p.greedy:
-        s.generator = torch.Generator(device=self.device)
-        if p.seed is None: s.generator.seed()
-        else: s.generator.manual_seed(p.seed)
-    if p.repetition_penalty != 1.0:
-        s.seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
-        s.seen[0, torch.tensor(s.prompt, device=self.device)] = True
-
+# %% ../nbs/60_serve.ipynb #36829b58
 @patch
 def _decode(self: BatchEngine):
     "One decoding step: every row's newest token through the model at the write column."
@@ -390,6 +397,7 @@ class _Sampling(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
 
+# %% ../nbs/60_serve.ipynb #3ca93a80
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -613,6 +621,29 @@ def _text_event(head: str, i: int, text: str, chat: bool) -> str:
     body = f'"delta": {{"content": {t}}}' if chat else f'"text": {t}'
     return f'data: {head}, "choices": [{{"index": {i}, {body}, "finish_reason": null, "logprobs": null}}]}}\n\n'
 
+# %% ../nbs/60_serve.ipynb #a1287fc1
+async def _sse_events(run: RequestRun, chunk: dict, text_head: str, chat: bool, usage_wanted: bool, n_prompt: int):
+    "The server-sent events of a streamed request, each batch of engine events as one piece of text."
+    choice, tokens = _chat_choice if chat else _text_choice, 0
+    extra = {"usage": None} if usage_wanted else {}
+    try:
+        if chat:
+            for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True, first=True)]) | extra)
+        async for batch in run.batches():
+            out, texts = [], {}                 # the batch's text per choice, in one event each
+            for i, kind, payload in batch:
+                if kind == "text": texts[i] = texts.get(i, "") + payload; continue
+                if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
+                tokens += payload["completion_tokens"]
+                out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
+            out += [_text_event(text_head, i, t, chat) for i, t in texts.items()]
+            yield "".join(out)
+        if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
+        yield "data: [DONE]\n\n"
+    except APIError as e: yield _sse(e.body())
+    finally: await run.__aexit__(None, None, None)
+
+# %% ../nbs/60_serve.ipynb #d9d6f00e
 async def _respond(request, served: Served, req: _Sampling, prompts: list[list[int]], max_tokens: list[int], chat: bool):
     "Run a (chat or text) completion request; a JSON answer or a streaming response."
     params = [sampling_params(req, m, j) for m in max_tokens for j in range(req.n)]
@@ -631,25 +662,8 @@ async def _respond(request, served: Served, req: _Sampling, prompts: list[list[i
     usage_wanted = bool(req.stream_options and req.stream_options.include_usage)
     chunk = head | dict(object=f"{obj}.chunk" if chat else obj)
     text_head = json.dumps(chunk | ({"usage": None} if usage_wanted else {}), ensure_ascii=False)[:-1]
-    async def stream():
-        tokens = 0
-        try:
-            if chat:
-                for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True, first=True)]) | ({"usage": None} if usage_wanted else {}))
-            async for batch in run.batches():
-                out, texts = [], {}                 # the batch's text per choice, in one chunk each
-                for i, kind, payload in batch:
-                    if kind == "text": texts[i] = texts.get(i, "") + payload; continue
-                    if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
-                    tokens += payload["completion_tokens"]
-                    out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
-                out += [_text_event(text_head, i, t, chat) for i, t in texts.items()]
-                yield "".join(out)
-            if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
-            yield "data: [DONE]\n\n"
-        except APIError as e: yield _sse(e.body())
-        finally: await run.__aexit__(None, None, None)
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(_sse_events(run, chunk, text_head, chat, usage_wanted, n_prompt), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 # %% ../nbs/60_serve.ipynb #7c8807a3
 def chat_page() -> str:
@@ -689,21 +703,14 @@ def _install_auth(app, api_key: str | None):
         return await call_next(request)
 
 # %% ../nbs/60_serve.ipynb #dfd37340
-def create_app(served: Served, api_key: str | None = None):
-    "The FastAPI app of `gg serve` for `served` (its engine thread runs while the app does)."
-    @asynccontextmanager
-    async def lifespan(app):
-        served.engine.start()
-        try: yield
-        finally: await asyncio.to_thread(served.engine.close)
-    app = FastAPI(title="Gradient Garden", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    _install_errors(app)
-    _install_auth(app, api_key)
-    def check_model(name: str):
-        if name != served.model_id:
-            raise APIError(404, f"The model {name!r} does not exist; this server serves {served.model_id!r}",
-                           param="model", code="model_not_found")
+def _check_model(served: Served, name: str):
+    "A 404 unless `name` is the served model's id."
+    if name != served.model_id:
+        raise APIError(404, f"The model {name!r} does not exist; this server serves {served.model_id!r}",
+                       param="model", code="model_not_found")
 
+def _add_info_routes(app, served: Served):
+    "The chat page `/`, `/health` and `/v1/models`."
     @app.get("/", response_class=HTMLResponse)
     async def page(): return chat_page()
 
@@ -718,23 +725,39 @@ def create_app(served: Served, api_key: str | None = None):
         return dict(object="list", data=[dict(id=served.model_id, object="model", created=served.created,
                                               owned_by="gradient-garden", chat=served.chat, max_model_len=served.max_len)])
 
+# %% ../nbs/60_serve.ipynb #421b90f8
+def _add_completion_routes(app, served: Served):
+    "`POST /v1/chat/completions` and `POST /v1/completions`."
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await request.body(), ChatCompletionRequest)
-        check_model(req.model)
+        _check_model(served, req.model)
         ids = chat_prompt(served, req)
         return await _respond(request, served, req, [ids], [check_request(served, req, len(ids), None)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_body(await request.body(), CompletionRequest)
-        check_model(req.model)
+        _check_model(served, req.model)
         prompts = completion_prompts(served, req)
         if len(prompts) * req.n > served.engine.max_batch_size:
             raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} exceed the {served.engine.max_batch_size} "
                                 "sequences this server decodes together", param="prompt")
         limits = [check_request(served, req, len(p), 16, "prompt") for p in prompts]
         return await _respond(request, served, req, prompts, limits, chat=False)
+
+def create_app(served: Served, api_key: str | None = None):
+    "The FastAPI app of `gg serve` for `served` (its engine thread runs while the app does)."
+    @asynccontextmanager
+    async def lifespan(app):
+        served.engine.start()
+        try: yield
+        finally: await asyncio.to_thread(served.engine.close)
+    app = FastAPI(title="Gradient Garden", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _install_errors(app)
+    _install_auth(app, api_key)
+    _add_info_routes(app, served)
+    _add_completion_routes(app, served)
     return app
 
 # %% ../nbs/60_serve.ipynb #2d6d3e30
@@ -790,6 +813,7 @@ def load_served(args) -> Served:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
     return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue), args.model_name or name, chat)
 
+# %% ../nbs/60_serve.ipynb #d37ed2bf
 def run_serve(args) -> int:
     "Run `gg serve`: check the flags, load the model, serve the API and the page with uvicorn until interrupted."
     import uvicorn
