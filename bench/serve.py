@@ -1,18 +1,24 @@
 """`gg serve` under load: total output tokens/s and time to first token at 1, 8 and 32 concurrent streaming clients.
 
-The real server (`gg serve`, a subprocess) and closed-loop clients (each sends its next streaming request as soon as
-the last one ends) on httpx in this process. Every request asks for exactly `--max-tokens` new tokens
-(`ignore_eos`, greedy), so each level does the same work per request. Levels run in rotated order over `--rounds`
-rounds; figures are medians. Models: the debug pretraining and SFT checkpoints when given (or found under
-`runs/`), otherwise a randomly initialised model of the debug shape with a locally trained 4k BPE (same cost per
-token; the weights do not change the arithmetic). Besides wall-clock figures, the CPU time the server and the
-clients spend per output token is reported: on a shared machine it says how efficient each level is even when
-the wall clock mostly says how much of the CPU the benchmark got.
+What it measures: the real server (`gg serve`, a subprocess with `--threads` torch threads, default 1) and
+closed-loop clients in this process (each client one keep-alive connection; it sends its next streaming request
+as soon as the last one ended). Every request is a streamed `/v1/completions` call for exactly `--max-tokens` new
+tokens (greedy, `ignore_eos`), so every level does the same work per request. A client counts a request's tokens
+from the usage chunk at the end of the stream it read in full (checked to be `--max-tokens`), and the time to first
+token when the first text event arrives. tokens/s = all tokens of a level / the level's wall time. The clients are
+lean (asyncio streams; they read every byte but parse only the first text event and the last events) because they
+share the CPU with the server. After a warm-up level (not counted), the levels run in rotated order over `--rounds`
+rounds with the same settings; figures are medians. Models: the debug pretraining and SFT checkpoints when given (or
+found under `runs/`), otherwise a randomly initialised model of the debug shape with a locally trained 4k BPE (same
+cost per token). Besides wall-clock figures, the CPU time the server and the clients spend per output token is
+reported, and the load average before and after, because on a shared machine the wall clock mostly says how much of
+the CPU the benchmark got.
 
     python bench/serve.py --checkpoint debug=runs/pretraining/debug --checkpoint sft=runs/instruct/debug
     python bench/serve.py --device cuda --max-batch-size 64 --concurrency 1 8 32 64
 
-The last line of stdout is one JSON object with the figures. Target: 8 clients >= 4x the tokens/s of one.
+Prints a table per model and, last, one JSON object with the figures (also written to `--out`). Target: 8 clients
+>= 4x the tokens/s of one.
 """
 from __future__ import annotations
 import argparse, asyncio, json, os, socket, statistics, subprocess, sys, tempfile, time
@@ -32,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the server (1: a decoding step of a small model is too short to split)")
+    p.add_argument("--out", default=str(ROOT/"bench/results/serve.json"), help="where the JSON goes")
     return p.parse_args(argv)
 
 def default_checkpoints() -> dict[str, str]:
@@ -170,10 +178,21 @@ def main(argv=None):
     args = parse_args(argv)
     ckpts = dict(c.split("=", 1) for c in args.checkpoint) or default_checkpoints()
     if not ckpts: ckpts = {"debug-shape (random weights)": random_debug_checkpoint(Path(tempfile.mkdtemp()))}
+    load0 = os.getloadavg()
     print(f"concurrency {args.concurrency}, {args.requests_per_client} requests per client x {args.max_tokens} tokens, "
-          f"max batch {args.max_batch_size}, server threads {args.threads}, {args.rounds} rounds (medians)")
+          f"max batch {args.max_batch_size}, server threads {args.threads}, {args.rounds} rounds (medians); "
+          f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
     results = {name: bench_model(name, ck, args) for name, ck in ckpts.items()}
     target = {n: r[8]["speedup"] >= 4 for n, r in results.items() if 8 in r and 1 in r}
-    print(json.dumps(dict(results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target)))
+    load1 = os.getloadavg()
+    print(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
+    for n, r in results.items():
+        if 8 in r and 1 in r: print(f"{n}: 8 clients {r[8]['speedup']:.2f}x one client (target >= 4x: {'met' if target[n] else 'not met'})")
+    out = dict(results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target,
+               settings={k: v for k, v in vars(args).items() if k != "out"}, load_average=dict(before=load0, after=load1),
+               cpu_count=os.cpu_count())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out))
 
 if __name__ == "__main__": main()

@@ -37,16 +37,18 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tok, self.stop = tokenizer, tuple(s for s in stop if s)
         self.ids: list[int] = []
-        self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already
-        self.text, self.sent, self.stopped = "", 0, False
+        self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already, as `window`
+        self.window, self.text, self.sent, self.stopped = "", "", 0, False
 
     def _decode_new(self, final: bool = False):
         "Append the text of the ids not decoded yet (unless it ends inside a character and more may come)."
-        prev = self.tok.decode(self.ids[self.prefix:self.read])
-        new = self.tok.decode(self.ids[self.prefix:])
+        new = self.tok.decode(self.ids[self.prefix:])           # one decode per token: the window's text is kept
         if new.endswith("\ufffd") and not final: return
-        self.text += new[len(prev):]
-        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new[len(self.window):]
+        self.read, self.window = len(self.ids), new
+        if self.read - self.prefix > 16:                         # slide the window, keeping a few tokens of context
+            self.prefix = self.read - 4
+            self.window = self.tok.decode(self.ids[self.prefix:self.read])
 
     def _held(self) -> int:
         "Length of the longest end of the text that is the beginning of a stop string."
