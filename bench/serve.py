@@ -78,7 +78,8 @@ def start_server(ckpt: str, args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", ckpt, "--port", str(port),
-                             "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"],
+                             "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--threads", str(args.threads),
+                             "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -780,6 +780,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 suits small models)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most; beyond it requests get 429")
     parser.add_argument("--api-key", default=None, help="require this key (default: $GG_API_KEY)")
@@ -801,6 +802,7 @@ def load_served(args) -> Served:
     from pathlib import Path
     from gradient_garden.tokenizer import init_tokenizer
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
+    if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
         from gradient_garden.engine.checkpoints import load_model_from_checkpoint
         model, cfg = load_model_from_checkpoint(args.checkpoint, device, dtype)
