@@ -95,7 +95,8 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
     from gradient_garden.engine.distributed import DistEnv
     from gradient_garden.engine.trainer import Trainer
     from test_hot_path import make_parts
-    from gradient_garden.models import tendril
+    from gradient_garden.models import attention, tendril
+    attention.FLEX_COMPILE_BACKEND = "aot_eager"  # packed documents: flex_attention as traced for Inductor, likewise
     tendril.LOSS_IMPL = "compiled"                # the CUDA default without Liger (whose Triton kernel needs a real GPU)
     tendril.LOSS_COMPILE_BACKEND = "aot_eager"   # the compiled loss as traced for Inductor; no Triton to generate CUDA code
     cfg, model, task, loader, val_loader = make_parts(kind)
@@ -118,16 +119,20 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
             mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False):
         tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)), log_to_console=False)
         tr.state.step = 1            # a step between logging intervals: the loop reads nothing back
-        seen = []
+        seen, flex_calls, real_flex = [], [], attention.flex_gqa
+        def counting_flex(*a, **k):
+            flex_calls.append(1); return real_flex(*a, **k)
         hook = torch.nn.modules.module.register_module_forward_hook(
             lambda m, a, o: seen.append(o.dtype) if torch.is_tensor(o) and o.is_floating_point() else None)
-        try: out = tr.train_step()
+        try:
+            with mock.patch.object(attention, "flex_gqa", counting_flex): out = tr.train_step()
         finally: hook.remove()
         step_count = [s["step"] for o in tr.optimizers for s in o.state.values() if "step" in s]
     devices = {k: str(v.device) for k, v in out.items() if torch.is_tensor(v)}
     devices |= {"params": sorted({str(p.device) for p in model.parameters()}),
                 "optimizer_step": sorted({str(s.device) for s in step_count})}
     return dict(devices=devices, activation_dtypes=sorted({str(d) for d in seen}), loss_impl=tendril.loss_impl("cuda"),
+                flex_attention_calls=len(flex_calls),
                 compiled_loss_graphs=len(tendril._COMPILED_CHUNK),
                 fused_adamw=all(g.get("fused") for o in tr.optimizers for g in o.param_groups if "fused" in g))
 

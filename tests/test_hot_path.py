@@ -377,8 +377,8 @@ FAKE_CUDA_CASES = [f"{kind}:{precision}" for kind in ("dense", "moe", "sft", "dp
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="builds a small C++ library that fakes CUDA for autograd")
 def test_training_step_on_fake_cuda_has_no_device_mismatch():
-    """Every task's step on fake `cuda:0` tensors, fp32 and bf16 autocast, compiled loss and fused AdamW: all on the device;
-    a mask made on the host inside the loss is caught as a device mismatch."""
+    """Every task's step on fake `cuda:0` tensors, fp32 and bf16 autocast, compiled loss, fused AdamW, packed SFT on
+    flex_attention: everything on the device; a mask made on the host inside the loss is caught as a device mismatch."""
     from fake_cuda import build_library
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("fake_cuda.py")), str(build_library()),
                         *FAKE_CUDA_CASES, "dense:fp32:host"], capture_output=True, text=True, timeout=600,
@@ -392,4 +392,5 @@ def test_training_step_on_fake_cuda_has_no_device_mismatch():
         assert devices == {"cuda:0"}, (case, got["devices"])
         assert got["loss_impl"] == "compiled" and got["compiled_loss_graphs"] == 1 and got["fused_adamw"], (case, got)
         assert ("torch.bfloat16" in got["activation_dtypes"]) == case.endswith("bf16"), (case, got["activation_dtypes"])
+        assert got["flex_attention_calls"] == (4 if case.startswith("sft") else 0), (case, got)   # 2 layers x 2 micro-steps
     assert res["dense:fp32:host"].startswith("FakeTensorDeviceMismatchError"), res["dense:fp32:host"]
