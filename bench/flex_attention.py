@@ -48,7 +48,8 @@ def main(argv=None):
     mcfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=max(2, args.dim // 64), n_kv_heads=max(1, args.dim // 128),
                        vocab_size=1024, max_seq_len=T)
     H, KV, d = mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim
-    q, k, v = torch.randn(B, H, T, d, device=dev), torch.randn(B, KV, T, d, device=dev), torch.randn(B, KV, T, d, device=dev)
+    qkv_dtype = autocast_dtype or torch.float32                 # what the projections hand attention under autocast
+    q, k, v = (torch.randn(B, h, T, d, device=dev, dtype=qkv_dtype) for h in (H, KV, KV))
     dense, bm = attention_mask(T, doc_ids=doc, device=dev), document_block_mask(doc)
     amp = lambda: torch.autocast(dev_type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     models = {}
