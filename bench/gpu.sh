@@ -22,7 +22,7 @@ import json, os, sys, time, torch
 from gradient_garden.config import load_recipe
 from gradient_garden.models import tendril
 from gradient_garden.models.tendril import build_model, count_parameters, flops_per_token
-from gradient_garden.engine.distributed import init_distributed, parallelize, all_reduce
+from gradient_garden.engine.distributed import init_distributed, parallelize, all_reduce, grad_sync
 from gradient_garden.engine.optim import build_optimizers
 from gradient_garden.engine.trainer import peak_flops
 recipe, out, micro = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -38,22 +38,27 @@ model = parallelize(build_model(cfg.model).to(env.device), cfg.runtime, env)
 opts = build_optimizers(model, cfg.optimizers, env.device.type)
 T = cfg.training.seq_len
 toks = torch.randint(0, cfg.model.vocab_size, (micro, T + 1), device=env.device)
+# micro-steps per optimizer step as the recipe's run takes them (32 at 124M on one GPU): Muon's Newton-Schulz and
+# AdamW run once per 0.5M tokens, as in training, not once per micro-batch
+accum = int(os.environ.get("GG_BENCH_ACCUM", 0)) or max(1, cfg.training.total_batch_size // (micro * T * env.world_size))
 def step():
-    with torch.autocast(env.device.type, dtype=torch.bfloat16):
-        loss = model(toks[:, :-1], labels=toks[:, 1:]) / (micro * T)
-    loss.backward()
+    for i in range(accum):
+        with grad_sync(model, sync=i == accum - 1), torch.autocast(env.device.type, dtype=torch.bfloat16):
+            loss = model(toks[:, :-1], labels=toks[:, 1:]) / (micro * T * accum)
+        loss.backward()
     for o in opts: o.step(); o.zero_grad(set_to_none=True)
-for _ in range(5 if cuda else 1): step()            # compile + warm-up
+step()                                               # compile + warm-up
 sync()
 if cuda: torch.cuda.reset_peak_memory_stats()
-n, t0 = (20 if cuda else 2), time.perf_counter()
+n, t0 = (4 if cuda else 1), time.perf_counter()
 for _ in range(n): step()
 sync(); dt = time.perf_counter() - t0
-tps = n * micro * T * env.world_size / dt
+tps = n * accum * micro * T * env.world_size / dt
 peak = peak_flops(env.device, "bf16")
 mem = all_reduce(torch.tensor(float(torch.cuda.max_memory_allocated() if cuda else 0), device=env.device), "max").item()
 if env.is_main:
-    json.dump(dict(params=count_parameters(model), ranks=env.world_size, micro_batch=micro, seq_len=T, tokens_per_s=round(tps),
+    json.dump(dict(params=count_parameters(model), ranks=env.world_size, micro_batch=micro, seq_len=T, grad_accum=accum,
+                   optimizers=[type(o).__name__ for o in opts], tokens_per_s=round(tps),
                    loss_impl=tendril.loss_impl(env.device.type), compiled=cfg.runtime.compile,
                    mfu=round(tps * flops_per_token(cfg.model, T) / (peak * env.world_size), 4),
                    peak_mem_gib=round(mem / 2**30, 2), activation_checkpointing=cfg.runtime.activation_checkpointing), open(out, "w"))
