@@ -413,3 +413,23 @@ def test_gpu_bench_step_script_runs_on_cpu(tmp_path):
         from gradient_garden.config import load_recipe
         t = load_recipe(root / "recipes/pretraining/debug.yaml").config.training
         assert res["grad_accum"] == max(1, t.total_batch_size // (2 * t.seq_len)), res    # the recipe's accumulation
+
+
+# -- packed documents on flex_attention ---------------------------------------------------------------------------------
+def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
+    "`model.attention_backend: flex`: the BlockMask goes through compiled blocks, and the logits equal SDPA's dense mask."
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models import attention
+    from gradient_garden.models.tendril import build_model
+    shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32, multiple_of=16)
+    torch.manual_seed(0)
+    sdpa = build_model(ModelConfig(**shape, attention_backend="sdpa"))
+    flex = build_model(ModelConfig(**shape, attention_backend="flex")); flex.load_state_dict(sdpa.state_dict())
+    for block in flex.layers: block.compile(backend="aot_eager")    # as `parallelize` does, without Inductor's C++ build
+    calls, real = [], attention.flex_gqa
+    monkeypatch.setattr(attention, "flex_gqa", lambda *a: calls.append(1) or real(*a))
+    tokens, doc = torch.randint(0, VOCAB, (2, 32)), (torch.arange(32) >= 13).long().expand(2, 32).contiguous()
+    with torch.no_grad(): torch.testing.assert_close(flex(tokens, doc_ids=doc), sdpa(tokens, doc_ids=doc), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2                                          # one per layer: flex, not SDPA
+    with pytest.raises(NotImplementedError, match="cannot train on CPU"): flex(tokens, doc_ids=doc, labels=tokens)
+    torch._dynamo.reset()
