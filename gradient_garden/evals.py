@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import gradient_garden
 from .config import ConfigError, GlobalConfig
+from .runtime import write_text_atomic
 
 # %% auto #0
 __all__ = ['FIXTURES_DIR', 'TASKS', 'DTYPES', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example', 'MCTask',
@@ -161,12 +162,6 @@ def load_hub_rows(name: str) -> list[dict]:
                           f"use --evals-offline for the bundled fixture") from None
     return [dict(r) for r in ds]
 
-def _write_atomic(path: Path, text: str):
-    "Write `text` to `path` through a temporary file and a rename."
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
 def prepare_evals(names: Sequence[str], out_dir, from_hub: bool = True) -> dict[str, Path]:
     "Store each task's rows as `<out_dir>/<name>.jsonl` (from the hub, or the bundled fixture); return the paths."
     out = Path(out_dir)
@@ -178,12 +173,12 @@ def prepare_evals(names: Sequence[str], out_dir, from_hub: bool = True) -> dict[
         task = get_task(name)
         rows = load_hub_rows(task.name) if from_hub else read_jsonl(eval_file(task.name))
         path = out/f"{task.name}.jsonl"
-        _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         load_examples(task.name, out)
         manifest[task.name] = {"source": f"hub:{task.hub_path}/{task.hub_name or 'default'}/{task.split}"
                                if from_hub else "fixture", "rows": len(rows)}
         paths[task.name] = path
-    _write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    write_text_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return paths
 
 def eval_source(name: str, data_dir=None) -> str:
@@ -675,13 +670,13 @@ def run_evaluate(args) -> int:
         if rank == 0:
             out = Path(args.output_file_name)
             out.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(out, json.dumps(results, indent=2) + "\n")
+            write_text_atomic(out, json.dumps(results, indent=2) + "\n")
             if "validation" in results: print(f"validation loss {results['validation']['loss']:.4f}")
             for name, m in tasks.items(): print(_task_line(name, m))
             print(f"results: {out}")
             for name, recs in (samples or {}).items():
                 path = samples_path(out, name)
-                _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in recs))
+                write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in recs))
                 print(f"samples: {path}")
     finally:
         if started_dist: destroy_distributed()

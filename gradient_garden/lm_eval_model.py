@@ -20,11 +20,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from .config import ConfigError
+from .runtime import parse_dtype
 from .evals import _forward_rows, _plain_row, default_prefix, prefix_token_id, text_encoder
 from .generation import generate
 
 # %% auto #0
-__all__ = ['DTYPES', 'GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
+__all__ = ['GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
 
 # %% ../nbs/41_lm_eval.ipynb #0c85b4e5
 def _flag(v) -> Optional[bool]:
@@ -156,16 +157,13 @@ def barrier(self: GardenLM) -> None:
     if self.world_size > 1: dist.barrier()
 
 # %% ../nbs/41_lm_eval.ipynb #725644d7
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 for _name in ("gradient_garden", "gg"): model_registry.register(_name, target="gradient_garden.lm_eval_model:GardenLM")
 
 def load_checkpoint_lm(checkpoint, device="cpu", dtype: str = "fp32"):
     "(model, tokenizer) of a gradient-garden checkpoint (LoRA merged), ready for `GardenLM`."
     from gradient_garden.engine.checkpoints import load_model_from_checkpoint
     from gradient_garden.tokenizer import init_tokenizer
-    if dtype not in DTYPES: raise ConfigError(f"dtype: got {dtype!r}; expected one of {', '.join(DTYPES)}")
-    model, cfg = load_model_from_checkpoint(checkpoint, device=device, dtype=DTYPES[dtype])
+    model, cfg = load_model_from_checkpoint(checkpoint, device=device, dtype=parse_dtype(dtype))
     return model, init_tokenizer(cfg.tokenizer)
 
 # %% ../nbs/41_lm_eval.ipynb #03a1cba8

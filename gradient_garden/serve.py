@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .config import ConfigError
-from .generation import (_DTYPES, HOLD_MAX_BYTES, apply_repetition_penalty, decode_step,
-                                        decode_step_applies, resolve_device, sample_next)
+from .generation import HOLD_MAX_BYTES, apply_repetition_penalty, decode_step, decode_step_applies, sample_next
+from .runtime import DTYPES as _DTYPES, resolve_device
 from .models.attention import KVCache, hold_fused_weights
 
 # %% auto #0

@@ -18,6 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
 
 from .config import ConfigError, TokenizerConfig
+from .runtime import atomic_dir
 
 # %% auto #0
 __all__ = ['LLAMA3_PATTERN', 'LLAMA3_NUM_SPECIAL_TOKENS', 'BOS', 'EOS', 'EOT', 'START_HEADER', 'END_HEADER',
@@ -329,9 +330,6 @@ def ensure_tokenizer(tok_cfg: TokenizerConfig, texts_fn: Callable[[], Iterable[s
         if path.suffix or (path.exists() and any(path.iterdir())):
             raise ConfigError(f"tokenizer.path={tok_cfg.path!r}: holds no {tok_cfg.backend} tokenizer; give an existing"
                               " tokenizer or a new folder path to train one in")
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        train_bpe(texts_fn(), vocab_size, tmp, min_frequency=min_frequency)
-        try: os.replace(tmp, path)
-        except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process saved the same tokenizer first
+        with atomic_dir(path, overwrite=False) as tmp:   # another process that saved the same tokenizer first wins
+            train_bpe(texts_fn(), vocab_size, tmp, min_frequency=min_frequency)
     return init_tokenizer(tok_cfg)

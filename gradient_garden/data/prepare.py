@@ -16,6 +16,7 @@ import datasets
 from tqdm.auto import tqdm
 from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_overrides, from_plain,
                                     load_config, read_data_file, to_plain)
+from ..runtime import write_json_atomic
 from ..tokenizer import Tokenizer, ensure_tokenizer
 
 # %% auto #0
@@ -23,10 +24,9 @@ __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED',
            'META_FILE', 'SHARD_FORMAT', 'SHARD_VERSION', 'STAGE_HOOKS', 'stdlib_files', 'pydoc_topics', 'HubSource',
            'LocalSource', 'EmbeddedSource', 'resolve_files', 'infer_format', 'parse_source', 'PretrainingData',
            'parse_pretraining_data', 'load_mix_file', 'parse_mix_file_data', 'open_source', 'SourceStream',
-           'is_validation', 'shard_sizes', 'ShardWriter', 'write_json_atomic', 'read_json', 'token_dtype',
-           'encode_documents', 'next_source', 'check_shard_version', 'tokenizer_info', 'check_tokenizer',
-           'clear_prepared', 'resume_point', 'prepare_pretraining', 'run_stage_hook', 'tokenizer_texts',
-           'add_prepare_args', 'run_prepare']
+           'is_validation', 'shard_sizes', 'ShardWriter', 'read_json', 'token_dtype', 'encode_documents', 'next_source',
+           'check_shard_version', 'tokenizer_info', 'check_tokenizer', 'clear_prepared', 'resume_point',
+           'prepare_pretraining', 'run_stage_hook', 'tokenizer_texts', 'add_prepare_args', 'run_prepare']
 
 # %% ../../nbs/02_data.ipynb #653aa8ae
 EMBEDDED_CORPORA = ("python-stdlib", "pydoc-topics")
@@ -308,16 +308,6 @@ class ShardWriter:
 
 # %% ../../nbs/02_data.ipynb #1010d5f0
 PROGRESS_FILE, META_FILE = "progress.json", "meta.json"
-
-def write_json_atomic(path, obj) -> Path:
-    "Write `obj` as JSON to `path` via a synced temporary file and `os.replace`."
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
 
 def read_json(path) -> dict | None:
     "The JSON object at `path`, or None if there is no file."

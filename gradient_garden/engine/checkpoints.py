@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, from_plain
+from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from .distributed import barrier, is_fsdp, unwrap
 
 # %% auto #0
@@ -70,14 +71,6 @@ def set_rng_state(state: dict):
 CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "gradient-garden", 1
 REQUIRED_KEYS = ("step", "stage", "architecture", "config", "model")
 
-def _fsync_dir(d: Path):
-    "Make a rename in directory `d` durable (a no-op where directories cannot be opened, e.g. Windows)."
-    try: fd = os.open(d, os.O_RDONLY)
-    except OSError: return
-    try: os.fsync(fd)
-    except OSError: pass
-    finally: os.close(fd)
-
 def save_checkpoint(state: dict, path) -> Path:
     "Write checkpoint dict `state` to `path` atomically (temp file in the same dir, fsync, rename, dir fsync)."
     path = Path(path)
@@ -86,19 +79,7 @@ def save_checkpoint(state: dict, path) -> Path:
     state = {**state, "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION}
     if bad := find_unsafe(state):
         raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), lists)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    return torch_save_atomic(state, path)
 
 # %% ../../nbs/23_checkpoints.ipynb #d6fbc36d
 CHECKPOINT_RE = re.compile(r"^step_(\d{7,})(\.pt)?$")
@@ -382,11 +363,6 @@ def read_sharded(path, keys=("model", "optimizers")) -> dict:
 # %% ../../nbs/23_checkpoints.ipynb #c3fc931d
 def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
 
-def _fsync_write(path: Path, write: Callable):
-    "Write a file with `write(f)`, flushed and fsynced."
-    with open(path, "wb") as f:
-        write(f); f.flush(); os.fsync(f.fileno())
-
 def sharded_meta(meta: dict) -> dict:
     "`meta` stamped with the format, checked for the required keys (the tensors live in the shards) and safe types."
     meta = {**meta, "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "layout": "sharded"}
@@ -407,13 +383,12 @@ def begin_sharded(final: Path) -> Path:
 
 def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     "Rank 0, once every shard is on disk: write `meta.pt`, then the marker, then rename `tmp` to `final`."
-    _fsync_write(tmp/SHARDED_META, lambda f: torch.save(meta, f))
-    _fsync_write(tmp/SHARDED_MARKER, lambda f: f.write(f"step {meta['step']}\n".encode()))
-    _fsync_dir(tmp)
+    torch_save_atomic(meta, tmp/SHARDED_META)
+    write_text_atomic(tmp/SHARDED_MARKER, f"step {meta['step']}\n")
     old = final.with_name(f".{final.name}.old") if final.exists() else None
     if old: os.replace(final, old)  # a checkpoint of the same step is replaced
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old: shutil.rmtree(old, ignore_errors=True)
     return final
 

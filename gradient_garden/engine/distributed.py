@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from ..config import ConfigError, RuntimeConfig
+from ..runtime import parse_dtype, resolve_device
 try: from torch.distributed.tensor import DTensor
 except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
-__all__ = ['DistEnv', 'resolve_device', 'init_distributed', 'destroy_distributed', 'all_reduce', 'barrier', 'broadcast_object',
+__all__ = ['DistEnv', 'init_distributed', 'destroy_distributed', 'all_reduce', 'barrier', 'broadcast_object',
            'all_gather_objects', 'mesh_shape', 'build_mesh', 'apply_fsdp', 'parallelize', 'unwrap', 'is_fsdp',
            'grad_sync', 'grad_norm', 'clip_grad_norm_', 'memory_footprint']
 
@@ -36,17 +37,6 @@ class DistEnv:
     def is_main(self) -> bool: return self.rank == 0
     @property
     def distributed(self) -> bool: return self.world_size > 1
-
-# %% ../../nbs/22_distributed.ipynb #daaed1dc
-def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    "Turn `runtime.device` into a torch device (CUDA picks the local rank's GPU)."
-    if name == "auto": name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available(): raise ConfigError("runtime.device: got 'cuda'; no CUDA device is available (use 'cpu' or 'auto')")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("runtime.device: got 'mps'; MPS is not available (use 'cpu' or 'auto')")
-    return torch.device(name)
 
 # %% ../../nbs/22_distributed.ipynb #da30f5fd
 def init_distributed(runtime: RuntimeConfig | None = None) -> DistEnv:
@@ -117,12 +107,10 @@ def build_mesh(runtime: RuntimeConfig, env: DistEnv):
     return init_device_mesh(env.device.type, (r, s), mesh_dim_names=("replicate", "shard"))
 
 # %% ../../nbs/22_distributed.ipynb #c7ef7792
-_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Module:
     "Shard `model` with FSDP2 over `mesh` (2-D: HSDP; None: all ranks): one unit per transformer block, then the root."
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-    mp = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPES[precision], reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else parse_dtype(precision, "runtime.precision"), reduce_dtype=torch.float32)
     blocks = getattr(model, "layers", None)
     if blocks is None: raise ConfigError(f"runtime.fsdp: model {type(model).__name__} has no `layers` to shard per block")
     n = len(blocks)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
 from .distributed import DistEnv, init_distributed, parallelize, barrier, broadcast_object, all_reduce
-from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload, resolve_precision
+from ..runtime import resolve_precision, write_text_atomic
+from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
 from .plan import check_fit
 
 # %% auto #0
@@ -144,9 +145,7 @@ def truncate_records(path, step: int) -> int:
     path = Path(path)
     rows = _rows(path)
     keep = [l for l in rows if json.loads(l).get("step", 0) <= step]
-    if len(keep) < len(rows):
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        tmp.write_text("".join(l + "\n" for l in keep)); os.replace(tmp, path)
+    if len(keep) < len(rows): write_text_atomic(path, "".join(l + "\n" for l in keep))
     return len(rows) - len(keep)
 
 def run_contents(run_dir) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
+from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precision
 from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier, broadcast_object,
                                                 clip_grad_norm_, all_gather_objects)
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
@@ -25,39 +26,13 @@ from ..generation import default_test_prompts, encode_prompts, generate
 
 
 # %% auto #0
-__all__ = ['DTYPES', 'GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'cpu_bf16_units', 'resolve_precision', 'autocast_context',
-           'make_grad_scaler', 'set_tf32', 'measure_matmul_peak', 'gpu_datasheet_flops', 'compute_precision',
-           'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info', 'write_snapshot', 'init_wandb',
-           'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything', 'make_profiler', 'full_state',
-           'load_full_state', 'TrainState', 'Trainer', 'device_scalar', 'Progress', 'summary_table']
+__all__ = ['GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'make_grad_scaler', 'set_tf32', 'measure_matmul_peak', 'gpu_datasheet_flops',
+           'compute_precision', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
+           'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything',
+           'make_profiler', 'full_state', 'load_full_state', 'TrainState', 'Trainer', 'device_scalar', 'Progress',
+           'summary_table']
 
 # %% ../../nbs/24_trainer.ipynb #5d932186
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-def cpu_bf16_units() -> list[str]:
-    "The CPU's bf16 matrix instructions that oneDNN uses (AMX-BF16, AVX-512-BF16); empty when it has none."
-    if hasattr(torch.cpu, "get_capabilities"): caps = torch.cpu.get_capabilities()   # torch >= 2.10
-    else: caps = {"amx_bf16": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
-    return [name for key, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512-BF16")) if caps.get(key)]
-
-def resolve_precision(device: torch.device, precision: str) -> tuple[str, str]:
-    "`runtime.precision` made concrete for `device`: (`fp32`|`bf16`|`fp16`, the reason)."
-    if precision != "auto": return precision, "set in runtime.precision"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported(including_emulation=False): return "bf16", f"auto: {torch.cuda.get_device_name(device)} has native bf16"
-        return "fp32", f"auto: {torch.cuda.get_device_name(device)} has no native bf16"
-    if device.type == "cpu":
-        units, isa = cpu_bf16_units(), torch.backends.cpu.get_cpu_capability()
-        if units: return "bf16", f"auto: the CPU has {' and '.join(units)} (ATen kernels: {isa})"
-        return "fp32", f"auto: the CPU has neither AMX-BF16 nor AVX-512-BF16 (ATen kernels: {isa})"
-    return "fp32", f"auto: no bf16 path is assumed fast on {device.type}"
-
-def autocast_context(device: torch.device, precision: str):
-    "Autocast for bf16/fp16 on `device` (`auto` resolved first); a no-op context for fp32."
-    precision = resolve_precision(device, precision)[0]
-    if precision == "fp32": return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
-
 def make_grad_scaler(device: torch.device, precision: str):
     "A `GradScaler` for fp16 (loss scaling), disabled otherwise."
     return torch.amp.GradScaler(device.type, enabled=resolve_precision(device, precision)[0] == "fp16")

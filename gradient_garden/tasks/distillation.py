@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from ..config import ConfigError, DistillationConfig, GlobalConfig
+from ..runtime import parse_dtype
 from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
 from .sft import IGNORE_INDEX
 from ..models.attention import additive_mask, attention_mask
@@ -31,13 +32,11 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return torch.where(labels != IGNORE_INDEX, kl, 0).sum() * temperature ** 2   # a mask, not an index: no host sync
 
 # %% ../../nbs/33_distillation.ipynb #4b4ec8f4
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 def load_teacher(name_or_path: str, dtype: str = "fp32", device="cpu"):
     "A frozen, eval-mode `AutoModelForCausalLM` from a hub id or local folder."
     from transformers import AutoModelForCausalLM
-    if dtype not in _DTYPES: raise ConfigError(f"distillation.teacher_dtype: got {dtype!r}; allowed: {', '.join(_DTYPES)}")
-    try: teacher = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=_DTYPES[dtype])
+    torch_dtype = parse_dtype(dtype, "distillation.teacher_dtype")
+    try: teacher = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"distillation.teacher: got {str(name_or_path)!r}; AutoModelForCausalLM cannot load it ({first})") from None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ..config import ConfigError, DPOConfig, GlobalConfig
+from ..runtime import autocast_context
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
@@ -184,7 +185,6 @@ class PrecomputedReference:
     @torch.no_grad()
     def _compute(self, ds: PairDataset) -> torch.Tensor:
         from gradient_garden.engine.distributed import all_reduce
-        from gradient_garden.engine.trainer import autocast_context
         model = _plain_module(self.model)
         dev = next(model.parameters()).device
         table = torch.zeros(len(ds), 2, dtype=torch.float64, device=dev)

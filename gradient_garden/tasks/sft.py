@@ -13,6 +13,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 from ..config import ConfigError, GlobalConfig
+from ..runtime import atomic_dir
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
                                              SPLITS)
 from .pretraining import CausalLMTask
@@ -78,17 +79,13 @@ def open_split(data_dir, split: str, what: str, stage: str) -> tuple[Path, dict]
 
 def write_split(folder, chats: Sequence[tuple], meta: dict) -> dict:
     "Atomically write tokenised chats `(ids, mask, cuts)` and `meta.json` into `folder`."
-    folder = Path(folder)
-    tmp = folder.parent/f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
-    save_ragged(tmp, "tokens", [c[0] for c in chats], np.int32)
-    save_ragged(tmp, "mask", [c[1] for c in chats], np.uint8)
-    save_ragged(tmp, "cuts", [c[2] for c in chats], np.int32)
     meta = meta | dict(n_conversations=len(chats), n_tokens=sum(len(c[0]) for c in chats),
                        n_supervised=sum(sum(c[1]) for c in chats))
-    (tmp/"meta.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    with atomic_dir(folder) as tmp:
+        save_ragged(tmp, "tokens", [c[0] for c in chats], np.int32)
+        save_ragged(tmp, "mask", [c[1] for c in chats], np.uint8)
+        save_ragged(tmp, "cuts", [c[2] for c in chats], np.int32)
+        (tmp/"meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
 # %% ../../nbs/31_sft.ipynb #2ff64f2f
