@@ -116,6 +116,15 @@ class DistillationTask:
         "Supervised tokens (the wrapped task's count)."
         return self.task.count(batch)
 
+    @property
+    def chat_prompts(self) -> bool:
+        "Whether the trainer samples chat-formatted prompts: the wrapped task's answer."
+        return self.task.chat_prompts
+
+    def baseline_loss(self, train_loader) -> float | None:
+        "The wrapped task's reference loss for the summary."
+        return self.task.baseline_loss(train_loader)
+
 # %% ../../nbs/33_distillation.ipynb #dbad90ec
 def wrap_with_distillation(task, cfg: GlobalConfig, tokenizer=None, device="cpu"):
     "The stage's task, wrapped in `DistillationTask` when `distillation.enabled` (idempotent)."

@@ -322,6 +322,12 @@ class DPOTask:
         ids = batch["input_ids"]
         return torch.full((), ids.shape[0] // 2, dtype=torch.long, device=ids.device)
 
+    chat_prompts = True   # the trainer samples chat-formatted prompts
+
+    def baseline_loss(self, train_loader) -> None:
+        "No unigram reference for preference pairs."
+        return None
+
 # %% ../../nbs/32_dpo.ipynb #ffa06f21
 @torch.no_grad()
 def preference_accuracy(model, data_dir, split: str = "val", seq_len: int = 256, batch_size: int = 32,

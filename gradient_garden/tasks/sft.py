@@ -365,6 +365,11 @@ def check_stream_state(saved: dict, mine: dict, keys):
 # %% ../../nbs/31_sft.ipynb #be3ea24d
 class SFTTask(CausalLMTask):
     "The instruct task: summed next-token cross-entropy over assistant tokens; `count` = supervised tokens."
+    chat_prompts = True   # the trainer samples chat-formatted prompts
+
+    def baseline_loss(self, train_loader) -> None:
+        "No unigram reference for conversations."
+        return None
 
 # %% ../../nbs/31_sft.ipynb #56b0cb3e
 def instruct_dir(cfg: GlobalConfig) -> Path:
