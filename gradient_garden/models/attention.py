@@ -1,5 +1,5 @@
 """Rotary position embeddings from precomputed tables, grouped-query attention on PyTorch's fused SDPA kernels
-(without copying the shared K/V heads where the kernel allows), causal / padding / packed-document masks, and a
+(without copying the shared K/V heads where the kernel allows), causal / padding / packed-document masks (block-sparse on `flex_attention` on CUDA), and a
 preallocated KV cache for decoding.
 
 Docs: https://gradient-garden.github.io/gradient-garden/attention.html.md"""
@@ -12,12 +12,15 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops',
-           'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
-           'LayerKV', 'KVCache', 'sdpa_gqa', 'sdpa_kernel_class', 'plain_linear', 'fused_weight', 'hold_fused_weights',
-           'Attention']
+__all__ = ['ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSE_MIN_TOKENS', 'rope_inv_freq', 'precompute_rope', 'swap_halves',
+           'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads', 'positions_from_pad_mask',
+           'positions_from_doc_ids', 'attention_mask', 'additive_mask', 'LayerKV', 'KVCache', 'sdpa_gqa',
+           'sdpa_kernel_class', 'attention_backend', 'document_block_mask', 'compiled_flex_attention', 'flex_gqa',
+           'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -104,7 +107,7 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     "The boolean `mask` as the float mask SDPA adds to the scores: 0 where attending, -inf elsewhere."
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
-# %% ../../nbs/10_attention.ipynb #8d124237
+# %% ../../nbs/10_attention.ipynb #3379f523
 class LayerKV:
     "One layer's slot of a `KVCache`: its two buffers, written in place (no layer index, so one compiled graph serves all)."
     def __init__(self, keys: torch.Tensor, values: torch.Tensor): self.keys, self.values = keys, values
@@ -117,6 +120,7 @@ class LayerKV:
         self.values[:, start_pos:end] = v
         return self.keys[:, :end].transpose(1, 2), self.values[:, :end].transpose(1, 2)
 
+# %% ../../nbs/10_attention.ipynb #10f589b5
 class KVCache:
     "Preallocated keys and values per layer, `[batch, max_seq_len, n_kv_heads, head_dim]`, written in place."
     def __init__(self, n_layers: int, batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int):
@@ -146,7 +150,6 @@ class KVCache:
         "Memory held by the allocated buffers."
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
-
 # %% ../../nbs/10_attention.ipynb #132ca764
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, S, d]`; causal when `mask` is None and T > 1."
@@ -170,7 +173,42 @@ def sdpa_kernel_class(mask: torch.Tensor | None) -> str:
     "The fastest CUDA SDPA kernel class a call with `mask` can reach: `flash` without a mask, else `memory-efficient`."
     return "flash" if mask is None else "memory-efficient"
 
-# %% ../../nbs/10_attention.ipynb #60da7613
+# %% ../../nbs/10_attention.ipynb #7d6b32d6
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+def attention_backend(device_type: str, setting: str = "auto") -> str:
+    "`model.attention_backend` made concrete for `device_type`: `flex` or `sdpa` (auto: flex on CUDA only)."
+    if setting not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention_backend: got {setting!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
+    if setting != "auto": return setting
+    return "flex" if device_type == "cuda" else "sdpa"
+
+def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128) -> BlockMask:
+    "flex_attention's block-sparse mask for packed rows `doc_ids` `[B, T]`: causal, and within one document."
+    B, T = doc_ids.shape
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+    return create_block_mask(causal_same_document, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=block_size)
+
+# %% ../../nbs/10_attention.ipynb #7e82ebe5
+FLEX_COMPILE_BACKEND = "inductor"
+_COMPILED_FLEX: dict = {}
+
+def compiled_flex_attention(backend: str | None = None):
+    "`flex_attention` under `torch.compile` (`FLEX_COMPILE_BACKEND` by default; one compiled function per backend)."
+    backend = backend or FLEX_COMPILE_BACKEND
+    if backend not in _COMPILED_FLEX: _COMPILED_FLEX[backend] = torch.compile(flex_attention, backend=backend)
+    return _COMPILED_FLEX[backend]
+
+def flex_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, T, d]` under `block_mask`, K/V not repeated."
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("model.attention_backend: 'flex' cannot train on CPU (torch has no CPU flex_attention "
+                                  "backward); use 'sdpa' or 'auto'")
+    fn = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+# %% ../../nbs/10_attention.ipynb #1a4584a4
 FUSE_MIN_TOKENS = 64
 
 def plain_linear(m: nn.Module) -> bool:
@@ -189,6 +227,7 @@ def fused_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     linears = module.fused_linears()
     return torch.cat([m.weight for m in linears]) if _fusable(x, *linears) else None
 
+# %% ../../nbs/10_attention.ipynb #e6d7c9e8
 @contextmanager
 def hold_fused_weights(model: nn.Module, max_bytes: int | None = None):
     "Within the block, modules with `fused_linears` keep their concatenated weights (no-gradient forwards use them)."
@@ -206,6 +245,7 @@ def hold_fused_weights(model: nn.Module, max_bytes: int | None = None):
     finally:
         for m in held: m._held_weight = None
 
+# %% ../../nbs/10_attention.ipynb #23807300
 class Attention(nn.Module):
     "Grouped-query self-attention with RoPE on SDPA; `layer_id` selects this layer's slot in a `KVCache`."
     fuse_projections = True
@@ -222,28 +262,34 @@ class Attention(nn.Module):
         "The projections that can run as one matmul."
         return self.wq, self.wk, self.wv
 
-    def _qkv(self, x, cos, sin):
-        "Queries, keys, values `[B, T, heads, head_dim]`, with RoPE applied to queries and keys."
-        B, T, _ = x.shape
-        H, KV, d = self.n_heads, self.n_kv_heads, self.head_dim
-        w = fused_weight(self, x)
-        if w is not None:
-            qkv = F.linear(x, w).view(B, T, H + 2 * KV, d)
-            qk, v = rotate_heads(qkv, cos, sin, H + KV)
-            q, k = qk.split([H, KV], dim=2)
-            return q, k, v
-        q, k, v = self.wq(x).view(B, T, H, d), self.wk(x).view(B, T, KV, d), self.wv(x).view(B, T, KV, d)
-        if plain_ops(): return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-        return RotateHeads.apply(q, cos, sin, H)[0], RotateHeads.apply(k, cos, sin, KV)[0], v
+# %% ../../nbs/10_attention.ipynb #ee0d1215
+@patch
+def _qkv(self: Attention, x, cos, sin):
+    "Queries, keys, values `[B, T, heads, head_dim]`, with RoPE applied to queries and keys."
+    B, T, _ = x.shape
+    H, KV, d = self.n_heads, self.n_kv_heads, self.head_dim
+    w = fused_weight(self, x)
+    if w is not None:
+        qkv = F.linear(x, w).view(B, T, H + 2 * KV, d)
+        qk, v = rotate_heads(qkv, cos, sin, H + KV)
+        q, k = qk.split([H, KV], dim=2)
+        return q, k, v
+    q, k, v = self.wq(x).view(B, T, H, d), self.wk(x).view(B, T, KV, d), self.wv(x).view(B, T, KV, d)
+    if plain_ops(): return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return RotateHeads.apply(q, cos, sin, H)[0], RotateHeads.apply(k, cos, sin, KV)[0], v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                kv_cache: KVCache | LayerKV | None = None, start_pos: int = 0) -> torch.Tensor:
-        "Attend from `x` `[B, T, dim]` (positions from `cos`/`sin`) to itself, or to the cache plus itself."
-        B, T, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
-        if isinstance(kv_cache, KVCache): kv_cache = kv_cache.allocate(k.dtype, k.device).layer(self.layer_id)
-        if kv_cache is not None: k, v = kv_cache.update(k, v, start_pos)
-        else: k, v = k.transpose(1, 2), v.transpose(1, 2)
+# %% ../../nbs/10_attention.ipynb #953f885b
+@patch
+def forward(self: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
+            kv_cache: KVCache | LayerKV | None = None, start_pos: int = 0) -> torch.Tensor:
+    "Attend from `x` `[B, T, dim]` (positions from `cos`/`sin`) to itself, or to the cache plus itself."
+    B, T, _ = x.shape
+    q, k, v = self._qkv(x, cos, sin)
+    if isinstance(kv_cache, KVCache): kv_cache = kv_cache.allocate(k.dtype, k.device).layer(self.layer_id)
+    if kv_cache is not None: k, v = kv_cache.update(k, v, start_pos)
+    else: k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if isinstance(mask, BlockMask): out = flex_gqa(q.transpose(1, 2), k, v, mask)   # packed documents on flex
+    else:
         if mask is None and T > 1 and k.shape[2] > T: mask = attention_mask(T, k.shape[2] - T, device=x.device)
         out = sdpa_gqa(q.transpose(1, 2), k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+    return self.wo(out.transpose(1, 2).reshape(B, T, -1))

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
-from .attention import (Attention, KVCache, additive_mask, attention_mask, positions_from_doc_ids,
+from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask,
+                                              document_block_mask, positions_from_doc_ids,
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
@@ -360,6 +361,9 @@ class Tendril(TrainableModel, nn.Module):
         else: cos, sin = self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2)
         h = self.tok_embeddings(tokens)
         mask = full_mask
+        if mask is None and doc_ids is not None and pad_mask is None and start_pos == 0 \
+                and attention_backend(tokens.device.type, self.cfg.attention_backend) == "flex":
+            mask = document_block_mask(doc_ids)   # packed documents: block-sparse flex_attention
         if mask is None:
             mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
             if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):
