@@ -167,6 +167,7 @@ def _write_atomic(path: Path, text: str):
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
+# %% ../nbs/40_evals.ipynb #1403d94a
 def prepare_evals(names: Sequence[str], out_dir, from_hub: bool = True) -> dict[str, Path]:
     "Store each task's rows as `<out_dir>/<name>.jsonl` (from the hub, or the bundled fixture); return the paths."
     out = Path(out_dir)
@@ -307,12 +308,16 @@ def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
     out = model(tokens, **kw)
     return out if isinstance(out, torch.Tensor) else out.logits
 
-def _keeps_logits(model) -> bool:
-    "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
+def _forward_takes(model, *names: str) -> bool:
+    "True when the model's forward names every one of `names` among its parameters."
     import inspect
     m = getattr(model, "module", model)
-    try: return "logits_to_keep" in inspect.signature(getattr(m, "forward", m)).parameters
+    try: return all(n in inspect.signature(getattr(m, "forward", m)).parameters for n in names)
     except (TypeError, ValueError): return False
+
+def _keeps_logits(model) -> bool:
+    "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
+    return _forward_takes(model, "logits_to_keep")
 
 def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, dict]:
     "Right-padded token ids `[B, T]` and, when a row has branches, the branch mask and position ids for the forward."
@@ -436,6 +441,7 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
     "Log-likelihood of every choice of every example, `batch_size` examples per forward pass (at most)."
     pair, prefix = pair_encoder(tokenizer, add_bos), prefix_token_id(tokenizer)
     max_len = max_len or model_max_len(model)
+    share_context = share_context and _forward_takes(model, "attn_mask", "position_ids")   # else: one row per choice
     groups = []                                   # what a batch counts: whole examples when sharing, else single choices
     for i, ex in enumerate(examples):
         units = [(i, js, row) for js, row in _example_rows([pair(c, k) for c, k in ex.requests], share_context, max_len)]
