@@ -332,6 +332,7 @@ def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, 
     return tokens.to(device), {"attn_mask": mask[:, None].to(device), "position_ids": pos.to(device)}
 
 # %% ../nbs/40_evals.ipynb #7f38b6f4
+from collections import defaultdict
 from contextlib import contextmanager
 
 # %% ../nbs/40_evals.ipynb #07cd457c
@@ -418,12 +419,20 @@ def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, st
 # %% ../nbs/40_evals.ipynb #8cfb2c6d
 SPLIT_RATIO = 0.9    # a new batch where a row is shorter than this fraction of the batch's longest (less padding)
 
-def _example_rows(pairs, share_context: bool, max_len: Optional[int]) -> list[tuple[list[int], _Row]]:
-    "The rows of one example, request ids from 0: one shared row, or one row per choice ([(its choices, row)])."
+def _prefix_key(pairs) -> tuple[int, ...]:
+    "The token prefix that all choices of one example share (what a shared row holds once)."
+    seqs = [c + k for c, k in pairs]
+    return tuple(seqs[0][:_common_prefix(seqs)])
+
+def _group_rows(encoded, members: list[int], share_context: bool, max_len: Optional[int]):
+    "Rows of examples `members`, request ids from 0, with each request's (example, choice): [(slots, row)]."
+    slots = [(i, j) for i in members for j in range(len(encoded[i]))]
+    pairs = [encoded[i][j] for i, j in slots]
     if share_context and len(pairs) > 1:
         row = _shared_row(pairs, 0)
-        if not max_len or len(row.tokens) <= max_len: return [(list(range(len(pairs))), row)]
-    return [([j], _plain_row(ctx, cont, 0, max_len)) for j, (ctx, cont) in enumerate(pairs)]
+        if not max_len or len(row.tokens) <= max_len: return [(slots, row)]
+        if len(members) > 1: return [u for i in members for u in _group_rows(encoded, [i], share_context, max_len)]
+    return [([s], _plain_row(*p, 0, max_len)) for s, p in zip(slots, pairs)]
 
 def _length_batches(lengths: Sequence[int], per: int, split: float = 0.0) -> list[list[int]]:
     "Indices longest first, `per` at most per batch; with `split` > 0 also a new batch where a length < split x the first's."
@@ -442,12 +451,14 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
     pair, prefix = pair_encoder(tokenizer, add_bos), prefix_token_id(tokenizer)
     max_len = max_len or model_max_len(model)
     share_context = share_context and _forward_takes(model, "attn_mask", "position_ids")   # else: one row per choice
-    groups = []                                   # what a batch counts: whole examples when sharing, else single choices
-    for i, ex in enumerate(examples):
-        units = [(i, js, row) for js, row in _example_rows([pair(c, k) for c, k in ex.requests], share_context, max_len)]
-        groups += [units] if share_context else [[u] for u in units]
+    encoded = [[pair(c, k) for c, k in ex.requests] for ex in examples]
+    if share_context:                     # what a batch counts: examples with one shared prefix (one row), ...
+        same = defaultdict(list)
+        for i, pairs in enumerate(encoded): same[_prefix_key(pairs)].append(i)
+        groups = [_group_rows(encoded, members, True, max_len) for members in same.values()]
+    else: groups = [[u] for i in range(len(encoded)) for u in _group_rows(encoded, [i], False, max_len)]   # ... or choices
     per = batch_size if share_context else batch_size * max((len(ex.requests) for ex in examples), default=1)
-    lengths = [max(len(row.tokens) for _, _, row in g) if g else 0 for g in groups]
+    lengths = [max(len(row.tokens) for _, row in g) for g in groups]
     batches = _length_batches(lengths, per, SPLIT_RATIO if n_batches is None else 0.0)   # ranks: a fixed count
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"): model.eval()
@@ -459,9 +470,9 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
                 _forward_rows(model, [_Row([prefix or 0], [(0, 0, 0)])], 1, device)
                 continue
             rows, slots = [], []                          # slots[r]: the (example, choice) of request r
-            for i, js, row in (u for g in batches[bi] for u in groups[g]):
+            for unit_slots, row in (u for g in batches[bi] for u in groups[g]):
                 rows.append(_Row(row.tokens, [(q + len(slots), p, t) for q, p, t in row.targets], row.branch, row.positions))
-                slots += [(i, j) for j in js]
+                slots += unit_slots
             for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
     finally:
         if was_training: model.train()
