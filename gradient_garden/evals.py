@@ -254,8 +254,8 @@ class _Row:
     "One sequence of a batch; `targets` are (request, position, token) whose log-prob is summed."
     tokens: list[int]
     targets: list[tuple[int, int, int]]
-    branch: Optional[list[int]] = None
-    positions: Optional[list[int]] = None
+    ends: Optional[list[int]] = None           # a token tree: token j is seen by the tokens before ends[j] (default: all)
+    positions: Optional[list[int]] = None      # its position ids (default: 0, 1, 2, ...)
 
 def _plain_row(ctx: list[int], cont: list[int], req: int, max_len: Optional[int]) -> _Row:
     "One request as one row, left-truncated to `max_len` inputs like lm-eval."
@@ -273,18 +273,30 @@ def _common_prefix(seqs: list[list[int]]) -> int:
         if any(s[i] != seqs[0][i] for s in seqs[1:]): return i
     return n
 
+# %% ../nbs/40_evals.ipynb #f229f762
 def _shared_row(pairs: list[tuple[list[int], list[int]]], first_req: int) -> _Row:
-    "All choices of one example as one row: their common prefix once, then one branch per choice."
+    "All choices as one row: the tree (trie) of their input tokens, every shared prefix once, in depth-first order."
     seqs = [c + k for c, k in pairs]
-    P = _common_prefix(seqs)
-    tokens, branch, positions, targets = list(seqs[0][:P]), [0] * P, list(range(P)), []
-    for b, ((ctx, cont), s) in enumerate(zip(pairs, seqs), 1):
-        start = len(tokens)
-        tail = s[P:len(s) - 1]
-        tokens += tail; branch += [b] * len(tail); positions += range(P, P + len(tail))
-        at = lambda k: k if k < P else start + k - P
-        targets += [(first_req + b - 1, at(j - 1), s[j]) for j in range(len(ctx), len(s))]
-    return _Row(tokens, targets, branch, positions)
+    node_of, tok, children, paths = {}, [], [[]], []       # node 0 is the root; children[n]: n's child nodes in order
+    for s in seqs:
+        path, at = [], 0
+        for t in s[:-1]:
+            if (at, t) not in node_of:
+                node_of[at, t] = len(tok) + 1; tok.append(t); children[at].append(len(tok)); children.append([])
+            at = node_of[at, t]; path.append(at)
+        paths.append(path)
+    order, stack = [], children[0][::-1]                    # preorder: a subtree is one contiguous span
+    while stack:
+        n = stack.pop(); order.append(n); stack += children[n][::-1]
+    index = {n: i for i, n in enumerate(order)}
+    ends, depth = [0] * len(order), [0] * len(order)
+    for n in reversed(order):                               # a node's span ends where its last descendant's does
+        ends[index[n]] = max([ends[index[c]] for c in children[n]], default=index[n] + 1)
+    for n in order:
+        for c in children[n]: depth[index[c]] = depth[index[n]] + 1
+    targets = [(first_req + r, index[path[j - 1]], s[j]) for r, ((ctx, _), s, path) in enumerate(zip(pairs, seqs, paths))
+               for j in range(len(ctx), len(s))]
+    return _Row([tok[n - 1] for n in order], targets, ends, depth)
 
 # %% ../nbs/40_evals.ipynb #95bad62f
 class HFCausalLM(torch.nn.Module):
@@ -320,15 +332,16 @@ def _keeps_logits(model) -> bool:
     return _forward_takes(model, "logits_to_keep")
 
 def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, dict]:
-    "Right-padded token ids `[B, T]` and, when a row has branches, the branch mask and position ids for the forward."
+    "Right-padded token ids `[B, T]` and, when a row is a tree, its attention mask and position ids for the forward."
     B, T = len(rows), max(len(r.tokens) for r in rows)
     pad = lambda xs, v: list(xs) + [v] * (T - len(xs))
     tokens = torch.tensor([pad(r.tokens, pad_id) for r in rows])
-    if all(r.branch is None for r in rows): return tokens.to(device), {}
-    br = torch.tensor([pad(r.branch if r.branch is not None else [0] * len(r.tokens), -1) for r in rows])
+    if all(r.ends is None for r in rows): return tokens.to(device), {}
+    ends = torch.tensor([list(r.ends if r.ends is not None else [len(r.tokens)] * len(r.tokens)) +
+                         list(range(len(r.tokens) + 1, T + 1)) for r in rows])            # a pad sees itself only
     pos = torch.tensor([pad(r.positions if r.positions is not None else range(len(r.tokens)), 0) for r in rows])
-    key, query = br[:, None, :], br[:, :, None]
-    mask = torch.ones(T, T, dtype=torch.bool).tril() & ((key == 0) | (key == query))
+    i = torch.arange(T)
+    mask = (i[None, None, :] <= i[None, :, None]) & (i[None, :, None] < ends[:, None, :])  # key j: j <= i < ends[j]
     return tokens.to(device), {"attn_mask": mask[:, None].to(device), "position_ids": pos.to(device)}
 
 # %% ../nbs/40_evals.ipynb #7f38b6f4
@@ -471,7 +484,7 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
                 continue
             rows, slots = [], []                          # slots[r]: the (example, choice) of request r
             for unit_slots, row in (u for g in batches[bi] for u in groups[g]):
-                rows.append(_Row(row.tokens, [(q + len(slots), p, t) for q, p, t in row.targets], row.branch, row.positions))
+                rows.append(_Row(row.tokens, [(q + len(slots), p, t) for q, p, t in row.targets], row.ends, row.positions))
                 slots += unit_slots
             for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
     finally:

@@ -98,7 +98,7 @@ def _loglikelihood_tokens(self: GardenLM, requests, disable_tqdm: bool = False, 
     for batch in _length_batches([len(row.tokens) for _, row in units], override_bs or self.batch_size):
         rows, owners = [], []
         for idx, row in (units[u] for u in batch):
-            rows.append(_Row(row.tokens, [(q + len(owners), p, t) for q, p, t in row.targets], row.branch, row.positions))
+            rows.append(_Row(row.tokens, [(q + len(owners), p, t) for q, p, t in row.targets], row.ends, row.positions))
             owners += idx
         lls, greedy = _forward_rows(self.model, rows, len(owners), self.device, self.tokenizer.pad_id, greedy=True)
         for j, i in enumerate(owners):
