@@ -427,7 +427,11 @@ def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, st
     encode, prefix = text_encoder(tokenizer), prefix_token_id(tokenizer)
     if add_bos and prefix is None: raise ConfigError("add_bos: the tokenizer has no BOS/EOS token to prepend")
     lead = default_prefix(tokenizer) if add_bos is None else [prefix] * bool(add_bos)
-    return lambda context, continuation: encode_pair(encode, context, continuation, prefix, lead)
+    seen: dict[str, list[int]] = {}                  # the choices of an example repeat its context: encode it once
+    def encode_once(text: str) -> list[int]:
+        if text not in seen: seen[text] = encode(text)
+        return list(seen[text])
+    return lambda context, continuation: encode_pair(encode_once, context, continuation, prefix, lead)
 
 # %% ../nbs/40_evals.ipynb #8cfb2c6d
 SPLIT_RATIO = 0.9    # a new batch where a row is shorter than this fraction of the batch's longest (less padding)
