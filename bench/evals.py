@@ -6,7 +6,7 @@ per choice (`share_context=False`), `GardenLM` (the platform's model inside lm-e
 process, one torch thread, fp32, every contender run once untimed first; medians of interleaved repeats; every
 mode's log-likelihoods are checked against `HFLM`'s. The load average is printed and stored with the figures.
 
-    .venv/bin/python bench/evals.py [--repeats 3] [--batch-size 16] [--device cpu]
+    .venv/bin/python bench/evals.py [--repeats 11] [--batch-size 16] [--lm-eval-batch-size N] [--device cpu]
 
 The last line of stdout is one JSON object with the figures."""
 import argparse, json, os, shutil, statistics, sys, tempfile, time
@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lm-eval-batch-size", type=int, default=None, help="HFLM's batch size (default: --batch-size)")
     ap.add_argument("--examples", type=int, default=0, help="examples per task (fixture rows; 0 = all 40)")
     a = ap.parse_args()
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
@@ -79,7 +80,7 @@ def main():
     mc = ModelConfig(vocab_size=tokenizer.vocab_size)
     model = debug_model(mc).to(device)
     export_hf(model, work/"hf", tokenizer=tokenizer, tokenizer_dir=tokenizer.path)
-    hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.batch_size, dtype="float32")
+    hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.lm_eval_batch_size or a.batch_size, dtype="float32")
     garden = GardenLM(model, tokenizer, batch_size=a.batch_size)
     n_params = sum(p.numel() for p in model.parameters())
     modes = {
@@ -91,7 +92,7 @@ def main():
         "lm_eval_hf": lambda exs: regroup(hf.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs),
     }
     print(f"model tendril, {n_params/1e6:.2f}M params; tokenizer {tok_name}; device {device}; "
-          f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (HFLM and GardenLM: {a.batch_size} "
+          f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (GardenLM: {a.batch_size}, HFLM: {a.lm_eval_batch_size or a.batch_size} "
           f"requests); {a.repeats} repeats", file=sys.stderr)
     figures, load_before = {}, os.getloadavg()
     print(f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", file=sys.stderr)
@@ -121,7 +122,7 @@ def main():
           f"{'met' if all(r >= 2 for r in ratios.values()) else 'not met'})", file=sys.stderr)
     print(json.dumps({"bench": "evals", "load_average_before": [round(x, 2) for x in load_before],
                       "load_average_after": [round(x, 2) for x in load_after], "device": str(device), "model": "tendril", "params": n_params, "tokenizer": tok_name,
-                      "batch_size": a.batch_size, "repeats": a.repeats, "torch_threads": torch.get_num_threads(), "tasks": figures}))
+                      "batch_size": a.batch_size, "lm_eval_batch_size": a.lm_eval_batch_size or a.batch_size, "repeats": a.repeats, "torch_threads": torch.get_num_threads(), "tasks": figures}))
 
 
 if __name__ == "__main__":
