@@ -18,14 +18,14 @@ from .config import ConfigError, GlobalConfig
 from .runtime import write_text_atomic
 
 # %% auto #0
-__all__ = ['FIXTURES_DIR', 'TASKS', 'DTYPES', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example', 'MCTask',
-           'register_task', 'get_task', 'hellaswag_preprocess', 'hellaswag_example', 'winogrande_example',
-           'arc_example', 'eval_file', 'load_examples', 'sample_indices', 'load_hub_rows', 'prepare_evals',
-           'eval_source', 'text_encoder', 'prefix_token_id', 'default_prefix', 'encode_pair', 'model_max_len',
-           'pair_encoder', 'score_examples', 'HFCausalLM', 'mean_stderr', 'mc_metrics', 'sample_record',
-           'evaluate_tasks', 'evaluate_from_config', 'validation_loss', 'add_prepare_eval_args', 'selected_tasks',
-           'run_prepare_evals', 'add_evaluate_args', 'load_hf_checkpoint', 'load_evaluation_model', 'samples_path',
-           'context_prefix_name', 'check_evaluate_args', 'run_evaluate']
+__all__ = ['FIXTURES_DIR', 'TASKS', 'HEAD_CHUNK', 'SPLIT_RATIO', 'DTYPES', 'read_jsonl', 'MCExample', 'choices_example',
+           'contexts_example', 'MCTask', 'register_task', 'get_task', 'hellaswag_preprocess', 'hellaswag_example',
+           'winogrande_example', 'arc_example', 'eval_file', 'load_examples', 'sample_indices', 'load_hub_rows',
+           'prepare_evals', 'eval_source', 'text_encoder', 'prefix_token_id', 'default_prefix', 'encode_pair',
+           'HFCausalLM', 'model_max_len', 'pair_encoder', 'score_examples', 'mean_stderr', 'mc_metrics',
+           'sample_record', 'evaluate_tasks', 'evaluate_from_config', 'validation_loss', 'add_prepare_eval_args',
+           'selected_tasks', 'run_prepare_evals', 'add_evaluate_args', 'load_hf_checkpoint', 'load_evaluation_model',
+           'samples_path', 'context_prefix_name', 'check_evaluate_args', 'run_evaluate']
 
 # %% ../nbs/40_evals.ipynb #c96db435
 FIXTURES_DIR = Path(gradient_garden.__file__).parent/"assets"/"evals"
@@ -162,6 +162,7 @@ def load_hub_rows(name: str) -> list[dict]:
                           f"use --evals-offline for the bundled fixture") from None
     return [dict(r) for r in ds]
 
+# %% ../nbs/40_evals.ipynb #1403d94a
 def prepare_evals(names: Sequence[str], out_dir, from_hub: bool = True) -> dict[str, Path]:
     "Store each task's rows as `<out_dir>/<name>.jsonl` (from the hub, or the bundled fixture); return the paths."
     out = Path(out_dir)
@@ -248,8 +249,8 @@ class _Row:
     "One sequence of a batch; `targets` are (request, position, token) whose log-prob is summed."
     tokens: list[int]
     targets: list[tuple[int, int, int]]
-    branch: Optional[list[int]] = None
-    positions: Optional[list[int]] = None
+    ends: Optional[list[int]] = None           # a token tree: token j is seen by the tokens before ends[j] (default: all)
+    positions: Optional[list[int]] = None      # its position ids (default: 0, 1, 2, ...)
 
 def _plain_row(ctx: list[int], cont: list[int], req: int, max_len: Optional[int]) -> _Row:
     "One request as one row, left-truncated to `max_len` inputs like lm-eval."
@@ -267,118 +268,30 @@ def _common_prefix(seqs: list[list[int]]) -> int:
         if any(s[i] != seqs[0][i] for s in seqs[1:]): return i
     return n
 
+# %% ../nbs/40_evals.ipynb #f229f762
 def _shared_row(pairs: list[tuple[list[int], list[int]]], first_req: int) -> _Row:
-    "All choices of one example as one row: their common prefix once, then one branch per choice."
+    "All choices as one row: the tree (trie) of their input tokens, every shared prefix once, in depth-first order."
     seqs = [c + k for c, k in pairs]
-    P = _common_prefix(seqs)
-    tokens, branch, positions, targets = list(seqs[0][:P]), [0] * P, list(range(P)), []
-    for b, ((ctx, cont), s) in enumerate(zip(pairs, seqs), 1):
-        start = len(tokens)
-        tail = s[P:len(s) - 1]
-        tokens += tail; branch += [b] * len(tail); positions += range(P, P + len(tail))
-        at = lambda k: k if k < P else start + k - P
-        targets += [(first_req + b - 1, at(j - 1), s[j]) for j in range(len(ctx), len(s))]
-    return _Row(tokens, targets, branch, positions)
-
-# %% ../nbs/40_evals.ipynb #576729a8
-def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
-    "Run the model; accept a logits tensor or an output object with `.logits`."
-    out = model(tokens, **kw)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-def _keeps_logits(model) -> bool:
-    "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
-    import inspect
-    try: return "logits_to_keep" in inspect.signature(getattr(model, "module", model).forward).parameters
-    except (TypeError, ValueError): return False
-
-def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int = 0, greedy: bool = False):
-    "One forward pass over `rows`: summed target log-probs per request (float64, CPU) [and `is_greedy` flags]."
-    B, T = len(rows), max(len(r.tokens) for r in rows)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows): tokens[i, :len(r.tokens)] = torch.tensor(r.tokens)
-    kw = {}
-    if any(r.branch is not None for r in rows):
-        br, pos = torch.full((B, T), -1, dtype=torch.long), torch.zeros((B, T), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            br[i, :n] = torch.tensor(r.branch if r.branch is not None else [0] * n)
-            pos[i, :n] = torch.tensor(r.positions if r.positions is not None else range(n))
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        key, query = br[:, None, :], br[:, :, None]
-        kw = {"attn_mask": (causal & ((key == 0) | (key == query)))[:, None].to(device), "position_ids": pos.to(device)}
-    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p, t) for i, r in enumerate(rows)
-                                                             for q, p, t in r.targets]))
-    if _keeps_logits(model):             # the head (hidden -> vocabulary) only from the first scored position on
-        keep = T - int(p_idx.min())
-        kw["logits_to_keep"], p_idx = keep, p_idx - (T - keep)
-    logits = _logits(model, tokens.to(device), **kw)
-    picked = logits[b_idx.to(device), p_idx.to(device)].float().log_softmax(-1)
-    lp = picked.gather(1, tgt.to(device)[:, None])[:, 0].double().cpu()
-    lls = torch.zeros(n_requests, dtype=torch.float64).index_add_(0, req, lp)
-    if not greedy: return lls
-    misses = (picked.argmax(-1).cpu() != tgt).long()
-    return lls, torch.zeros(n_requests, dtype=torch.long).index_add_(0, req, misses) == 0
-
-# %% ../nbs/40_evals.ipynb #06719c9d
-def model_max_len(model) -> Optional[int]:
-    "The model's context length if it advertises one (`cfg.max_seq_len` or HF `config.max_position_embeddings`)."
-    m = getattr(model, "module", model)
-    for holder, attr in ((getattr(m, "cfg", None), "max_seq_len"), (getattr(m, "config", None), "max_position_embeddings"),
-                         (getattr(getattr(m, "model", None), "config", None), "max_position_embeddings"), (m, "max_seq_len")):
-        v = getattr(holder, attr, None) if holder is not None else None
-        if isinstance(v, int) and v > 0: return v
-    return None
-
-def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, str], tuple[list[int], list[int]]]:
-    "`(context, continuation) -> (ids, ids)` as lm-eval encodes them; `add_bos` None = the tokenizer's defaults."
-    encode, prefix = text_encoder(tokenizer), prefix_token_id(tokenizer)
-    if add_bos and prefix is None: raise ConfigError("add_bos: the tokenizer has no BOS/EOS token to prepend")
-    lead = default_prefix(tokenizer) if add_bos is None else [prefix] * bool(add_bos)
-    return lambda context, continuation: encode_pair(encode, context, continuation, prefix, lead)
-
-def _shared_batches(enc, batch_size: int) -> list[list[tuple[int, list[int]]]]:
-    "Whole examples, longest first, `batch_size` per batch: [(example, [its choices])]."
-    order = sorted(range(len(enc)), key=lambda i: -max(len(c) + len(k) for c, k in enc[i]))
-    return [[(i, list(range(len(enc[i])))) for i in order[s:s + batch_size]] for s in range(0, len(order), batch_size)]
-
-def _choice_batches(enc, batch_size: int) -> list[list[tuple[int, list[int]]]]:
-    "Single choices, longest first, `batch_size` x (most choices) per batch; never more batches than `_shared_batches`."
-    flat = sorted(((i, j) for i, e in enumerate(enc) for j in range(len(e))), key=lambda ij: -sum(map(len, enc[ij[0]][ij[1]])))
-    per = batch_size * max((len(e) for e in enc), default=1)
-    return [[(i, [j]) for i, j in flat[s:s + per]] for s in range(0, len(flat), per)]
-
-@torch.no_grad()
-def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: int = 16, device="cpu", *,
-                   share_context: bool = False, add_bos: Optional[bool] = None, max_len: Optional[int] = None,
-                   n_batches: Optional[int] = None, progress: bool = False) -> list[list[float]]:
-    "Log-likelihood of every choice of every example, `batch_size` examples per forward pass."
-    pair, prefix = pair_encoder(tokenizer, add_bos), prefix_token_id(tokenizer)
-    max_len = max_len or model_max_len(model)
-    enc = [[pair(c, k) for c, k in ex.requests] for ex in examples]
-    batches = _shared_batches(enc, batch_size) if share_context else _choice_batches(enc, batch_size)
-    total = max(n_batches or 0, len(batches))
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"): model.eval()
-    out: list[list[float]] = [[0.0] * len(e) for e in enc]
-    try:
-        from tqdm.auto import tqdm
-        for bi in tqdm(range(total), desc="eval", disable=not progress, leave=False):
-            if bi >= len(batches):                         # dummy work: same number of forwards on every rank
-                _forward_rows(model, [_Row([prefix or 0], [(0, 0, 0)], [0] if share_context else None,
-                                           [0] if share_context else None)], 1, device)
-                continue
-            rows, slots = [], []                              # slots[r]: the (example, choice) of request r
-            for i, js in batches[bi]:
-                row = _shared_row(enc[i], len(slots)) if share_context else None
-                if row is None or (max_len and len(row.tokens) > max_len):
-                    rows += [_plain_row(*enc[i][j], len(slots) + n, max_len) for n, j in enumerate(js)]
-                else: rows.append(row)
-                slots += [(i, j) for j in js]
-            for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
-    finally:
-        if was_training: model.train()
-    return out
+    node_of, tok, children, paths = {}, [], [[]], []       # node 0 is the root; children[n]: n's child nodes in order
+    for s in seqs:
+        path, at = [], 0
+        for t in s[:-1]:
+            if (at, t) not in node_of:
+                node_of[at, t] = len(tok) + 1; tok.append(t); children[at].append(len(tok)); children.append([])
+            at = node_of[at, t]; path.append(at)
+        paths.append(path)
+    order, stack = [], children[0][::-1]                    # preorder: a subtree is one contiguous span
+    while stack:
+        n = stack.pop(); order.append(n); stack += children[n][::-1]
+    index = {n: i for i, n in enumerate(order)}
+    ends, depth = [0] * len(order), [0] * len(order)
+    for n in reversed(order):                               # a node's span ends where its last descendant's does
+        ends[index[n]] = max([ends[index[c]] for c in children[n]], default=index[n] + 1)
+    for n in order:
+        for c in children[n]: depth[index[c]] = depth[index[n]] + 1
+    targets = [(first_req + r, index[path[j - 1]], s[j]) for r, ((ctx, _), s, path) in enumerate(zip(pairs, seqs, paths))
+               for j in range(len(ctx), len(s))]
+    return _Row([tok[n - 1] for n in order], targets, ends, depth)
 
 # %% ../nbs/40_evals.ipynb #95bad62f
 class HFCausalLM(torch.nn.Module):
@@ -395,6 +308,187 @@ class HFCausalLM(torch.nn.Module):
         elif attn_mask is not None and attn_mask.dim() == 2: attn_mask = attn_mask.long()
         return self.model(input_ids=tokens, attention_mask=attn_mask, position_ids=position_ids,
                           logits_to_keep=logits_to_keep).logits
+
+# %% ../nbs/40_evals.ipynb #375c2b9e
+def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
+    "Run the model; accept a logits tensor or an output object with `.logits`."
+    out = model(tokens, **kw)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+def _forward_takes(model, *names: str) -> bool:
+    "True when the model's forward names every one of `names` among its parameters."
+    import inspect
+    m = getattr(model, "module", model)
+    try: return all(n in inspect.signature(getattr(m, "forward", m)).parameters for n in names)
+    except (TypeError, ValueError): return False
+
+def _keeps_logits(model) -> bool:
+    "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
+    return _forward_takes(model, "logits_to_keep")
+
+def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, dict]:
+    "Right-padded token ids `[B, T]` and, when a row is a tree, its attention mask and position ids for the forward."
+    B, T = len(rows), max(len(r.tokens) for r in rows)
+    pad = lambda xs, v: list(xs) + [v] * (T - len(xs))
+    tokens = torch.tensor([pad(r.tokens, pad_id) for r in rows])
+    if all(r.ends is None for r in rows): return tokens.to(device), {}
+    ends = torch.tensor([list(r.ends if r.ends is not None else [len(r.tokens)] * len(r.tokens)) +
+                         list(range(len(r.tokens) + 1, T + 1)) for r in rows])            # a pad sees itself only
+    pos = torch.tensor([pad(r.positions if r.positions is not None else range(len(r.tokens)), 0) for r in rows])
+    i = torch.arange(T)
+    mask = (i[None, None, :] <= i[None, :, None]) & (i[None, :, None] < ends[:, None, :])  # key j: j <= i < ends[j]
+    return tokens.to(device), {"attn_mask": mask[:, None].to(device), "position_ids": pos.to(device)}
+
+# %% ../nbs/40_evals.ipynb #7f38b6f4
+from collections import defaultdict
+from contextlib import contextmanager
+
+# %% ../nbs/40_evals.ipynb #07cd457c
+def _norm_and_head(model) -> Optional[tuple[torch.nn.Module, Callable]]:
+    "(final norm, head) of a model whose forward ends `head(norm(h))` (Tendril family, `HFCausalLM`), else None."
+    m = getattr(model, "module", model)
+    if not isinstance(m, torch.nn.Module) or hasattr(m, "_orig_mod"): return None       # plain callables, torch.compile
+    if any(type(p).__name__ == "DTensor" for p in m.parameters()): return None          # FSDP: the head runs in forward
+    inner = getattr(m, "model", None)                                                   # HFCausalLM(LlamaForCausalLM)
+    if isinstance(getattr(getattr(inner, "model", None), "norm", None), torch.nn.Module) and hasattr(inner, "lm_head"):
+        return inner.model.norm, inner.lm_head
+    if isinstance(getattr(m, "norm", None), torch.nn.Module) and callable(getattr(m, "head", None)) and hasattr(m, "layers"):
+        return m.norm, m.head
+    return None
+
+@contextmanager
+def _hidden_at(norm: torch.nn.Module, flat_positions: torch.Tensor, store: list):
+    "While active, `norm`'s output `[B, T, D]` is kept at `flat_positions` (b * T + t) in `store`; the head sees none."
+    def keep(module, args, out):
+        store.append(out.flatten(0, 1)[flat_positions])
+        return out[:, :0]
+    handle = norm.register_forward_hook(keep)
+    try: yield store
+    finally: handle.remove()
+
+# %% ../nbs/40_evals.ipynb #5ee4191d
+HEAD_CHUNK = 512     # scored positions per head matmul + log-softmax: a [512, vocab] block, not [every position, vocab]
+
+def _scored_logprobs(head: Callable, hidden: torch.Tensor, where: torch.Tensor, tgt: torch.Tensor, greedy: bool = False,
+                     chunk: int = HEAD_CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    "Log-prob of each target `tgt[i]` at scored position `where[i]` (a row of `hidden`), and whether it was the argmax."
+    lp = torch.empty(len(tgt), dtype=torch.float32, device=hidden.device)
+    top = torch.empty(len(tgt), dtype=torch.bool, device=hidden.device) if greedy else None
+    order = torch.argsort(where)
+    w, t = where[order], tgt[order]
+    n = hidden.shape[0]
+    edges = torch.searchsorted(w, torch.arange(0, n + chunk, chunk, device=w.device).clamp(max=n)).tolist()
+    for c, (a, b) in enumerate(zip(edges, edges[1:])):
+        if a == b: continue
+        logp = head(hidden[None, c * chunk:(c + 1) * chunk])[0].float().log_softmax(-1)
+        lp[order[a:b]] = logp[w[a:b] - c * chunk, t[a:b]]
+        if greedy: top[order[a:b]] = logp.argmax(-1)[w[a:b] - c * chunk] == t[a:b]
+    return lp, top
+
+# %% ../nbs/40_evals.ipynb #4e98e280
+def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int = 0, greedy: bool = False):
+    "One forward pass over `rows`: summed target log-probs per request (float64, CPU) [and `is_greedy` flags]."
+    tokens, kw = _batch_inputs(rows, pad_id, device)
+    T = tokens.shape[1]
+    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p, t) for i, r in enumerate(rows) for q, p, t in r.targets]))
+    scored, where = torch.unique(b_idx * T + p_idx, return_inverse=True)      # positions read, once each
+    found = _norm_and_head(model)
+    if found is not None:                      # the head and the log-softmax at the scored positions only
+        with _hidden_at(found[0], scored.to(device), []) as store: _logits(model, tokens, **kw)
+        head, hidden = found[1], store[0]
+    else:                                      # the model's logits, from the batch's first scored position on
+        if _keeps_logits(model): kw["logits_to_keep"] = T - int(p_idx.min())
+        logits = _logits(model, tokens, **kw)
+        skip = T - logits.shape[1]
+        head, hidden = (lambda x: x), logits[(scored // T).to(device), (scored % T - skip).to(device)]
+    lp, top = _scored_logprobs(head, hidden, where.to(device), tgt.to(device), greedy)
+    lls = torch.zeros(n_requests, dtype=torch.float64).index_add_(0, req, lp.double().cpu())
+    if not greedy: return lls
+    misses = (~top).long().cpu()
+    return lls, torch.zeros(n_requests, dtype=torch.long).index_add_(0, req, misses) == 0
+
+# %% ../nbs/40_evals.ipynb #2ca56c5e
+def model_max_len(model) -> Optional[int]:
+    "The model's context length if it advertises one (`cfg.max_seq_len` or HF `config.max_position_embeddings`)."
+    m = getattr(model, "module", model)
+    for holder, attr in ((getattr(m, "cfg", None), "max_seq_len"), (getattr(m, "config", None), "max_position_embeddings"),
+                         (getattr(getattr(m, "model", None), "config", None), "max_position_embeddings"), (m, "max_seq_len")):
+        v = getattr(holder, attr, None) if holder is not None else None
+        if isinstance(v, int) and v > 0: return v
+    return None
+
+def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, str], tuple[list[int], list[int]]]:
+    "`(context, continuation) -> (ids, ids)` as lm-eval encodes them; `add_bos` None = the tokenizer's defaults."
+    encode, prefix = text_encoder(tokenizer), prefix_token_id(tokenizer)
+    if add_bos and prefix is None: raise ConfigError("add_bos: the tokenizer has no BOS/EOS token to prepend")
+    lead = default_prefix(tokenizer) if add_bos is None else [prefix] * bool(add_bos)
+    seen: dict[str, list[int]] = {}                  # the choices of an example repeat its context: encode it once
+    def encode_once(text: str) -> list[int]:
+        if text not in seen: seen[text] = encode(text)
+        return list(seen[text])
+    return lambda context, continuation: encode_pair(encode_once, context, continuation, prefix, lead)
+
+# %% ../nbs/40_evals.ipynb #8cfb2c6d
+SPLIT_RATIO = 0.9    # a new batch where a row is shorter than this fraction of the batch's longest (less padding)
+
+def _prefix_key(pairs) -> tuple[int, ...]:
+    "The token prefix that all choices of one example share (what a shared row holds once)."
+    seqs = [c + k for c, k in pairs]
+    return tuple(seqs[0][:_common_prefix(seqs)])
+
+def _group_rows(encoded, members: list[int], share_context: bool, max_len: Optional[int]):
+    "Rows of examples `members`, request ids from 0, with each request's (example, choice): [(slots, row)]."
+    slots = [(i, j) for i in members for j in range(len(encoded[i]))]
+    pairs = [encoded[i][j] for i, j in slots]
+    if share_context and len(pairs) > 1:
+        row = _shared_row(pairs, 0)
+        if not max_len or len(row.tokens) <= max_len: return [(slots, row)]
+        if len(members) > 1: return [u for i in members for u in _group_rows(encoded, [i], share_context, max_len)]
+    return [([s], _plain_row(*p, 0, max_len)) for s, p in zip(slots, pairs)]
+
+def _length_batches(lengths: Sequence[int], per: int, split: float = 0.0) -> list[list[int]]:
+    "Indices longest first, `per` at most per batch; with `split` > 0 also a new batch where a length < split x the first's."
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if out and len(out[-1]) < per and lengths[i] >= split * lengths[out[-1][0]]: out[-1].append(i)
+        else: out.append([i])
+    return out
+
+# %% ../nbs/40_evals.ipynb #4b5dd6f9
+@torch.no_grad()
+def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: int = 16, device="cpu", *,
+                   share_context: bool = True, add_bos: Optional[bool] = None, max_len: Optional[int] = None,
+                   n_batches: Optional[int] = None, progress: bool = False) -> list[list[float]]:
+    "Log-likelihood of every choice of every example, `batch_size` examples per forward pass (at most)."
+    pair, prefix = pair_encoder(tokenizer, add_bos), prefix_token_id(tokenizer)
+    max_len = max_len or model_max_len(model)
+    share_context = share_context and _forward_takes(model, "attn_mask", "position_ids")   # else: one row per choice
+    encoded = [[pair(c, k) for c, k in ex.requests] for ex in examples]
+    if share_context:                     # what a batch counts: examples with one shared prefix (one row), ...
+        same = defaultdict(list)
+        for i, pairs in enumerate(encoded): same[_prefix_key(pairs)].append(i)
+        groups = [_group_rows(encoded, members, True, max_len) for members in same.values()]
+    else: groups = [[u] for i in range(len(encoded)) for u in _group_rows(encoded, [i], False, max_len)]   # ... or choices
+    per = batch_size if share_context else batch_size * max((len(ex.requests) for ex in examples), default=1)
+    lengths = [max(len(row.tokens) for _, row in g) for g in groups]
+    batches = _length_batches(lengths, per, SPLIT_RATIO if n_batches is None else 0.0)   # ranks: a fixed count
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"): model.eval()
+    out: list[list[float]] = [[0.0] * len(ex.requests) for ex in examples]
+    try:
+        from tqdm.auto import tqdm
+        for bi in tqdm(range(max(n_batches or 0, len(batches))), desc="eval", disable=not progress, leave=False):
+            if bi >= len(batches):                         # dummy work: same number of forwards on every rank
+                _forward_rows(model, [_Row([prefix or 0], [(0, 0, 0)])], 1, device)
+                continue
+            rows, slots = [], []                          # slots[r]: the (example, choice) of request r
+            for unit_slots, row in (u for g in batches[bi] for u in groups[g]):
+                rows.append(_Row(row.tokens, [(q + len(slots), p, t) for q, p, t in row.targets], row.ends, row.positions))
+                slots += unit_slots
+            for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
+    finally:
+        if was_training: model.train()
+    return out
 
 # %% ../nbs/40_evals.ipynb #9971ea14
 def _argmax(xs: Sequence[float]) -> int:
@@ -434,7 +528,7 @@ def _dist_info(rank, world_size) -> tuple[int, int, bool]:
 
 def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, dict, None] = 100,
                    batch_size: int = 16, device="cpu", rank: Optional[int] = None, world_size: Optional[int] = None,
-                   data_dir=None, seed: int = 1234, *, share_context: bool = False, add_bos: Optional[bool] = None,
+                   data_dir=None, seed: int = 1234, *, share_context: bool = True, add_bos: Optional[bool] = None,
                    max_len: Optional[int] = None, progress: bool = False, samples: Optional[dict] = None) -> dict[str, dict]:
     "Metrics per task on a seeded subset (`examples`: int, {task: int}, None/0: all), split across ranks."
     rank, world_size, gather = _dist_info(rank, world_size)

@@ -21,7 +21,7 @@ from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from .config import ConfigError
 from .runtime import parse_dtype
-from .evals import _forward_rows, _plain_row, default_prefix, prefix_token_id, text_encoder
+from .evals import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id, text_encoder
 from .generation import generate
 
 # %% auto #0
@@ -37,6 +37,7 @@ def _flag(v) -> Optional[bool]:
     if s in ("none", ""): return None
     raise ConfigError(f"add_bos: got {v!r}; expected true, false or none (the tokenizer's default)")
 
+# %% ../nbs/41_lm_eval.ipynb #23ea1274
 class GardenLM(TemplateLM):
     "A gradient-garden model and tokenizer as an lm-evaluation-harness model."
     def __init__(self, model=None, tokenizer=None, checkpoint: Optional[str] = None, batch_size=16, device=None,
@@ -67,28 +68,41 @@ class GardenLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str: return self.tokenizer.identity
 
-    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kw) -> list[int]:
-        "Token ids of `string`, after the tokenizer's default special tokens unless `add_special_tokens=False`."
-        return (self.lead if add_special_tokens is not False else []) + self._encode(string)
-
-    def tok_decode(self, ids) -> str:
-        "Text of `ids` without special tokens (as `HFLM` decodes a generation)."
-        return self.tokenizer.decode([int(t) for t in ids if int(t) not in self.specials])
-
 GardenLM.__abstractmethods__ = frozenset()   # the three request methods are added below with @patch
+
+# %% ../nbs/41_lm_eval.ipynb #b78123a1
+@patch
+def tok_encode(self: GardenLM, string: str, add_special_tokens: Optional[bool] = None, **kw) -> list[int]:
+    "Token ids of `string`, after the tokenizer's default special tokens unless `add_special_tokens=False`."
+    return (self.lead if add_special_tokens is not False else []) + self._encode(string)
+
+@patch
+def tok_decode(self: GardenLM, ids) -> str:
+    "Text of `ids` without special tokens (as `HFLM` decodes a generation)."
+    return self.tokenizer.decode([int(t) for t in ids if int(t) not in self.specials])
 
 # %% ../nbs/41_lm_eval.ipynb #ca3f1d7d
 @patch
 @torch.no_grad()
 def _loglikelihood_tokens(self: GardenLM, requests, disable_tqdm: bool = False, override_bs=None) -> list[tuple[float, bool]]:
-    "(log-likelihood, is_greedy) of each `(key, context_ids, continuation_ids)`, `batch_size` rows per forward."
-    order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-    bs, out = override_bs or self.batch_size, [None] * len(requests)
-    for s in range(0, len(order), bs):
-        idx = order[s:s + bs]
-        rows = [_plain_row(list(requests[i][1]), list(requests[i][2]), j, self.max_length) for j, i in enumerate(idx)]
-        lls, greedy = _forward_rows(self.model, rows, len(idx), self.device, self.tokenizer.pad_id, greedy=True)
-        for j, i in enumerate(idx):
+    "(log-likelihood, is_greedy) of each `(key, context_ids, continuation_ids)`; one row per context, `batch_size` rows a forward."
+    by_context = defaultdict(list)
+    for i, (_, ctx, _) in enumerate(requests): by_context[tuple(ctx)].append(i)
+    units = []                                               # (requests, their row with request ids from 0)
+    for idx in by_context.values():
+        pairs = [(list(requests[i][1]), list(requests[i][2])) for i in idx]
+        row = _shared_row(pairs, 0) if len(idx) > 1 else None
+        if row is not None and len(row.tokens) <= self.max_length and all(len(c) + len(k) <= self.max_length + 1 for c, k in pairs):
+            units.append((idx, row))
+        else: units += [([i], _plain_row(*pair, 0, self.max_length)) for i, pair in zip(idx, pairs)]
+    out = [None] * len(requests)
+    for batch in _length_batches([len(row.tokens) for _, row in units], override_bs or self.batch_size):
+        rows, owners = [], []
+        for idx, row in (units[u] for u in batch):
+            rows.append(_Row(row.tokens, [(q + len(owners), p, t) for q, p, t in row.targets], row.ends, row.positions))
+            owners += idx
+        lls, greedy = _forward_rows(self.model, rows, len(owners), self.device, self.tokenizer.pad_id, greedy=True)
+        for j, i in enumerate(owners):
             out[i] = (float(lls[j]), bool(greedy[j]))
             if requests[i][0] is not None: self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
     return out
@@ -181,6 +195,7 @@ def lm_eval_scores(out: dict) -> dict[str, dict]:
         scores[task] = {**m, "n": n.get("effective", res.get("sample_len")), "source": "lm-eval"}
     return scores
 
+# %% ../nbs/41_lm_eval.ipynb #4a8521cd
 def lm_eval_task_manager(tasks: list[str], include_path=None):
     "A `TaskManager` that knows every one of `tasks` (else a one-line error), indexing lm-eval's own only if needed."
     from lm_eval.tasks import TaskManager

@@ -367,3 +367,34 @@ def test_evaluate_numbers_out_of_range_are_one_line_errors():
         with pytest.raises(ConfigError) as e: E.run_evaluate(parse(*argv))
         assert str(e.value) == msg
     with pytest.raises(ConfigError, match="examples: got -3"): E.sample_indices(10, -3, 0)
+
+
+def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok):
+    "The default mode: one row per example, the vocabulary head on the scored positions only, the same numbers."
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models.tendril import build_model
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok), multiple_of=16)).eval()
+    exs = E.load_examples("hellaswag")[:5]
+    pair = E.pair_encoder(tok)
+    scored = sum(len({p for _, p, _ in E._shared_row([pair(c, k) for c, k in ex.requests], 0).targets}) for ex in exs)
+    rows_seen, head_rows = [], []
+    h1 = m.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
+    h2 = m.output.register_forward_hook(lambda mod, args, out: head_rows.append(args[0].flatten(0, -2).shape[0]))
+    try: shared = E.score_examples(m, tok, exs, batch_size=8)
+    finally: h1.remove(); h2.remove()
+    assert sum(rows_seen) == len(exs) and sum(head_rows) == scored          # no logits for context or padding
+    plain = E.score_examples(m, tok, exs, batch_size=8, share_context=False)
+    np.testing.assert_allclose(np.array(sum(shared, [])), np.array(sum(plain, [])), atol=1e-4, rtol=0)
+    Instance = pytest.importorskip("lm_eval.api.instance").Instance      # GardenLM: one row per context too
+    from gradient_garden.lm_eval_model import GardenLM
+    class Tok:                                                             # the platform tokenizer surface GardenLM reads
+        eos_id, bos_id, pad_id, special_ids, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, "bpe"
+        def encode(self, s): return tok.encode(s, add_special_tokens=False)
+        def decode(self, ids): return tok.decode(ids)
+    reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(r for ex in exs for r in ex.requests)]
+    rows_seen.clear(); h1 = m.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
+    try: got = GardenLM(m, Tok(), batch_size=8).loglikelihood(reqs)
+    finally: h1.remove()
+    assert sum(rows_seen) == len(exs)
+    np.testing.assert_allclose([ll for ll, _ in got], np.array(sum(plain, [])), atol=1e-4, rtol=0)
