@@ -588,6 +588,7 @@ class RequestRun:
     async def __aexit__(self, *exc):
         for s in self.seqs:
             if s.finish_reason is None: s.cancel()
+        self._urgent = True                  # events still queued go out at the next step: the waker forgets this run
 
     async def batches(self):
         "Lists of `(choice, kind, payload)` as they arrive, until every sequence is done; engine errors become a 500."
