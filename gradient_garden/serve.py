@@ -878,8 +878,9 @@ def run_serve(args) -> int:
     kind = "chat + completions" if served.chat else "completions only (plain checkpoint)"
     host = f"[{args.host}]" if ":" in args.host else args.host
     iv = served.stream_interval
+    sends = "every token" if iv.every_token else f"every {int(iv.tokens)} tokens or {iv.ms:g} ms"
     print(f"serving {served.model_id!r} ({kind}, context {served.max_len}, batch {served.engine.max_batch_size}, streams send "
-          f"every {int(iv.tokens)} tokens or {iv.ms:g} ms) on "
+          f"{sends}) on "
           f"http://{host}:{args.port}  (chat page at /, OpenAI API at /v1{', API key required' if api_key else ''})", flush=True)
     uvicorn.run(create_app(served, api_key), host=args.host, port=args.port, log_level=args.log_level)
     return 0
