@@ -8,7 +8,7 @@ Docs: https://gradient-garden.github.io/gradient-garden/serve.html.md"""
 
 # %% ../nbs/60_serve.ipynb #a9e375ef
 from __future__ import annotations
-import argparse, asyncio, hmac, ipaddress, json, logging, os, threading, time, uuid
+import argparse, asyncio, hmac, ipaddress, json, logging, math, os, threading, time, uuid
 from collections import deque
 from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -25,11 +25,12 @@ from .runtime import DTYPES as _DTYPES, resolve_device
 from .models.attention import KVCache, hold_fused_weights
 
 # %% auto #0
-__all__ = ['log', 'LOOPBACK_NAMES', 'TextStream', 'SamplingParams', 'Sequence', 'EngineClosed', 'QueueFull', 'BatchEngine',
-           'StreamOptions', 'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'APIError',
-           'validation_error', 'parse_body', 'Served', 'chat_prompt', 'completion_prompts', 'check_request',
-           'sampling_params', 'LoopWaker', 'loop_waker', 'RequestRun', 'collect_run', 'chat_page', 'create_app',
-           'is_loopback', 'add_serve_args', 'load_served', 'run_serve']
+__all__ = ['log', 'STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'LOOPBACK_NAMES', 'TextStream', 'SamplingParams', 'Sequence',
+           'EngineClosed', 'QueueFull', 'BatchEngine', 'StreamOptions', 'TextPart', 'ChatMessage',
+           'ChatCompletionRequest', 'CompletionRequest', 'APIError', 'validation_error', 'parse_body', 'StreamInterval',
+           'Served', 'chat_prompt', 'completion_prompts', 'check_request', 'sampling_params', 'LoopWaker', 'loop_waker',
+           'RequestRun', 'collect_run', 'chat_page', 'create_app', 'is_loopback', 'add_serve_args', 'load_served',
+           'run_serve']
 
 # %% ../nbs/60_serve.ipynb #da3336b8
 class TextStream:
@@ -448,14 +449,32 @@ def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
     try: return schema.model_validate(data)
     except ValidationError as e: raise validation_error(e) from None
 
+# %% ../nbs/60_serve.ipynb #f361065e
+STREAM_INTERVAL_TOKENS, STREAM_INTERVAL_MS = 16, 20.0
+
+@dataclass(frozen=True)
+class StreamInterval:
+    "A stream's pending text goes out after `tokens` tokens or `ms` milliseconds, whichever comes first (1 or 0: every token)."
+    tokens: float = STREAM_INTERVAL_TOKENS
+    ms: float = STREAM_INTERVAL_MS
+
+    def __post_init__(self):
+        if not self.tokens >= 0: raise ConfigError(f"--stream-interval: got {self.tokens}; must be >= 0 tokens")
+        if not self.ms >= 0: raise ConfigError(f"--stream-interval-ms: got {self.ms}; must be >= 0")
+
+    @property
+    def every_token(self) -> bool: return self.tokens <= 1 or self.ms == 0
+
+
 # %% ../nbs/60_serve.ipynb #a47436cf
 @dataclass
 class Served:
-    "The model behind the API: its engine, the name clients use, and whether it was trained to chat."
+    "The model behind the API: its engine, the name clients use, whether it was trained to chat, how often streams send."
     engine: BatchEngine
     model_id: str
     chat: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
+    stream_interval: StreamInterval = field(default_factory=StreamInterval)
 
     @property
     def max_len(self) -> int: return self.engine.max_len
@@ -514,28 +533,31 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingPar
 
 # %% ../nbs/60_serve.ipynb #a9df717a
 class LoopWaker:
-    "Wakes the requests of one event loop that got events in an engine step, with one thread-to-loop hop per step."
+    "Wakes the requests of one event loop whose events are due, with one thread-to-loop hop per engine step."
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.due, self.scheduled = loop, deque(), False
+        self.loop, self.due, self.woken, self.scheduled = loop, [], deque(), False
 
     def mark(self, run: "RequestRun"):
         "Engine thread: `run` has new events."
         if not run._due: run._due = True; self.due.append(run)
 
     def flush(self):
-        "Engine thread, end of a step: schedule one wake-up for all marked runs (unless one is on its way)."
-        if self.scheduled or not self.due: return
+        "Engine thread, end of a step: one wake-up for the marked runs whose events are due (unless one is on its way)."
+        if self.due:
+            now, held = time.perf_counter(), []
+            for run in self.due:
+                if run.ripe(now): run._due = False; self.woken.append(run)
+                else: held.append(run)
+            self.due = held
+        if self.scheduled or not self.woken: return
         self.scheduled = True
         try: self.loop.call_soon_threadsafe(self._wake)
         except RuntimeError: pass              # the event loop is gone (server stopped)
 
     def _wake(self):
-        "Event loop: wake every marked run (marks made while this runs schedule the next wake-up)."
+        "Event loop: wake every due run (runs handed over while this runs schedule the next wake-up)."
         self.scheduled = False
-        while self.due:
-            run = self.due.popleft()
-            run._due = False
-            run.ready.set()
+        while self.woken: self.woken.popleft().ready.set()
 
 def loop_waker(engine: BatchEngine) -> LoopWaker:
     "The waker of the running event loop on `engine` (made and hooked to its steps on first use)."
@@ -547,17 +569,14 @@ def loop_waker(engine: BatchEngine) -> LoopWaker:
 
 # %% ../nbs/60_serve.ipynb #f9d40a66
 class RequestRun:
-    "The sequences of one request, and the inbox their events arrive in from the engine thread."
-    def __init__(self, served: Served, prompts: list[list[int]], params: list[SamplingParams]):
+    "The sequences of one request, the inbox their events arrive in from the engine thread, and when to wake for them."
+    def __init__(self, served: Served, prompts: list[list[int]], params: list[SamplingParams], stream: bool = True):
         self.served, self.waker = served, loop_waker(served.engine)
         self.inbox, self.ready, self._due = deque(), asyncio.Event(), False
+        iv = served.stream_interval if stream else StreamInterval(math.inf, math.inf)   # not streamed: wake at the end
+        self.every, self.every_s = iv.tokens, iv.ms / 1000
+        self._urgent, self._held, self._last, self._started = False, 0, 0.0, not stream
         self.seqs = [Sequence(p, sp, emit=self._emitter(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
-
-    def _emitter(self, i: int) -> Callable:
-        def emit(kind, payload):
-            self.inbox.append((i, kind, payload))
-            self.waker.mark(self)
-        return emit
 
     async def __aenter__(self):
         try: self.served.engine.submit(self.seqs)
@@ -569,6 +588,7 @@ class RequestRun:
     async def __aexit__(self, *exc):
         for s in self.seqs:
             if s.finish_reason is None: s.cancel()
+        self._urgent = True                  # events still queued go out at the next step: the waker forgets this run
 
     async def batches(self):
         "Lists of `(choice, kind, payload)` as they arrive, until every sequence is done; engine errors become a 500."
@@ -581,6 +601,27 @@ class RequestRun:
                 if kind == "error": raise APIError(500, payload, type="server_error")
                 left -= kind == "done"
             if batch: yield batch
+
+# %% ../nbs/60_serve.ipynb #81a8371c
+@patch
+def _emitter(self: RequestRun, i: int) -> Callable:
+    "The `emit` callback of choice `i` (engine thread): queue the event, count it, mark the run on the waker."
+    def emit(kind, payload):
+        self.inbox.append((i, kind, payload))
+        if kind == "text":
+            self._held += 1
+            if not self._started: self._started = self._urgent = True      # the first text goes out at once
+        else: self._urgent = True                                           # so do the end and errors
+        self.waker.mark(self)
+    return emit
+
+@patch
+def ripe(self: RequestRun, now: float) -> bool:
+    "Engine thread: whether the queued events go out now (first text, an end, `every` pieces, `every_s` seconds)."
+    if not (self._urgent or self._held >= self.every or now - self._last >= self.every_s): return False
+    self._urgent, self._held, self._last = False, 0, now
+    return True
+
 
 # %% ../nbs/60_serve.ipynb #2bd8a2a2
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -654,7 +695,7 @@ async def _respond(request, served: Served, req: _Sampling, prompts: list[list[i
     head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", created=int(time.time()),
                 model=served.model_id, system_fingerprint=None)
     n_prompt = sum(len(p) for p in prompts)
-    run = RequestRun(served, run_prompts, params)
+    run = RequestRun(served, run_prompts, params, stream=req.stream)
     if not req.stream:
         async with run:
             texts, reasons, tokens = await collect_run(request, run)
@@ -720,7 +761,8 @@ def _add_info_routes(app, served: Served):
     async def health():
         e = served.engine
         return dict(status="ok", model=served.model_id, running=len(e.rows), waiting=len(e.waiting),
-                    max_batch_size=e.max_batch_size, max_queue=e.max_queue, **e.stats)
+                    max_batch_size=e.max_batch_size, max_queue=e.max_queue,
+                    stream_interval=dict(tokens=served.stream_interval.tokens, ms=served.stream_interval.ms), **e.stats)
 
     @app.get("/v1/models")
     async def models():
@@ -783,6 +825,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 suits small models)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most; beyond it requests get 429")
+    parser.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL_TOKENS, metavar="N",
+                        help="send a stream's text every N tokens at most (1: every token)")
+    parser.add_argument("--stream-interval-ms", type=float, default=STREAM_INTERVAL_MS, metavar="T",
+                        help="... or after T ms, whichever comes first (0: every token); the first token goes at once")
     parser.add_argument("--api-key", default=None, help="require this key (default: $GG_API_KEY)")
     parser.add_argument("--model-name", default=None, help="model id clients use (default: the run name)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -801,6 +847,7 @@ def load_served(args) -> Served:
     "Model, tokenizer and engine for the flags of `gg serve`."
     from pathlib import Path
     from gradient_garden.tokenizer import init_tokenizer
+    StreamInterval(args.stream_interval, args.stream_interval_ms)        # bad values fail before the model loads
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
     if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
@@ -815,7 +862,9 @@ def load_served(args) -> Served:
         chat, name = _chat_template_in(args.hf_checkpoint), Path(args.hf_checkpoint).resolve().name
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
-    return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue), args.model_name or name, chat)
+    interval = StreamInterval(args.stream_interval, args.stream_interval_ms)
+    return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue), args.model_name or name, chat,
+                  stream_interval=interval)
 
 # %% ../nbs/60_serve.ipynb #d37ed2bf
 def run_serve(args) -> int:
@@ -828,7 +877,10 @@ def run_serve(args) -> int:
     served = load_served(args)
     kind = "chat + completions" if served.chat else "completions only (plain checkpoint)"
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"serving {served.model_id!r} ({kind}, context {served.max_len}, batch {served.engine.max_batch_size}) on "
+    iv = served.stream_interval
+    sends = "every token" if iv.every_token else f"every {int(iv.tokens)} tokens or {iv.ms:g} ms"
+    print(f"serving {served.model_id!r} ({kind}, context {served.max_len}, batch {served.engine.max_batch_size}, streams send "
+          f"{sends}) on "
           f"http://{host}:{args.port}  (chat page at /, OpenAI API at /v1{', API key required' if api_key else ''})", flush=True)
     uvicorn.run(create_app(served, api_key), host=args.host, port=args.port, log_level=args.log_level)
     return 0
