@@ -5,185 +5,29 @@
 
 # %% ../../nbs/50_cli.ipynb #498c2f05
 from __future__ import annotations
-import argparse, os, sys, time
+import argparse, importlib, json, os, sys, time
 from pathlib import Path
-import gradient_garden
-from ..config import ConfigError, STAGE_FLAGS, load_config
+from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
-           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args', 'run_notebook',
-           'add_plan_args', 'run_plan', 'build_parser', 'tell_torchrun', 'main']
-
-# %% ../../nbs/50_cli.ipynb #5188808f
-def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
-    "Add `--recipe`, `--config`, `--set` and (optionally) the stage flags to parser `p`."
-    p.add_argument("--recipe", help="recipe YAML ({name, description, config, data})")
-    p.add_argument("--config", help="config YAML (GlobalConfig sections)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
-                   help="dotted overrides, e.g. --set training.max_steps=20 model.dim=128")
-    if stage_flags:
-        g = p.add_mutually_exclusive_group()
-        for s in STAGE_FLAGS: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
-
-def config_from_args(args) -> tuple:
-    "Resolve `(GlobalConfig, Recipe | None)` from parsed shared flags (an error here is the same on every rank)."
-    try: return load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
-    except ConfigError as e: e.same_on_every_rank = True; raise
-
-# %% ../../nbs/50_cli.ipynb #127497d4
-def add_train_args(p: argparse.ArgumentParser):
-    "Flags of `gg train` (and `gg notebook`)."
-    add_config_args(p)
-    p.add_argument("--checkpoint", help="resume from (or, for a new stage, start from) this checkpoint file")
-    p.add_argument("--reset-optimizers", action="store_true", help="ignore the optimizer state stored in the checkpoint")
-    p.add_argument("--start-step", type=int, help="override the step counter")
-    p.add_argument("--reset-loader", action="store_true", help="start the data loader from the beginning")
-    p.add_argument("--reset-val-history", action="store_true", help="forget validation history (best loss, early stopping)")
-    p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory (its metrics and checkpoints)")
-
-def run_train(args) -> int:
-    "`gg train`: resolve the config and run its stage."
-    from gradient_garden.engine.run import run_training
-    cfg, _ = config_from_args(args)
-    res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
-                       reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite)
-    if int(os.environ.get("RANK", 0)) == 0 and not res.get("stopped_by"): print(f"done: {res['run_dir']}")
-    from gradient_garden.engine.distributed import destroy_distributed
-    destroy_distributed()
-    return stopped_line(res)
-
-def stopped_line(res: dict) -> int:
-    "For a run stopped by a signal, say where its checkpoint is (rank 0) and return 128 + the signal number; else 0."
-    if not res.get("stopped_by"): return 0
-    import signal
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"stopped by {res['stopped_by']} at step {res['step']}: checkpoint {res.get('checkpoint')}; resume with "
-              f"--checkpoint {res['run_dir']}", file=sys.stderr, flush=True)
-    return 128 + int(signal.Signals[res["stopped_by"]])
-
-# %% ../../nbs/50_cli.ipynb #aaaa64f2
-import contextlib, signal, subprocess, threading
-
-# %% ../../nbs/50_cli.ipynb #730f57cd
-def forward_to_children(signum: int, received: list):
-    "Send `signum` on to this process's children (papermill's kernel, not the processes it started); name it in `received`."
-    import psutil
-    received.append(signal.Signals(signum).name)
-    for child in psutil.Process().children():
-        try: child.send_signal(signum)
-        except psutil.Error: pass
-
-@contextlib.contextmanager
-def forwarding_stop_signals(received: list):
-    "While inside, SIGTERM, SIGUSR1 and Ctrl-C go on to the children (`forward_to_children`) instead of ending this process."
-    if threading.current_thread() is not threading.main_thread(): yield; return  # handlers live in the main thread
-    old = {s: signal.signal(s, lambda signum, frame: forward_to_children(signum, received))
-           for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    try: yield
-    finally:
-        for s, h in old.items(): signal.signal(s, h)
-
-
-# %% ../../nbs/50_cli.ipynb #e99d65a5
-def default_train_notebook() -> Path:
-    "The parameterised training notebook of this checkout."
-    return Path(gradient_garden.__file__).resolve().parent.parent/"nbs"/"runs"/"train.ipynb"
-
-def report_path(run_dir, rank: int) -> Path:
-    "`report.ipynb` for rank 0, `report_rank<N>.ipynb` for the others."
-    return Path(run_dir)/("report.ipynb" if rank == 0 else f"report_rank{rank}.ipynb")
-
-def _is_kernel_startup_error(e: Exception) -> bool:
-    "True for the transient failures of starting a kernel (port collisions, a kernel that died at birth)."
-    txt = f"{type(e).__name__}: {e}"
-    return any(s in txt for s in ("Address already in use", "ZMQError", "Kernel died before replying", "Kernel didn't respond"))
-
-def add_notebook_args(p: argparse.ArgumentParser):
-    "Flags of `gg notebook`."
-    add_train_args(p)
-    p.add_argument("--notebook", help="parameterised notebook to execute (default: nbs/runs/train.ipynb)")
-    p.add_argument("--output", help="executed notebook path (default: <run_dir>/report.ipynb)")
-    p.add_argument("--retries", type=int, default=3, help="kernel start-up attempts")
-
-def _stopped_in_kernel(signame: str, run_dir: Path) -> int:
-    "The stop line of a run that a forwarded signal stopped inside the kernel (its checkpoint: the run's latest)."
-    from gradient_garden.engine.checkpoints import list_checkpoints
-    ck = (list_checkpoints(Path(run_dir)/"checkpoints") or [None])[-1]
-    step = int(ck.name.split("_")[1].split(".")[0]) if ck else 0
-    return stopped_line(dict(stopped_by=signame, step=step, checkpoint=ck, run_dir=run_dir))
-
-# %% ../../nbs/50_cli.ipynb #77252f9a
-def run_notebook(args) -> int:
-    "`gg notebook`: execute the training notebook with papermill, leaving the report in the run directory."
-    import papermill as pm
-    cfg, _ = config_from_args(args)  # fail fast, before starting a kernel
-    rank = int(os.environ.get("RANK", 0))
-    nb = Path(args.notebook) if args.notebook else default_train_notebook()
-    if not nb.is_file(): raise ConfigError(f"--notebook: {nb} not found")
-    if not args.checkpoint and not args.overwrite:  # refuse before papermill overwrites the old run's report
-        from gradient_garden.engine.run import prepare_run_dir
-        try: prepare_run_dir(cfg.run_dir)
-        except ConfigError as e: e.same_on_every_rank = True; raise
-    out = Path(args.output) if args.output else report_path(cfg.run_dir, rank)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    params = dict(recipe=args.recipe, config=args.config, overrides=list(args.overrides), stage=args.stage,
-                  checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
-                  reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite, cwd=os.getcwd())
-    time.sleep(0.5 * int(os.environ.get("LOCAL_RANK", 0)))
-    received: list[str] = []
-    for attempt in range(args.retries):
-        try:
-            with forwarding_stop_signals(received):  # the kernel runs in a session of its own: pass SIGTERM & co. on
-                pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                    log_output=rank == 0, kernel_name="python3", language="python",
-                                    coalesce_streams=True)  # one output per stream per cell, not one per progress line
-            break
-        except Exception as e:
-            if attempt + 1 < args.retries and _is_kernel_startup_error(e):
-                print(f"rank {rank}: kernel start-up failed ({type(e).__name__}); retrying", file=sys.stderr)
-                time.sleep(1 + attempt + 0.3 * rank)
-                continue
-            print(f"rank {rank}: notebook {nb} failed; the executed notebook is {out}", file=sys.stderr)
-            raise
-    if rank == 0: print(f"report: {out}")
-    return _stopped_in_kernel(received[0], cfg.run_dir) if received else 0
-
-# %% ../../nbs/50_cli.ipynb #71b5a15e
-def add_plan_args(p: argparse.ArgumentParser):
-    "Flags of `gg plan`."
-    add_config_args(p)
-    p.add_argument("--gpu", default="H100", help="H100, H200, A100, L40S or cpu (default H100)")
-    p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the time estimate (default 0.4)")
-    p.add_argument("--mfu-from", default=None, help="a run folder or metrics.jsonl whose median MFU to use instead")
-
-def run_plan(args) -> int:
-    "`gg plan`: print the plan; exit status 1 (after printing it) when it does not fit."
-    from gradient_garden.engine.plan import plan, format_plan
-    cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage, world_size=1)
-    p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from)
-    print(format_plan(p))
-    return 0 if p.fits else 1
+__all__ = ['build_parser', 'tell_torchrun', 'main']
 
 # %% ../../nbs/50_cli.ipynb #bd6c79d7
 def _verbs() -> dict:
     "verb -> (help, module, add_args name, run name)."
     return {
         "prepare": ("tokenize datasets into shards; fetch eval sets", "gradient_garden.cli.prepare", "add_prepare_args", "run_prepare"),
-        "train": ("train a recipe or config", __name__, "add_train_args", "run_train"),
-        "notebook": ("train through the papermill report notebook", __name__, "add_notebook_args", "run_notebook"),
+        "train": ("train a recipe or config", "gradient_garden.cli.train", "add_train_args", "run_train"),
+        "notebook": ("train through the papermill report notebook", "gradient_garden.cli.train", "add_notebook_args", "run_notebook"),
         "evaluate": ("validation loss, multiple-choice benchmarks and any lm-eval task of a checkpoint", "gradient_garden.cli.evaluate", "add_evaluate_args", "run_evaluate"),
         "generate": ("generate from prompts with a checkpoint", "gradient_garden.cli.generate", "add_generate_args", "run_generate"),
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.cli.generate", "add_export_args", "run_export"),
         "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.serve", "add_serve_args", "run_serve"),
-        "plan": ("will a recipe fit, how long will it take (memory per rank, FLOPs, tokens, time)", __name__, "add_plan_args", "run_plan"),
+        "plan": ("will a recipe fit, how long will it take (memory per rank, FLOPs, tokens, time)", "gradient_garden.cli.train", "add_plan_args", "run_plan"),
     }
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     "The `gg` parser; with `only`, just that verb's module is imported (fast start-up, independent verbs)."
-    import importlib
     parser = argparse.ArgumentParser(prog="gg", description="Gradient Garden: train, evaluate and sample language models.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb, (hlp, mod, add, run) in _verbs().items():
@@ -199,7 +43,6 @@ def tell_torchrun(rc: int, note: str) -> bool:
     "Under torchrun, a failing worker's `note` for torchrun's failure summary (its error file); True if written."
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or rc == 0: return False
-    import json
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     # the structured form (no traceback in it): torchrun shows `message`, and copies it without a format warning
     Path(path).write_text(json.dumps({"message": {"message": note, "extraInfo": {"timestamp": str(int(time.time()))}}}))

@@ -85,7 +85,7 @@ def evaluation_plan(args) -> tuple[list[str], list[str]]:
 # %% ../../nbs/53_cli_evaluate.ipynb #d0f8fa85
 def load_hf_checkpoint(path, device="cpu", dtype=torch.float32):
     "An `AutoModelForCausalLM` folder as (HFCausalLM, tokenizer)."
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: only --hf-checkpoint needs the auto classes
     p = Path(path)
     if not (p/"config.json").is_file(): raise ConfigError(f"--hf-checkpoint {p}: no config.json; expected a model folder")
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype).to(device)
@@ -109,7 +109,7 @@ def evaluation_env(device_flag: str):
 # %% ../../nbs/53_cli_evaluate.ipynb #b5cf04dc
 def lm_eval_bridge():
     "The `lm_eval_model` module, imported on first use, or one line saying how to install lm-evaluation-harness."
-    try: import gradient_garden.lm_eval_model as lm  # lazy: optional, and lm-eval adds seconds to `gg evaluate`'s start-up
+    try: import gradient_garden.lm_eval_model as lm  # lazy: lm-evaluation-harness is an optional dependency
     except ImportError as e:
         raise ConfigError(f"--lm-eval-tasks needs lm-evaluation-harness ({e}); pip install 'gradient-garden[lm_eval]'") from None
     return lm

@@ -94,7 +94,7 @@ def prepare_other_stage(args, cfg: GlobalConfig, data: dict | None, data_overrid
 # %% ../../nbs/51_cli_prepare.ipynb #1f0cae22
 def estimate_token_target(cfg: GlobalConfig) -> str:
     "The `data.target_tokens` override of the Chinchilla budget (20 tokens per parameter) of `cfg`'s model, printed."
-    from gradient_garden.engine.trainer import estimate_workload  # lazy: the trainer costs ~1 s of start-up, for one flag
+    from gradient_garden.engine.trainer import estimate_workload  # lazy: the trainer adds ~75% to `gg prepare`'s import time (measured), for one flag
     est = estimate_workload(cfg)
     print(f"{est['parameters']:,} parameters -> Chinchilla target {est['chinchilla_tokens']:,} tokens "
           f"({est['chinchilla_steps']:,} steps of {cfg.training.total_batch_size:,} tokens)")

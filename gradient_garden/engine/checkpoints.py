@@ -17,6 +17,7 @@ from torch import nn
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
+from ..models.lora import apply_lora
 from .distributed import barrier, is_fsdp, unwrap
 
 # %% auto #0
@@ -513,7 +514,6 @@ def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = N
     model = build_model(cfg.model)
     has_adapters = any(k.endswith((".lora_A", ".lora_B")) for k in ckpt["model"])
     if has_adapters and not merge_lora:
-        from gradient_garden.models.lora import apply_lora
         apply_lora(model, cfg.lora)
         state = ckpt["model"]
     else: state = base_weights(ckpt)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from ..config import ConfigError, RuntimeConfig
+from .activation_checkpointing import apply_activation_checkpointing
 from ..runtime import (all_gather_objects, all_reduce, barrier, broadcast_object, is_fsdp, parse_dtype,
                                      resolve_device, unwrap)
 try: from torch.distributed.tensor import DTensor
@@ -91,7 +92,6 @@ def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Modul
 
 def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv) -> nn.Module:
     "Wrap `model` for the run: FSDP2/HSDP or DDP under torchrun, unchanged in one process; `torch.compile` when asked."
-    from gradient_garden.engine.activation_checkpointing import apply_activation_checkpointing
     apply_activation_checkpointing(model, runtime.activation_checkpointing)  # before compile and FSDP2/DDP, torchtitan's order
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same
         for block in getattr(model, "layers", []): block.compile()

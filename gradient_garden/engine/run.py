@@ -17,6 +17,10 @@ from .distributed import DistEnv, init_distributed, parallelize, barrier, broadc
 from ..runtime import resolve_precision, write_text_atomic
 from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
 from .plan import check_fit
+from .checkpoints import base_weights, check_compatible, list_checkpoints, load_checkpoint, resolve_checkpoint
+from ..models.lora import apply_lora
+from ..models.tendril import build_model
+from ..tokenizer import init_tokenizer
 from ..tasks.stages import StageParts
 from ..tasks.pretraining import build_pretraining
 from ..tasks.sft import build_instruct
@@ -139,7 +143,6 @@ def truncate_records(path, step: int) -> int:
 
 def run_contents(run_dir) -> dict:
     "What a run directory already holds: metric rows, their last step, and its checkpoints."
-    from gradient_garden.engine.checkpoints import list_checkpoints
     rows = _rows(Path(run_dir)/"metrics.jsonl")
     last = max((json.loads(l).get("step", 0) for l in rows), default=None)
     return dict(rows=len(rows), last_step=last, checkpoints=list_checkpoints(Path(run_dir)/"checkpoints"))
@@ -177,17 +180,14 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
 # %% ../../nbs/25_run.ipynb #494f3b7a
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
     "The model of a run: built, initialised from a previous stage's checkpoint if given, LoRA applied, parallelised."
-    from gradient_garden.models.tendril import build_model
     torch.manual_seed(cfg.training.seed)
     model = build_model(cfg.model)
     if ckpt is not None and ckpt.get("stage") != cfg.training.stage:
-        from gradient_garden.engine.checkpoints import base_weights
         missing, unexpected = model.load_state_dict(base_weights(ckpt), strict=False)
         if missing or unexpected:
             raise ConfigError(f"--checkpoint: weights do not fit model {cfg.model.architecture} "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     if cfg.lora.enabled:
-        from gradient_garden.models.lora import apply_lora
         apply_lora(model, cfg.lora)
     model.to(env.device)
     return parallelize(model, cfg.runtime, env)
@@ -209,7 +209,6 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
         try:
             lock.acquire()
             resume = start_step if start_step is not None else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else None
-            from gradient_garden.engine.checkpoints import resolve_checkpoint
             here = bool(checkpoint) and resolve_checkpoint(checkpoint).resolve().parent == (cfg.run_dir/"checkpoints").resolve()
             for n in lock.notes + prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite): print(f"note: {n}", file=sys.stderr)
         except ConfigError as e: err = str(e); lock.release()
@@ -221,8 +220,6 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
 # the run's order in one place: inputs, checks, the run directory's lock, then the build and fit in `_train`
 def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> tuple:
     "The tokenizer and the checkpoint's meta (or None), checked against `cfg` before anything is allocated."
-    from gradient_garden.tokenizer import init_tokenizer
-    from gradient_garden.engine.checkpoints import load_checkpoint, check_compatible
     tokenizer = init_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: got {cfg.model.vocab_size}; the tokenizer at {cfg.tokenizer.path} has "
