@@ -169,6 +169,7 @@ class GenerationConfig:
     top_k: Optional[int] = None
     test_prompts: Optional[list[str]] = None
 
+# %% ../nbs/00_config.ipynb #7496961e
 @dataclass
 class CheckpointingConfig:
     "Save every `every` steps; keep the last `keep_last` and, optionally, the best by validation loss."
@@ -212,6 +213,7 @@ class DPOConfig:
     label_smoothing: float = 0.0
     reference: Literal["copy", "precomputed"] = "precomputed"
 
+# %% ../nbs/00_config.ipynb #ef3da4c6
 @dataclass
 class WandbConfig:
     "Weights & Biases logging; the key comes from `WANDB_API_KEY` in the environment or `.env`, never from here."
@@ -269,6 +271,39 @@ def _type_name(tp) -> str:
     if get_origin(tp) in (list, tuple): return f"a {get_origin(tp).__name__}"
     return getattr(tp, "__name__", str(tp))
 
+def _coerce_union(value, args, path: str, bad):
+    "The first member of a `Union` (or `Optional`) hint that `value` fits."
+    if value is None and type(None) in args: return None
+    for a in args:
+        if a is type(None): continue
+        try: return _coerce(value, a, path)
+        except ConfigError: pass
+    raise bad()
+
+def _coerce_sequence(value, origin, args, path: str, bad):
+    "A list or tuple hint: each item checked against its own type, with its index in the path."
+    if not isinstance(value, (list, tuple)): raise bad()
+    if origin is tuple and len(args) and args[-1] is not Ellipsis:
+        if len(value) != len(args): raise ConfigError(f"{path}: got {value!r}; expected {len(args)} values")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    inner = args[0] if args else Any
+    return origin(_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value))
+
+# %% ../nbs/00_config.ipynb #fdfadc52
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+def _coerce_scalar(value, tp, path: str, bad):
+    "A plain hint: `bool`, `int` (not a bool), `float` (an int or scientific notation too), `str`, `dict` or `Any`."
+    if tp is Any: return value
+    if tp is float:  # YAML 1.1 reads `3e-4` (no dot) as a string: take scientific notation as the number it means
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()): value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)): raise bad()
+        return float(value)
+    kinds = {bool: bool, int: int, str: str, dict: dict}
+    if tp not in kinds: raise ConfigError(f"{path}: unsupported type {tp}")
+    if not isinstance(value, kinds[tp]) or (tp is int and isinstance(value, bool)): raise bad()
+    return value
+
 def _coerce(value, tp, path: str):
     "Check `value` against the type hint `tp` and return it in canonical form, or raise `ConfigError`."
     origin, args = get_origin(tp), get_args(tp)
@@ -280,38 +315,9 @@ def _coerce(value, tp, path: str):
     if origin is Literal:
         if value not in args: raise bad()
         return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args: return None
-        for a in args:
-            if a is type(None): continue
-            try: return _coerce(value, a, path)
-            except ConfigError: pass
-        raise bad()
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)): raise bad()
-        if origin is tuple and len(args) and args[-1] is not Ellipsis:
-            if len(value) != len(args): raise ConfigError(f"{path}: got {value!r}; expected {len(args)} values")
-            return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        inner = args[0] if args else Any
-        return origin(_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value))
-    if tp is Any: return value
-    if tp is bool:
-        if not isinstance(value, bool): raise bad()
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int): raise bad()
-        return value
-    if tp is float:  # YAML 1.1 reads `3e-4` (no dot) as a string: take scientific notation as the number it means
-        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()): value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)): raise bad()
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str): raise bad()
-        return value
-    if tp is dict:
-        if not isinstance(value, dict): raise bad()
-        return value
-    raise ConfigError(f"{path}: unsupported type {tp}")
+    if origin in (Union, types.UnionType): return _coerce_union(value, args, path, bad)
+    if origin in (list, tuple): return _coerce_sequence(value, origin, args, path, bad)
+    return _coerce_scalar(value, tp, path, bad)
 
 # %% ../nbs/00_config.ipynb #6c213093
 def from_plain(cls, data: dict, path: str = ""):
@@ -378,6 +384,7 @@ def _check_optimizer_ranges(o: OptimizersConfig):
     _in("optimizers.muon.momentum", o.muon.momentum, 0, 1, hi_open=True)
     _in("optimizers.muon.ns_steps", o.muon.ns_steps, 1)
 
+# %% ../nbs/00_config.ipynb #6cb25cb9
 def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
     "Raise `ConfigError` on the first value outside its allowed range (NaN and infinity included); return `cfg`."
     if bad := _nonfinite(cfg): raise ConfigError(f"{bad}; must be a finite number")
@@ -436,10 +443,9 @@ def _positive(path: str, value, allow_zero=False):
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{path}: got {value!r}; must be {'>= 0' if allow_zero else '> 0'}")
 
-def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
-    "Check the combinations of keys that no single type hint can express; return `cfg`."
-    m, t, o = cfg.model, cfg.training, cfg.optimizers
-    check_ranges(cfg)
+def _check_model(cfg: GlobalConfig):
+    "The model's shape and the batch: positive sizes, heads that divide, RoPE's even head size, experts, sequence length."
+    m, t = cfg.model, cfg.training
     for p in ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"]:
         _positive(f"model.{p}", getattr(m, p))
     for p in ["total_batch_size", "micro_batch_size", "seq_len", "max_steps", "log_every"]:
@@ -454,20 +460,28 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
         raise ConfigError(f"training.seq_len: got {t.seq_len}; must be <= model.max_seq_len = {m.max_seq_len}")
     if m.n_experts_per_token > m.n_experts:
         raise ConfigError(f"model.n_experts_per_token: got {m.n_experts_per_token}; must be <= model.n_experts = {m.n_experts}")
+
+# %% ../nbs/00_config.ipynb #44488168
+def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
+    "Learning-rate ranges, the WSD fraction, precision with FSDP2, and the HSDP mesh against the world size."
+    o, r = cfg.optimizers, cfg.runtime
     for name, opt in [("adamw", o.adamw), ("muon", o.muon)]:
         if opt.min_lr > opt.max_lr:
             raise ConfigError(f"optimizers.{name}.min_lr: got {opt.min_lr}; must be <= optimizers.{name}.max_lr = {opt.max_lr}")
     if not 0 < o.wsd_decay_fraction <= 1:
         raise ConfigError(f"optimizers.wsd_decay_fraction: got {o.wsd_decay_fraction}; must be in (0, 1]")
-    if cfg.runtime.precision == "fp16" and cfg.runtime.fsdp:
+    if r.precision == "fp16" and r.fsdp:
         raise ConfigError("runtime.precision: got 'fp16'; FSDP2 runs use 'bf16' or 'fp32' (fp16 loss scaling needs DDP or one process)")
-    r = cfg.runtime
     for p in ["replicate", "shard"]: _positive(f"runtime.{p}", getattr(r, p), allow_zero=True)
     if (r.replicate or r.shard) and not r.fsdp:
         raise ConfigError(f"runtime.{'replicate' if r.replicate else 'shard'}: got {r.replicate or r.shard}; mesh degrees need runtime.fsdp: true (DDP replicates everywhere)")
     if r.fsdp and world_size > 1 and r.replicate and r.shard and r.replicate * r.shard != world_size:
         raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
-    c = cfg.checkpointing  # "auto" is settled here, where the world size is known
+
+# %% ../nbs/00_config.ipynb #1da6c0b0
+def _check_stages(cfg: GlobalConfig, world_size: int):
+    "Checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA, DPO and validation."
+    c = cfg.checkpointing
     if c.format == "auto": c.format = "sharded" if world_size > 1 or c.async_save else "full"
     if c.async_save and c.format != "sharded":
         raise ConfigError("checkpointing.async_save: got true; asynchronous saves need checkpointing.format: sharded")
@@ -480,7 +494,14 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
         raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
     _positive("dpo.beta", cfg.dpo.beta)
     for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
-    _positive("checkpointing.every", cfg.checkpointing.every, allow_zero=True)
+    _positive("checkpointing.every", c.every, allow_zero=True)
+
+def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
+    "Check the combinations of keys that no single type hint can express; return `cfg`."
+    check_ranges(cfg)
+    _check_model(cfg)
+    _check_optimizers_and_runtime(cfg, world_size)
+    _check_stages(cfg, world_size)
     grad_accum_steps(cfg, world_size)
     return clamp_warmup(cfg)
 

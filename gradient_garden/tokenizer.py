@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from .config import ConfigError, TokenizerConfig
 from .runtime import atomic_dir
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['LLAMA3_PATTERN', 'LLAMA3_NUM_SPECIAL_TOKENS', 'BOS', 'EOS', 'EOT', 'START_HEADER', 'END_HEADER',
@@ -101,42 +102,47 @@ class Tokenizer:
         h.update(json.dumps(sorted(self.special_ids.items()) + [("pad", self.pad_id)]).encode())
         return f"{self.kind}-{self.vocab_size}-{h.hexdigest()[:16]}"
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        "Token ids of `text` (special-token text stays text), optionally wrapped in bos/eos."
-        return [self.bos_id] * bos + self._encode_one(text) + [self.eos_id] * eos
-
-    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
-        "`encode` for many texts at once, on all cores."
-        out = self._encode_many(list(texts))
-        if bos or eos: out = [[self.bos_id] * bos + ids + [self.eos_id] * eos for ids in out]
-        return out
-
-    def _header(self, role: str) -> list[int]:
-        "Tokens of `<|start_header_id|>role<|end_header_id|>\\n\\n`, cached per role."
-        if role not in self._headers:
-            self._headers[role] = ([self.start_header_id] + self._encode_one(CHAT_ROLES[role]) + [self.end_header_id]
-                                   + self._encode_one("\n\n"))
-        return self._headers[role]
-
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-        "Llama 3 chat ids and the mask of tokens to supervise (assistant content and its `<|eot_id|>`)."
-        ids, mask = [self.bos_id], [0]
-        for i, m in enumerate(messages):
-            role, content = m.get("role"), m.get("content")
-            if role not in CHAT_ROLES:
-                raise ConfigError(f"messages[{i}].role={role!r}: allowed roles are {', '.join(CHAT_ROLES)}")
-            if not isinstance(content, str):
-                raise ConfigError(f"messages[{i}].content: got {type(content).__name__}; expected a string")
-            head, body = self._header(role), self._encode_one(content) + [self.eot_id]
-            ids += head + body
-            mask += [0] * len(head) + [int(role == "assistant")] * len(body)
-        if add_generation_prompt:
-            head = self._header("assistant")
-            ids, mask = ids + head, mask + [0] * len(head)
-        return ids, mask
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, identity={self.identity!r})"
+
+# %% ../nbs/01_tokenizer.ipynb #fefdac13
+@patch
+def encode(self: Tokenizer, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+    "Token ids of `text` (special-token text stays text), optionally wrapped in bos/eos."
+    return [self.bos_id] * bos + self._encode_one(text) + [self.eos_id] * eos
+
+@patch
+def encode_batch(self: Tokenizer, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+    "`encode` for many texts at once, on all cores."
+    out = self._encode_many(list(texts))
+    if bos or eos: out = [[self.bos_id] * bos + ids + [self.eos_id] * eos for ids in out]
+    return out
+
+@patch
+def _header(self: Tokenizer, role: str) -> list[int]:
+    "Tokens of `<|start_header_id|>role<|end_header_id|>\\n\\n`, cached per role."
+    if role not in self._headers:
+        self._headers[role] = ([self.start_header_id] + self._encode_one(CHAT_ROLES[role]) + [self.end_header_id]
+                               + self._encode_one("\n\n"))
+    return self._headers[role]
+
+@patch
+def render_chat(self: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    "Llama 3 chat ids and the mask of tokens to supervise (assistant content and its `<|eot_id|>`)."
+    ids, mask = [self.bos_id], [0]
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise ConfigError(f"messages[{i}].role={role!r}: allowed roles are {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise ConfigError(f"messages[{i}].content: got {type(content).__name__}; expected a string")
+        head, body = self._header(role), self._encode_one(content) + [self.eot_id]
+        ids += head + body
+        mask += [0] * len(head) + [int(role == "assistant")] * len(body)
+    if add_generation_prompt:
+        head = self._header("assistant")
+        ids, mask = ids + head, mask + [0] * len(head)
+    return ids, mask
 
 # %% ../nbs/01_tokenizer.ipynb #de8cf4bc
 def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -152,6 +158,7 @@ def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     if not ranks: raise ConfigError(f"tokenizer.path={str(path)!r}: no tokens in the tiktoken BPE file")
     return ranks
 
+# %% ../nbs/01_tokenizer.ipynb #9394b3a0
 class TikTokenizer(Tokenizer):
     "A tiktoken BPE file in the Llama 3 format: regular ranks, then the special tokens in order."
     kind = "tiktoken"
@@ -219,32 +226,37 @@ class HFTokenizer(Tokenizer):
             t: i for t, i in added.items() if _RESERVED.fullmatch(t)}
         super().__init__(Path(path).name or path, path, special_ids, max(vocab.values()) + 1, self.hf.pad_token_id)
 
-    @property
-    def _backend(self) -> tokenizers.Tokenizer:
-        "The Rust tokenizer, set to encode special-token text as text, without padding or truncation."
-        b = self.hf.backend_tokenizer
-        if not b.encode_special_tokens: b.encode_special_tokens = True
-        if b.padding is not None: b.no_padding()
-        if b.truncation is not None: b.no_truncation()
-        return b
+# %% ../nbs/01_tokenizer.ipynb #45063f85
+@patch(as_prop=True)
+def _backend(self: HFTokenizer) -> tokenizers.Tokenizer:
+    "The Rust tokenizer, set to encode special-token text as text, without padding or truncation."
+    b = self.hf.backend_tokenizer
+    if not b.encode_special_tokens: b.encode_special_tokens = True
+    if b.padding is not None: b.no_padding()
+    if b.truncation is not None: b.no_truncation()
+    return b
 
-    def _encode_one(self, text: str) -> list[int]: return self._backend.encode(text, add_special_tokens=False).ids
+@patch
+def _encode_one(self: HFTokenizer, text: str) -> list[int]: return self._backend.encode(text, add_special_tokens=False).ids
 
-    def _encode_many(self, texts: list[str]) -> list[list[int]]:
-        b = self._backend
-        return [e.ids for e in getattr(b, "encode_batch_fast", b.encode_batch)(texts, add_special_tokens=False)]
+@patch
+def _encode_many(self: HFTokenizer, texts: list[str]) -> list[list[int]]:
+    b = self._backend
+    return [e.ids for e in getattr(b, "encode_batch_fast", b.encode_batch)(texts, add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        "Text of `ids`; special tokens decode to their names."
-        return self._backend.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids), skip_special_tokens=False)
+@patch
+def decode(self: HFTokenizer, ids: Sequence[int]) -> str:
+    "Text of `ids`; special tokens decode to their names."
+    return self._backend.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids), skip_special_tokens=False)
 
-    def _identity_bytes(self) -> Iterable[bytes]:
-        d = json.loads(self._backend.to_str())
-        m = d["model"]
-        vocab = sorted(m["vocab"].items(), key=lambda kv: kv[1]) if isinstance(m.get("vocab"), dict) else m.get("vocab")
-        merges = [mg.split(" ", 1) if isinstance(mg, str) else mg for mg in m.get("merges", [])]
-        added = sorted((t["id"], t["content"], t["special"]) for t in d.get("added_tokens", []))
-        yield json.dumps([m.get("type"), vocab, merges, added, d.get("normalizer"), d.get("pre_tokenizer")]).encode()
+@patch
+def _identity_bytes(self: HFTokenizer) -> Iterable[bytes]:
+    d = json.loads(self._backend.to_str())
+    m = d["model"]
+    vocab = sorted(m["vocab"].items(), key=lambda kv: kv[1]) if isinstance(m.get("vocab"), dict) else m.get("vocab")
+    merges = [mg.split(" ", 1) if isinstance(mg, str) else mg for mg in m.get("merges", [])]
+    added = sorted((t["id"], t["content"], t["special"]) for t in d.get("added_tokens", []))
+    yield json.dumps([m.get("type"), vocab, merges, added, d.get("normalizer"), d.get("pre_tokenizer")]).encode()
 
 # %% ../nbs/01_tokenizer.ipynb #f988a6ca
 LLAMA3_CHAT_TEMPLATE = (

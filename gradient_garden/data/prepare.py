@@ -16,6 +16,7 @@ from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_override
                                     load_config, read_data_file, to_plain)
 from ..runtime import write_json_atomic
 from ..tokenizer import Tokenizer, ensure_tokenizer
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED', 'DEFAULT_PRETRAINING_DATA', 'PROGRESS_FILE',
@@ -224,26 +225,30 @@ class SourceStream:
             raise ConfigError(f"{_join(self.src.where, 'text_field')}: column {self.field!r} holds {type(text).__name__}, not text")
         return text
 
-    def take(self, max_chars: int, max_docs: int = 8192) -> list[str]:
-        "The next non-empty documents, until their length reaches `max_chars` (at least one unless exhausted)."
-        out, n = [], 0
-        while n < max_chars and len(out) < max_docs and not self.exhausted:
-            try: row = next(self.rows)
-            except StopIteration: self.exhausted = True; break
-            text = self._text(row)
-            self.n_rows += 1; self.n_missing += row.get(self.field) is None
-            if text: out.append(text); n += len(text)
-        return out
+# %% ../../nbs/02_data.ipynb #be3d1bdb
+@patch
+def take(self: SourceStream, max_chars: int, max_docs: int = 8192) -> list[str]:
+    "The next non-empty documents, until their length reaches `max_chars` (at least one unless exhausted)."
+    out, n = [], 0
+    while n < max_chars and len(out) < max_docs and not self.exhausted:
+        try: row = next(self.rows)
+        except StopIteration: self.exhausted = True; break
+        text = self._text(row)
+        self.n_rows += 1; self.n_missing += row.get(self.field) is None
+        if text: out.append(text); n += len(text)
+    return out
 
-    def state_dict(self) -> dict: return self.ds.state_dict()
+@patch
+def state_dict(self: SourceStream) -> dict: return self.ds.state_dict()
 
-    def check_missing(self, rows: int, missing: int, max_fraction: float):
-        "Refuse a source where more than `max_fraction` of the `rows` read so far lack the text field."
-        if rows >= 100 or self.exhausted:
-            if missing > max_fraction * rows:
-                raise ConfigError(f"{_join(self.src.where, 'text_field')}: {missing:,} of {rows:,} rows of {self.src.name!r} "
-                                  f"lack {self.field!r} ({missing / rows:.1%}, more than data.max_missing_fraction = "
-                                  f"{max_fraction}); fix the rows, pick another text_field, or raise data.max_missing_fraction")
+@patch
+def check_missing(self: SourceStream, rows: int, missing: int, max_fraction: float):
+    "Refuse a source where more than `max_fraction` of the `rows` read so far lack the text field."
+    if rows >= 100 or self.exhausted:
+        if missing > max_fraction * rows:
+            raise ConfigError(f"{_join(self.src.where, 'text_field')}: {missing:,} of {rows:,} rows of {self.src.name!r} "
+                              f"lack {self.field!r} ({missing / rows:.1%}, more than data.max_missing_fraction = "
+                              f"{max_fraction}); fix the rows, pick another text_field, or raise data.max_missing_fraction")
 
 # %% ../../nbs/02_data.ipynb #0d0b8b09
 def is_validation(data: bytes, val_fraction: float) -> bool:
@@ -280,29 +285,34 @@ class ShardWriter:
         for p in self.folder.glob("shard_*.bin"):
             if int(p.stem.split("_")[1]) >= len(sizes): p.unlink()
 
-    def write(self, tokens: np.ndarray):
-        "Append `tokens`, starting a new shard file whenever the current one is full."
-        tokens = tokens.astype(self.dtype, copy=False)
-        while len(tokens):
-            k, used = divmod(self.n_tokens, self.shard_tokens)
-            if k != self._index: self._open(k)
-            part, tokens = tokens[:self.shard_tokens - used], tokens[self.shard_tokens - used:]
-            self._file.write(part.tobytes())
-            self.n_tokens += len(part)
+# %% ../../nbs/02_data.ipynb #7836b3ec
+@patch
+def write(self: ShardWriter, tokens: np.ndarray):
+    "Append `tokens`, starting a new shard file whenever the current one is full."
+    tokens = tokens.astype(self.dtype, copy=False)
+    while len(tokens):
+        k, used = divmod(self.n_tokens, self.shard_tokens)
+        if k != self._index: self._open(k)
+        part, tokens = tokens[:self.shard_tokens - used], tokens[self.shard_tokens - used:]
+        self._file.write(part.tobytes())
+        self.n_tokens += len(part)
 
-    def _open(self, k: int):
-        "Close (and sync) the current shard and open shard `k` for appending."
-        self.close()
-        self._file, self._index = open(self.path(k), "ab"), k
+@patch
+def _open(self: ShardWriter, k: int):
+    "Close (and sync) the current shard and open shard `k` for appending."
+    self.close()
+    self._file, self._index = open(self.path(k), "ab"), k
 
-    def sync(self):
-        "Push everything written so far to disk (called before each commit)."
-        if self._file: self._file.flush(); os.fsync(self._file.fileno())
+@patch
+def sync(self: ShardWriter):
+    "Push everything written so far to disk (called before each commit)."
+    if self._file: self._file.flush(); os.fsync(self._file.fileno())
 
-    def close(self):
-        "Sync and close the open shard, if any."
-        if self._file: self.sync(); self._file.close()
-        self._file, self._index = None, -1
+@patch
+def close(self: ShardWriter):
+    "Sync and close the open shard, if any."
+    if self._file: self.sync(); self._file.close()
+    self._file, self._index = None, -1
 
 # %% ../../nbs/02_data.ipynb #1010d5f0
 PROGRESS_FILE, META_FILE = "progress.json", "meta.json"
@@ -411,6 +421,7 @@ def _meta(spec, tokenizer, dtype, counts, writers, stage, elapsed) -> dict:
             **spec.layout(), "sources": counts, "splits": splits, "elapsed_s": round(elapsed, 3)}
 
 # %% ../../nbs/02_data.ipynb #521abf6c
+# Kept whole: one streaming loop whose writer, counters and resumable progress its nested `commit` shares
 def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *, stage: str = "pretraining",
                         overwrite: bool = False, progress: bool = True, batch_chars: int = 1 << 20,
                         commit_tokens: int | None = None) -> dict:

@@ -169,6 +169,7 @@ def _describe(ckpt: dict) -> str:
     run = ckpt.get("config", {}).get("run", {}).get("name")
     return f"checkpoint (step {ckpt.get('step')}, stage {ckpt.get('stage')!r}{f', run {run!r}' if run else ''})"
 
+# %% ../../nbs/23_checkpoints.ipynb #1bdbd9b7
 def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool = False,
                      tokenizer_identity: str | None = None) -> None:
     "Raise `ConfigError` unless checkpoint `ckpt` fits `cfg` (architecture, shapes, stage, LoRA, tokenizer)."
@@ -223,40 +224,45 @@ class CheckpointManager:
         "The checkpoint with the highest step, or None."
         return (self.checkpoints() or [None])[-1]
 
-    def val_loss(self, path: Path) -> float | None:
-        "The validation loss recorded in checkpoint `path` (None if not validated or unreadable)."
-        if path.name not in self._val_loss:
-            try: v = load_checkpoint(path, verify=False, mmap=True, weights=False).get("val_loss")
-            except ConfigError: v = None
-            self._val_loss[path.name] = v
-        return self._val_loss[path.name]
+# %% ../../nbs/23_checkpoints.ipynb #d5bc6397
+@patch
+def val_loss(self: CheckpointManager, path: Path) -> float | None:
+    "The validation loss recorded in checkpoint `path` (None if not validated or unreadable)."
+    if path.name not in self._val_loss:
+        try: v = load_checkpoint(path, verify=False, mmap=True, weights=False).get("val_loss")
+        except ConfigError: v = None
+        self._val_loss[path.name] = v
+    return self._val_loss[path.name]
 
-    def best(self) -> Path | None:
-        "The checkpoint with the lowest validation loss (the earliest on ties), or None."
-        scored = [(v, p) for p in self.checkpoints() if (v := self.val_loss(p)) is not None]
-        return min(scored, key=lambda t: t[0])[1] if scored else None
+@patch
+def best(self: CheckpointManager) -> Path | None:
+    "The checkpoint with the lowest validation loss (the earliest on ties), or None."
+    scored = [(v, p) for p in self.checkpoints() if (v := self.val_loss(p)) is not None]
+    return min(scored, key=lambda t: t[0])[1] if scored else None
 
-    def save(self, step: int, state: dict, val_loss: float | None = None) -> Path:
-        "Write `state` as the checkpoint of `step` (atomically), then apply retention; returns its path."
-        val_loss = None if val_loss is None else float(val_loss)
-        path = save_checkpoint({**state, "step": step, "val_loss": val_loss}, self.path(step))
-        self._val_loss[path.name] = val_loss
-        self.prune()
-        return path
+@patch
+def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None) -> Path:
+    "Write `state` as the checkpoint of `step` (atomically), then apply retention; returns its path."
+    val_loss = None if val_loss is None else float(val_loss)
+    path = save_checkpoint({**state, "step": step, "val_loss": val_loss}, self.path(step))
+    self._val_loss[path.name] = val_loss
+    self.prune()
+    return path
 
-    def prune(self) -> list[Path]:
-        "Delete checkpoints outside the last `keep_last` and the best, and stale temporary files; return them."
-        ckpts = self.checkpoints()
-        keep = set(ckpts[-self.keep_last:])
-        if self.keep_best and (b := self.best()) is not None: keep.add(b)
-        in_flight = self.pending[1] if self.pending else None
-        gone = [p for p in ckpts if p not in keep]
-        gone += [p for pat in (".step_*.pt.tmp.*", ".step_*.tmp", ".step_*.old") for p in self.dir.glob(pat) if p != in_flight]
-        for p in gone:
-            if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
-            else: p.unlink(missing_ok=True)
-            self._val_loss.pop(p.name, None)
-        return gone
+@patch
+def prune(self: CheckpointManager) -> list[Path]:
+    "Delete checkpoints outside the last `keep_last` and the best, and stale temporary files; return them."
+    ckpts = self.checkpoints()
+    keep = set(ckpts[-self.keep_last:])
+    if self.keep_best and (b := self.best()) is not None: keep.add(b)
+    in_flight = self.pending[1] if self.pending else None
+    gone = [p for p in ckpts if p not in keep]
+    gone += [p for pat in (".step_*.pt.tmp.*", ".step_*.tmp", ".step_*.old") for p in self.dir.glob(pat) if p != in_flight]
+    for p in gone:
+        if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
+        else: p.unlink(missing_ok=True)
+        self._val_loss.pop(p.name, None)
+    return gone
 
 # %% ../../nbs/23_checkpoints.ipynb #1e0eb487
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -391,6 +397,7 @@ def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     if old: shutil.rmtree(old, ignore_errors=True)
     return final
 
+# %% ../../nbs/23_checkpoints.ipynb #18229268
 def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     "Every rank: write its shards of `app_state` (`sharded_state`) and rank 0's `meta` as directory `path`, atomically."
     final, meta = Path(path), sharded_meta(meta)

@@ -253,6 +253,7 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks, precision)
     finally: lock.release()
 
+# %% ../../nbs/25_run.ipynb #943afeda
 def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks,
            precision: dict) -> dict:
     "Build the model, stage and trainer, write config and snapshot, and fit."

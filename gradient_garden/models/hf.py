@@ -120,6 +120,7 @@ def _expected_hf_names(cfg: ModelConfig) -> dict[str, str]:
     ours += [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in _LAYER]
     return {_hf_name(k): k for k in ours}
 
+# %% ../../nbs/15_hf.ipynb #7d44b14a
 def from_hf_state_dict(hf_state_dict: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     "Rename `LlamaForCausalLM` tensors to Tendril names (checked against the model's expected keys)."
     names = _expected_hf_names(cfg)
@@ -190,6 +191,7 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / "pytorch_model.bin").is_file(): return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ConfigError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
+# %% ../../nbs/15_hf.ipynb #49203e66
 def load_hf(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Tendril, ModelConfig]:
     "A Tendril (and its config) from a local Hugging Face Llama folder."
     from transformers import AutoConfig
