@@ -69,6 +69,7 @@ class ModelConfig:
     capacity_factor: Optional[float] = None
     load_balance_coef: float = 0.01
     z_loss_coef: float = 0.001
+    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"   # auto: flex_attention for document masks on CUDA, SDPA elsewhere
 
     @property
     def head_dim(self) -> int: return self.dim // self.n_heads

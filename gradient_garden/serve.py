@@ -26,8 +26,8 @@ from .models.attention import KVCache, hold_fused_weights
 __all__ = ['log', 'LOOPBACK_NAMES', 'TextStream', 'SamplingParams', 'Sequence', 'EngineClosed', 'QueueFull', 'BatchEngine',
            'StreamOptions', 'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'APIError',
            'validation_error', 'parse_body', 'Served', 'chat_prompt', 'completion_prompts', 'check_request',
-           'sampling_params', 'RequestRun', 'collect_run', 'chat_page', 'create_app', 'is_loopback', 'add_serve_args',
-           'load_served', 'run_serve']
+           'sampling_params', 'LoopWaker', 'loop_waker', 'RequestRun', 'collect_run', 'chat_page', 'create_app',
+           'is_loopback', 'add_serve_args', 'load_served', 'run_serve']
 
 # %% ../nbs/60_serve.ipynb #da3336b8
 class TextStream:
@@ -35,45 +35,51 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tok, self.stop = tokenizer, tuple(s for s in stop if s)
         self.ids: list[int] = []
-        self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already
-        self.text, self.sent, self.stopped = "", 0, False
+        self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already, as `window`
+        self.window, self.text, self.sent, self.stopped = "", "", 0, False
 
     def _decode_new(self, final: bool = False):
         "Append the text of the ids not decoded yet (unless it ends inside a character and more may come)."
-        prev = self.tok.decode(self.ids[self.prefix:self.read])
-        new = self.tok.decode(self.ids[self.prefix:])
+        new = self.tok.decode(self.ids[self.prefix:])           # one decode per token: the window's text is kept
         if new.endswith("\ufffd") and not final: return
-        self.text += new[len(prev):]
-        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new[len(self.window):]
+        self.read, self.window = len(self.ids), new
+        if self.read - self.prefix > 16:                         # slide the window, keeping a few tokens of context
+            self.prefix = self.read - 4
+            self.window = self.tok.decode(self.ids[self.prefix:self.read])
 
     def _held(self) -> int:
         "Length of the longest end of the text that is the beginning of a stop string."
         return max((k for s in self.stop for k in range(min(len(s) - 1, len(self.text)), 0, -1)
                     if self.text.endswith(s[:k])), default=0)
 
-    def _release(self, final: bool = False) -> str:
-        "The text that is safe to hand out now; cuts at a stop string."
-        if self.stop and not self.stopped:
-            start = max(0, self.sent - max(map(len, self.stop)))
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-            if hits: self.text, self.stopped, final = self.text[:min(hits)], True, True
-        end = len(self.text) if final else len(self.text) - self._held()
-        out = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return out
+# %% ../nbs/60_serve.ipynb #91fb751b
+@patch
+def _release(self: TextStream, final: bool = False) -> str:
+    "The text that is safe to hand out now; cuts at a stop string."
+    if self.stop and not self.stopped:
+        start = max(0, self.sent - max(map(len, self.stop)))
+        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits: self.text, self.stopped, final = self.text[:min(hits)], True, True
+    end = len(self.text) if final else len(self.text) - self._held()
+    out = self.text[self.sent:end]
+    self.sent = max(self.sent, end)
+    return out
 
-    def push(self, token_id: int) -> str:
-        "Add one token; return the new text that may be shown ('' while a character or a stop string is incomplete)."
-        if self.stopped: return ""
-        self.ids.append(int(token_id))
-        self._decode_new()
-        return self._release()
+@patch
+def push(self: TextStream, token_id: int) -> str:
+    "Add one token; return the new text that may be shown ('' while a character or a stop string is incomplete)."
+    if self.stopped: return ""
+    self.ids.append(int(token_id))
+    self._decode_new()
+    return self._release()
 
-    def finish(self) -> str:
-        "Everything still held back, at the end of generation."
-        if self.stopped: return ""
-        self._decode_new(final=True)
-        return self._release(final=True)
+@patch
+def finish(self: TextStream) -> str:
+    "Everything still held back, at the end of generation."
+    if self.stopped: return ""
+    self._decode_new(final=True)
+    return self._release(final=True)
 
 # %% ../nbs/60_serve.ipynb #8c0c1251
 @dataclass
@@ -128,6 +134,7 @@ class BatchEngine:
         self.col, self.fast = 0, False
         self.stats = dict(served=0, cancelled=0, rejected=0, tokens=0, steps=0, prefills=0, realigns=0)
         self._cv, self._closed, self._thread = threading.Condition(), False, None
+        self.after_step: list[Callable] = []   # called on the engine thread once the step's events are emitted
 
 # %% ../nbs/60_serve.ipynb #4f1c11f1
 @patch
@@ -210,6 +217,7 @@ def _keep(self: BatchEngine, alive: list[bool]):
         for l, t in enumerate(buffers): buffers[l] = t.index_select(0, idx)
     self.starts, self.last = self.starts.index_select(0, idx), self.last.index_select(0, idx)
 
+# %% ../nbs/60_serve.ipynb #ec8eacfe
 @patch
 def _join(self: BatchEngine, rows: list[Sequence], tmp: KVCache, width: int, starts: torch.Tensor, first: torch.Tensor):
     "Add prefilled rows (their cache `tmp` holds `width` columns) so that their data ends at the write column."
@@ -231,6 +239,20 @@ def _join(self: BatchEngine, rows: list[Sequence], tmp: KVCache, width: int, sta
     self.cache.batch_size = len(self.rows)
 
 # %% ../nbs/60_serve.ipynb #e40a611a
+@patch
+def _prepare(self: BatchEngine, s: Sequence):
+    "Per-sequence state made when it is admitted: text stream, generator, seen-token mask."
+    p = s.params
+    s.stream = TextStream(self.tok, p.stop)
+    if not p.greedy:
+        s.generator = torch.Generator(device=self.device)
+        if p.seed is None: s.generator.seed()
+        else: s.generator.manual_seed(p.seed)
+    if p.repetition_penalty != 1.0:
+        s.seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
+        s.seen[0, torch.tensor(s.prompt, device=self.device)] = True
+
+# %% ../nbs/60_serve.ipynb #eefdcf31
 @patch
 def _admit(self: BatchEngine):
     "Prefill waiting sequences into free rows (one left-padded forward) and sample their first tokens."
@@ -261,19 +283,7 @@ def _admit(self: BatchEngine):
     first = torch.tensor(nxt, device=self.device).index_select(0, idx)
     self._join([s for s, a in zip(new, alive) if a], tmp, width, starts.index_select(0, idx), first)
 
-@patch
-def _prepare(self: BatchEngine, s: Sequence):
-    "Per-sequence state made when it is admitted: text stream, generator, seen-token mask."
-    p = s.params
-    s.stream = TextStream(self.tok, p.stop)
-    if not p.greedy:
-        s.generator = torch.Generator(device=self.device)
-        if p.seed is None: s.generator.seed()
-        else: s.generator.manual_seed(p.seed)
-    if p.repetition_penalty != 1.0:
-        s.seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
-        s.seen[0, torch.tensor(s.prompt, device=self.device)] = True
-
+# %% ../nbs/60_serve.ipynb #36829b58
 @patch
 def _decode(self: BatchEngine):
     "One decoding step: every row's newest token through the model at the write column."
@@ -297,8 +307,15 @@ def step(self: BatchEngine) -> bool:
             self.stats["cancelled"] += sum(r.cancelled for r in self.rows)
             self._keep([not r.cancelled for r in self.rows])
         self._admit()
+        self._notify()
         if self.rows: self._decode()
+        self._notify()
     return self.pending() > 0
+
+@patch
+def _notify(self: BatchEngine):
+    "Tell the listeners (`after_step`) that the events of a step are out: one wake-up per step, not one per token."
+    for f in list(self.after_step): f()
 
 @patch
 @contextmanager
@@ -325,6 +342,7 @@ def _fail_all(self: BatchEngine, message: str):
     with self._cv: dropped, self.waiting = self.rows + list(self.waiting), deque()
     self.rows, self.cache, self.starts, self.last, self.col = [], None, None, None, 0
     for s in dropped: s.emit("error", message)
+    self._notify()
 
 @patch
 def _loop(self: BatchEngine):
@@ -379,6 +397,7 @@ class _Sampling(_Strict):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
 
+# %% ../nbs/60_serve.ipynb #3ca93a80
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -492,25 +511,51 @@ def sampling_params(req: _Sampling, max_tokens: int, choice: int) -> SamplingPar
                           seed=None if req.seed is None else req.seed + choice, ignore_eos=req.ignore_eos)
 
 # %% ../nbs/60_serve.ipynb #a9df717a
+class LoopWaker:
+    "Wakes the requests of one event loop that got events in an engine step, with one thread-to-loop hop per step."
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.due, self.scheduled = loop, deque(), False
+
+    def mark(self, run: "RequestRun"):
+        "Engine thread: `run` has new events."
+        if not run._due: run._due = True; self.due.append(run)
+
+    def flush(self):
+        "Engine thread, end of a step: schedule one wake-up for all marked runs (unless one is on its way)."
+        if self.scheduled or not self.due: return
+        self.scheduled = True
+        try: self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError: pass              # the event loop is gone (server stopped)
+
+    def _wake(self):
+        "Event loop: wake every marked run (marks made while this runs schedule the next wake-up)."
+        self.scheduled = False
+        while self.due:
+            run = self.due.popleft()
+            run._due = False
+            run.ready.set()
+
+def loop_waker(engine: BatchEngine) -> LoopWaker:
+    "The waker of the running event loop on `engine` (made and hooked to its steps on first use)."
+    loop, mine = asyncio.get_running_loop(), [getattr(f, "__self__", None) for f in engine.after_step]
+    if found := [w for w in mine if isinstance(w, LoopWaker) and w.loop is loop]: return found[0]
+    engine.after_step[:] = [f for f, w in zip(engine.after_step, mine) if not (isinstance(w, LoopWaker) and w.loop.is_closed())]
+    engine.after_step.append((waker := LoopWaker(loop)).flush)
+    return waker
+
+# %% ../nbs/60_serve.ipynb #f9d40a66
 class RequestRun:
     "The sequences of one request, and the inbox their events arrive in from the engine thread."
     def __init__(self, served: Served, prompts: list[list[int]], params: list[SamplingParams]):
-        self.served, self.loop = served, asyncio.get_running_loop()
-        self.inbox, self.ready, self._waking = deque(), asyncio.Event(), False
+        self.served, self.waker = served, loop_waker(served.engine)
+        self.inbox, self.ready, self._due = deque(), asyncio.Event(), False
         self.seqs = [Sequence(p, sp, emit=self._emitter(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _emitter(self, i: int) -> Callable:
         def emit(kind, payload):
             self.inbox.append((i, kind, payload))
-            if self._waking: return            # a wake-up is scheduled and will see this event
-            self._waking = True
-            try: self.loop.call_soon_threadsafe(self._wake)
-            except RuntimeError: pass          # the event loop is gone (server stopped)
+            self.waker.mark(self)
         return emit
-
-    def _wake(self):
-        self._waking = False
-        self.ready.set()
 
     async def __aenter__(self):
         try: self.served.engine.submit(self.seqs)
@@ -576,6 +621,29 @@ def _text_event(head: str, i: int, text: str, chat: bool) -> str:
     body = f'"delta": {{"content": {t}}}' if chat else f'"text": {t}'
     return f'data: {head}, "choices": [{{"index": {i}, {body}, "finish_reason": null, "logprobs": null}}]}}\n\n'
 
+# %% ../nbs/60_serve.ipynb #a1287fc1
+async def _sse_events(run: RequestRun, chunk: dict, text_head: str, chat: bool, usage_wanted: bool, n_prompt: int):
+    "The server-sent events of a streamed request, each batch of engine events as one piece of text."
+    choice, tokens = _chat_choice if chat else _text_choice, 0
+    extra = {"usage": None} if usage_wanted else {}
+    try:
+        if chat:
+            for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True, first=True)]) | extra)
+        async for batch in run.batches():
+            out, texts = [], {}                 # the batch's text per choice, in one event each
+            for i, kind, payload in batch:
+                if kind == "text": texts[i] = texts.get(i, "") + payload; continue
+                if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
+                tokens += payload["completion_tokens"]
+                out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
+            out += [_text_event(text_head, i, t, chat) for i, t in texts.items()]
+            yield "".join(out)
+        if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
+        yield "data: [DONE]\n\n"
+    except APIError as e: yield _sse(e.body())
+    finally: await run.__aexit__(None, None, None)
+
+# %% ../nbs/60_serve.ipynb #d9d6f00e
 async def _respond(request, served: Served, req: _Sampling, prompts: list[list[int]], max_tokens: list[int], chat: bool):
     "Run a (chat or text) completion request; a JSON answer or a streaming response."
     params = [sampling_params(req, m, j) for m in max_tokens for j in range(req.n)]
@@ -594,25 +662,8 @@ async def _respond(request, served: Served, req: _Sampling, prompts: list[list[i
     usage_wanted = bool(req.stream_options and req.stream_options.include_usage)
     chunk = head | dict(object=f"{obj}.chunk" if chat else obj)
     text_head = json.dumps(chunk | ({"usage": None} if usage_wanted else {}), ensure_ascii=False)[:-1]
-    async def stream():
-        tokens = 0
-        try:
-            if chat:
-                for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True, first=True)]) | ({"usage": None} if usage_wanted else {}))
-            async for batch in run.batches():
-                out, texts = [], {}                 # the batch's text per choice, in one chunk each
-                for i, kind, payload in batch:
-                    if kind == "text": texts[i] = texts.get(i, "") + payload; continue
-                    if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
-                    tokens += payload["completion_tokens"]
-                    out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
-                out += [_text_event(text_head, i, t, chat) for i, t in texts.items()]
-                yield "".join(out)
-            if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
-            yield "data: [DONE]\n\n"
-        except APIError as e: yield _sse(e.body())
-        finally: await run.__aexit__(None, None, None)
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(_sse_events(run, chunk, text_head, chat, usage_wanted, n_prompt), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 # %% ../nbs/60_serve.ipynb #7c8807a3
 def chat_page() -> str:
@@ -652,21 +703,14 @@ def _install_auth(app, api_key: str | None):
         return await call_next(request)
 
 # %% ../nbs/60_serve.ipynb #dfd37340
-def create_app(served: Served, api_key: str | None = None):
-    "The FastAPI app of `gg serve` for `served` (its engine thread runs while the app does)."
-    @asynccontextmanager
-    async def lifespan(app):
-        served.engine.start()
-        try: yield
-        finally: await asyncio.to_thread(served.engine.close)
-    app = FastAPI(title="Gradient Garden", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    _install_errors(app)
-    _install_auth(app, api_key)
-    def check_model(name: str):
-        if name != served.model_id:
-            raise APIError(404, f"The model {name!r} does not exist; this server serves {served.model_id!r}",
-                           param="model", code="model_not_found")
+def _check_model(served: Served, name: str):
+    "A 404 unless `name` is the served model's id."
+    if name != served.model_id:
+        raise APIError(404, f"The model {name!r} does not exist; this server serves {served.model_id!r}",
+                       param="model", code="model_not_found")
 
+def _add_info_routes(app, served: Served):
+    "The chat page `/`, `/health` and `/v1/models`."
     @app.get("/", response_class=HTMLResponse)
     async def page(): return chat_page()
 
@@ -681,23 +725,39 @@ def create_app(served: Served, api_key: str | None = None):
         return dict(object="list", data=[dict(id=served.model_id, object="model", created=served.created,
                                               owned_by="gradient-garden", chat=served.chat, max_model_len=served.max_len)])
 
+# %% ../nbs/60_serve.ipynb #421b90f8
+def _add_completion_routes(app, served: Served):
+    "`POST /v1/chat/completions` and `POST /v1/completions`."
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_body(await request.body(), ChatCompletionRequest)
-        check_model(req.model)
+        _check_model(served, req.model)
         ids = chat_prompt(served, req)
         return await _respond(request, served, req, [ids], [check_request(served, req, len(ids), None)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_body(await request.body(), CompletionRequest)
-        check_model(req.model)
+        _check_model(served, req.model)
         prompts = completion_prompts(served, req)
         if len(prompts) * req.n > served.engine.max_batch_size:
             raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} exceed the {served.engine.max_batch_size} "
                                 "sequences this server decodes together", param="prompt")
         limits = [check_request(served, req, len(p), 16, "prompt") for p in prompts]
         return await _respond(request, served, req, prompts, limits, chat=False)
+
+def create_app(served: Served, api_key: str | None = None):
+    "The FastAPI app of `gg serve` for `served` (its engine thread runs while the app does)."
+    @asynccontextmanager
+    async def lifespan(app):
+        served.engine.start()
+        try: yield
+        finally: await asyncio.to_thread(served.engine.close)
+    app = FastAPI(title="Gradient Garden", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _install_errors(app)
+    _install_auth(app, api_key)
+    _add_info_routes(app, served)
+    _add_completion_routes(app, served)
     return app
 
 # %% ../nbs/60_serve.ipynb #2d6d3e30
@@ -718,6 +778,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 suits small models)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most; beyond it requests get 429")
     parser.add_argument("--api-key", default=None, help="require this key (default: $GG_API_KEY)")
@@ -739,6 +800,7 @@ def load_served(args) -> Served:
     from pathlib import Path
     from gradient_garden.tokenizer import init_tokenizer
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
+    if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
         from gradient_garden.engine.checkpoints import load_model_from_checkpoint
         model, cfg = load_model_from_checkpoint(args.checkpoint, device, dtype)
@@ -753,6 +815,7 @@ def load_served(args) -> Served:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
     return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue), args.model_name or name, chat)
 
+# %% ../nbs/60_serve.ipynb #d37ed2bf
 def run_serve(args) -> int:
     "Run `gg serve`: check the flags, load the model, serve the API and the page with uvicorn until interrupted."
     import uvicorn

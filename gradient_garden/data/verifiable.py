@@ -15,7 +15,7 @@ __all__ = ['WORDS', 'TASKS', 'SPLITS', 'VAL_PERCENT', 'SYSTEM_PROMPT', 'split_of
            'heldout_examples', 'normalize_answer', 'exact_match', 'to_messages', 'sample_conversations',
            'corrupt_answer', 'sample_preference_pairs']
 
-# %% ../../nbs/04_verifiable.ipynb #660ec77e
+# %% ../../nbs/04_verifiable.ipynb #9d12fc3c
 WORDS = """able acid aged also area army away baby back ball band bank base bath bear beat been beer bell belt best
 bird blow blue boat body bomb bond bone book boom born boss both bowl bulk burn bush busy cafe cake call calm came camp
 card care case cash cast cell chat chip city club coal coat code cold come cook cool cope copy core cost crew crop dark
@@ -29,6 +29,7 @@ market school summer winter spring autumn number letter simple random python ten
 
 def _pick_word(rng: random.Random) -> str: return rng.choice(WORDS)
 
+# %% ../../nbs/04_verifiable.ipynb #d5ff8ce8
 def _add(rng):
     a, b = rng.randrange(50), rng.randrange(50)
     return (a, b), f"What is {a} + {b}?", str(a + b)
@@ -45,6 +46,7 @@ def _successor(rng):
     n = rng.randrange(200)
     return (n,), f"What number comes after {n}?", str(n + 1)
 
+# %% ../../nbs/04_verifiable.ipynb #153e2ca2
 def _repeat(rng):
     w = _pick_word(rng)
     return (w,), f"Repeat the word '{w}' three times.", " ".join([w] * 3)

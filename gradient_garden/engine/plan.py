@@ -187,7 +187,7 @@ class Plan:
         if self.mode == "full": extra = 2 * (self.flops_per_token - 6 * m.dim * m.vocab_size) / 6
         return self.tokens * (self.flops_per_token + extra) / (self.world * self.device.peak_flops * self.mfu) / 3600
 
-# %% ../../nbs/27_plan.ipynb #56b3467e
+# %% ../../nbs/27_plan.ipynb #94d20553
 def measured_mfu(metrics_path) -> float | None:
     "Median MFU of the logged training steps in a `metrics.jsonl` (or its run folder), None when there are none."
     p = Path(metrics_path)
@@ -204,6 +204,7 @@ def layouts(nodes: int, gpus_per_node: int) -> dict:
     if nodes > 1 and gpus_per_node > 1: out["hsdp"] = ("hsdp", gpus_per_node)
     return out
 
+# %% ../../nbs/27_plan.ipynb #d8b0ae04
 def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: int = 1, mfu: float | None = None,
          mfu_from=None) -> Plan:
     "Memory for every layout the target allows, FLOPs/token, token budget, steps and time for `cfg` on `gpu`."
@@ -229,7 +230,7 @@ def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: in
     return Plan(cfg, dev, nodes, gpus_per_node, layout, mem, parameter_counts(cfg), flops_per_token(cfg.model, t.seq_len),
                 t.max_steps * t.total_batch_size, t.max_steps, mfu, source)
 
-# %% ../../nbs/27_plan.ipynb #d32718b9
+# %% ../../nbs/27_plan.ipynb #ed33a52c
 def _with(cfg: GlobalConfig, **changes) -> GlobalConfig:
     "A copy of `cfg` with `section.key` changes, e.g. `_with(cfg, runtime__fsdp=True)`."
     import copy
@@ -243,6 +244,7 @@ def _needed(cfg: GlobalConfig, layout: str, world: int, shard: int, device_type:
     par = layout if world > 1 else "single"
     return memory_plan(cfg, par, world, shard, device_type)["total"][cfg.runtime.activation_checkpointing]
 
+# %% ../../nbs/27_plan.ipynb #74f98ac1
 def suggestion(p: Plan) -> str | None:
     "The first single change that makes plan `p` fit, as 'key=value (needs X GiB)'; None if it fits."
     if p.fits: return None

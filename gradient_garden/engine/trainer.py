@@ -21,11 +21,12 @@ from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barri
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state)
 from ..generation import default_test_prompts, encode_prompts, generate
+from ..models.tendril import trainable
 
 
 # %% auto #0
-__all__ = ['GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'make_grad_scaler', 'set_tf32', 'measure_matmul_peak', 'gpu_datasheet_flops',
-           'compute_precision', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
+__all__ = ['GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'make_grad_scaler', 'set_tf32', 'gpu_datasheet_flops', 'compute_precision',
+           'measure_matmul_peak', 'peak_flops', 'estimate_workload', 'package_versions', 'hardware_info',
            'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'EarlyStopping', 'seed_everything',
            'make_profiler', 'full_state', 'load_full_state', 'TrainState', 'Trainer', 'device_scalar', 'Progress',
            'summary_table']
@@ -41,7 +42,7 @@ def set_tf32(device: torch.device, enabled: bool) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
     return enabled
 
-# %% ../../nbs/24_trainer.ipynb #96aae514
+# %% ../../nbs/24_trainer.ipynb #8a9c8894
 GPU_DATASHEET = [  # (name pattern, dense peak TFLOP/s per precision); most specific first, matched on word boundaries
     (r"\bH200 NVL\b", dict(bf16=835, fp16=835, tf32=418, fp32=60)),
     (r"\bG?H200\b", dict(bf16=989, fp16=989, tf32=495, fp32=67)),
@@ -59,6 +60,18 @@ GPU_DATASHEET = [  # (name pattern, dense peak TFLOP/s per precision); most spec
     (r"\bT4\b", dict(fp16=65, fp32=8.1)),
 ]
 GPU_PEAK_FLOPS = {p: v["bf16"] * 1e12 for p, v in GPU_DATASHEET if "bf16" in v}   # bf16 column, FLOP/s
+
+def gpu_datasheet_flops(name: str, precision: str = "bf16") -> float | None:
+    "Dense datasheet peak FLOP/s of the GPU called `name` for `precision` (bf16, fp16, tf32, fp32), or None if unknown."
+    for pattern, peaks in GPU_DATASHEET:
+        if re.search(pattern, name): return peaks[precision] * 1e12 if precision in peaks else None
+    return None
+
+def compute_precision(device: torch.device, precision: str, tf32: bool = False) -> str:
+    "The precision the matmuls actually run in: `tf32` for fp32 runs on CUDA with TF32 enabled, else `precision`."
+    return "tf32" if precision == "fp32" and tf32 and device.type == "cuda" else precision
+
+# %% ../../nbs/24_trainer.ipynb #7a97670a
 _MEASURED_PEAK: dict = {}
 
 def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 1024, reps: int = 5, dtype=torch.float32,
@@ -76,16 +89,6 @@ def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 102
     _MEASURED_PEAK[key] = max(_MEASURED_PEAK.get(key, 0.0), 2 * n**3 / best)
     return _MEASURED_PEAK[key]
 
-def gpu_datasheet_flops(name: str, precision: str = "bf16") -> float | None:
-    "Dense datasheet peak FLOP/s of the GPU called `name` for `precision` (bf16, fp16, tf32, fp32), or None if unknown."
-    for pattern, peaks in GPU_DATASHEET:
-        if re.search(pattern, name): return peaks[precision] * 1e12 if precision in peaks else None
-    return None
-
-def compute_precision(device: torch.device, precision: str, tf32: bool = False) -> str:
-    "The precision the matmuls actually run in: `tf32` for fp32 runs on CUDA with TF32 enabled, else `precision`."
-    return "tf32" if precision == "fp32" and tf32 and device.type == "cuda" else precision
-
 def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = False, tf32: bool = False) -> float:
     "Peak FLOP/s of one device in `precision`: the datasheet for known GPUs, otherwise measured (busy CPUs under-read: `refresh`)."
     precision = resolve_precision(device, precision)[0]
@@ -93,7 +96,6 @@ def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = Fa
         return (gpu_datasheet_flops(torch.cuda.get_device_name(device), compute_precision(device, precision, tf32))
                 or measure_matmul_peak(device, 4096, dtype=DTYPES[precision], refresh=refresh))
     return measure_matmul_peak(device, dtype=DTYPES[precision], refresh=refresh)
-
 
 # %% ../../nbs/24_trainer.ipynb #d1a4d1f2
 def estimate_workload(cfg: GlobalConfig, tokens_per_s: float | None = None, world_size: int = 1) -> dict:
@@ -277,23 +279,21 @@ class Trainer:
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
 
-# %% ../../nbs/24_trainer.ipynb #3abd1ea9
+# %% ../../nbs/24_trainer.ipynb #034012a4
 @patch
 def _mark_supervised(self: Trainer, batch):
-    "Tell a model with routing losses (MoE) which tokens are supervised, for its next forward."
-    set_mask = getattr(unwrap(self.model), "set_loss_mask", None)
-    if callable(set_mask) and "labels" in batch: set_mask(batch["labels"] != -100)
+    "Tell the model which tokens are supervised, for its next forward (the MoE router losses use it)."
+    if "labels" in batch: trainable(self.model).set_loss_mask(batch["labels"] != -100)
 
 @patch
 def _forward_loss(self: Trainer, batch) -> tuple[torch.Tensor, dict]:
-    "Sum of the task loss over the micro-batch, plus the model's auxiliary loss when it has one."
+    "Sum of the task loss over the micro-batch, plus the model's auxiliary loss (None when it has none)."
     self._mark_supervised(batch)
     with autocast_context(self.env.device, self.cfg.runtime.precision):
         loss_sum, metrics = self.task.loss(self.model, batch)
-    aux = getattr(unwrap(self.model), "aux_loss", None)
-    return loss_sum, metrics, (aux() if callable(aux) else None)
+    return loss_sum, metrics, trainable(self.model).aux_loss()
 
-# %% ../../nbs/24_trainer.ipynb #f9cfe060
+# %% ../../nbs/24_trainer.ipynb #0ba89579
 def device_scalar(x, device: torch.device) -> torch.Tensor:
     "`x` (a tensor anywhere, or a Python number) as a float64 scalar on `device`: a fill or a non-blocking copy."
     if torch.is_tensor(x): return x.to(device=device, dtype=torch.float64, non_blocking=True)
@@ -317,6 +317,35 @@ def _reads_host_after(self: Trainer, step: int) -> bool:
     t, c = self.cfg.training, self.cfg.checkpointing
     return step % t.log_every == 0 or step in (1, t.max_steps) or bool(c.every and step % c.every == 0)
 
+# %% ../../nbs/24_trainer.ipynb #61f9a472
+@patch
+def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    "Forward and backward every micro-batch (gradients synchronised on the last); the summed loss and task metrics."
+    loss_total = torch.zeros((), device=self.env.device, dtype=torch.float64)
+    metric_sums: dict = {}
+    for i, batch in enumerate(batches):
+        with grad_sync(self.model, sync=i == len(batches) - 1):
+            loss_sum, metrics, aux = self._forward_loss(batch)
+            loss = loss_sum / count * self.env.world_size
+            if aux is not None: loss = loss + aux / self.grad_accum
+            self.scaler.scale(loss).backward()
+        loss_total += loss_sum.detach().double()
+        for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
+    return loss_total, metric_sums
+
+@patch
+def _optimizer_step(self: Trainer) -> torch.Tensor | None:
+    "Clip (returning the gradient norm when `grad_clip` is set), step every optimizer through the scaler, zero the gradients."
+    grad_norm = None
+    if self.cfg.training.grad_clip:
+        for o in self.optimizers: self.scaler.unscale_(o)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip)  # same norm on any layout
+    for o in self.optimizers: self.scaler.step(o)
+    self.scaler.update()
+    for o in self.optimizers: o.zero_grad(set_to_none=True)
+    return grad_norm
+
+# %% ../../nbs/24_trainer.ipynb #7f566551
 @patch
 def train_step(self: Trainer) -> dict:
     "Read `grad_accum` micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
@@ -328,23 +357,8 @@ def train_step(self: Trainer) -> dict:
     local = torch.stack([sum(device_scalar(self.task.count(b), dev) for b in batches),
                          device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
     count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
-    loss_total = torch.zeros((), device=dev, dtype=torch.float64)
-    metric_sums: dict = {}
-    for i, batch in enumerate(batches):
-        with grad_sync(self.model, sync=i == len(batches) - 1):
-            loss_sum, metrics, aux = self._forward_loss(batch)
-            loss = loss_sum / count * self.env.world_size
-            if aux is not None: loss = loss + aux / self.grad_accum
-            self.scaler.scale(loss).backward()
-        loss_total += loss_sum.detach().double()
-        for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
-    grad_norm = None
-    if cfg.training.grad_clip:
-        for o in self.optimizers: self.scaler.unscale_(o)
-        grad_norm = clip_grad_norm_(self.model.parameters(), cfg.training.grad_clip)  # same norm on any layout
-    for o in self.optimizers: self.scaler.step(o)
-    self.scaler.update()
-    for o in self.optimizers: o.zero_grad(set_to_none=True)
+    loss_total, metric_sums = self._micro_steps(batches, count)
+    grad_norm = self._optimizer_step()
     out = dict(loss=all_reduce(loss_total) / count, n_units=count, n_tokens=n_tokens, **lrs)
     for k, v in metric_sums.items(): out[k] = all_reduce(v) / count
     if grad_norm is not None: out["grad_norm"] = grad_norm
@@ -353,7 +367,7 @@ def train_step(self: Trainer) -> dict:
     if self._reads_host_after(self.state.step): self.settle_tokens()   # no read from the device between those steps
     return out
 
-# %% ../../nbs/24_trainer.ipynb #c1ddd034
+# %% ../../nbs/24_trainer.ipynb #121c3e88
 @patch
 @torch.no_grad()
 def validate(self: Trainer) -> float:
@@ -362,8 +376,8 @@ def validate(self: Trainer) -> float:
     if self._val_batches is None:  # `validation.steps` global batches: the same windows on any number of ranks
         self._val_batches = self.val_loader.fixed_batches(self.cfg.validation.steps * self.grad_accum)
     self.model.eval()
-    dev, inner = self.env.device, unwrap(self.model)
-    if hasattr(inner, "reset_router_stats"): inner.reset_router_stats()  # count validation routing only
+    dev, model = self.env.device, trainable(self.model)
+    model.reset_router_stats()  # count validation routing only
     sums = torch.zeros(2, device=dev, dtype=torch.float64)   # loss, count: kept on the device, read once at the end
     try:
         for b in self._val_batches:
@@ -372,12 +386,12 @@ def validate(self: Trainer) -> float:
             with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
             sums = sums + torch.stack([loss_sum.double(), device_scalar(self.task.count(b), dev)])
     finally: self.model.train()
-    # router load, effective/dead experts, max share (a collective: every rank calls it)
-    self.router_metrics = inner.router_metrics() if hasattr(inner, "router_metrics") else {}
+    stats = model.router_stats()   # this rank's sums and counts: the engine adds them over ranks, the model never does
+    self.router_metrics = model.router_metrics(None if stats is None else all_reduce(stats))
     sums = all_reduce(sums)
     return (sums[0] / sums[1]).item()
 
-# %% ../../nbs/24_trainer.ipynb #4594b5dd
+# %% ../../nbs/24_trainer.ipynb #e8beebd6
 @patch
 def checkpoint_meta(self: Trainer) -> dict:
     "Everything an exact resume needs but the model and optimizer tensors; loader and RNG states of every rank."
@@ -392,6 +406,7 @@ def checkpoint_meta(self: Trainer) -> dict:
                 early_stopping=dict(best=self.early.best, bad=self.early.bad) if self.early else {},
                 tokenizer_identity=getattr(self.tokenizer, "identity", None))
 
+# %% ../../nbs/24_trainer.ipynb #e5b0b856
 from .checkpoints import CheckpointWriteError, write_failure_line
 
 @patch
@@ -463,7 +478,7 @@ def sample(self: Trainer) -> list[dict]:
     m.eval()
     try:
         with autocast_context(self.env.device, self.cfg.runtime.precision):
-            outs = generate(m, tok, encode_prompts(tok, prompts, instruct=self.cfg.training.stage != "pretraining"),
+            outs = generate(m, tok, encode_prompts(tok, prompts, instruct=self.task.chat_prompts),
                             max_new_tokens=g.max_gen_len, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                             seed=self.cfg.training.seed, stop_ids=[] if lockstep else sorted(stops))
     finally: m.train()
@@ -534,7 +549,7 @@ def _write_samples(self: Trainer):
         with open(self.run_dir/"samples.jsonl", "a") as f:
             for s in samples: f.write(json.dumps(s) + "\n")
 
-# %% ../../nbs/24_trainer.ipynb #1a3bbc6e
+# %% ../../nbs/24_trainer.ipynb #b6a1721e
 def _duration(s: float) -> str:
     "Seconds as `1h02m03s`, `2m03s` or `4.5s`."
     s = max(0.0, s)
@@ -542,6 +557,7 @@ def _duration(s: float) -> str:
     h, m = divmod(int(s) // 60, 60)
     return f"{h}h{m:02d}m{int(s) % 60:02d}s" if h else f"{m}m{int(s) % 60:02d}s"
 
+# %% ../../nbs/24_trainer.ipynb #b9c0cea4
 class Progress:
     "Training progress: a tqdm bar on a terminal, plain periodic lines elsewhere (logs, CI, papermill)."
     def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True, terminal: bool | None = None):
@@ -589,16 +605,6 @@ def _fmt(x) -> str:
     return f"{x:.4f}" if isinstance(x, float) else str(x)
 
 # %% ../../nbs/24_trainer.ipynb #dca5839d
-@patch
-def _unigram_baseline(self: Trainer) -> float | None:
-    "Validation cross-entropy of the unigram distribution of the training data (pretraining loaders only)."
-    d = getattr(self.train_loader, "data_dir", None)
-    if self.cfg.training.stage != "pretraining" or d is None: return None
-    try:
-        from gradient_garden.tasks.pretraining import unigram_baseline
-        return unigram_baseline(d)
-    except Exception: return None
-
 def _eval_cell(rec: dict, task: str) -> str:
     "A benchmark's summary entry: acc_norm (or acc) +- its standard error, and the number of examples."
     k = f"{task}/acc_norm" if f"{task}/acc_norm" in rec else f"{task}/acc"
@@ -610,7 +616,7 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
     "The end-of-stage table (see `summary_table`) of a `fit` result `res` and its latest metrics `last`."
     tps = tokens / max(seconds, 1e-9)
     how = f"stopped by {res['stopped_by']}" if res["stopped_by"] else "early stopping" if res["stopped_early"] else "finished"
-    base = self._unigram_baseline()
+    base = self.task.baseline_loss(self.train_loader)   # e.g. pretraining's unigram cross-entropy
     val = None if res["final_val_loss"] is None else _fmt(res["final_val_loss"]) + (f" (unigram baseline {base:.4f})" if base else "")
     score = next((k for k in ("exact_match", "preference_accuracy") if k in last), None)
     evals = [(task, _eval_cell(last, task)) for task in dict.fromkeys(k.split("/")[0] for k in last if k.endswith("/acc"))]
@@ -624,7 +630,7 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
 
 # %% ../../nbs/24_trainer.ipynb #8251b0d9
-# one reading of the loop top to bottom; each step's work is a named, checked method above
+# Kept whole: one reading of the loop top to bottom; each step's work is a named, checked method above
 @patch
 def fit(self: Trainer) -> dict:
     "Train to `training.max_steps` (or early stop, or a stop request); log, validate, sample, evaluate, checkpoint, summarise."

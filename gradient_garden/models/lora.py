@@ -6,6 +6,7 @@ and adapter-only state dicts."""
 # %% ../../nbs/13_lora.ipynb #d55ae411
 from __future__ import annotations
 import math
+from fastcore.basics import patch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from ..config import ConfigError, LoraConfig
 __all__ = ['LoRALinear', 'lora_modules', 'apply_lora', 'merge_lora', 'unmerge_lora', 'merge_and_unload', 'lora_state_dict',
            'load_lora_state_dict', 'has_lora', 'unload_lora', 'peft_adapter', 'save_peft_adapter']
 
-# %% ../../nbs/13_lora.ipynb #56d80750
+# %% ../../nbs/13_lora.ipynb #ecd3023c
 class LoRALinear(nn.Linear):
     "An `nn.Linear` with a trainable low-rank update `scaling * B @ A` beside its frozen weight."
     def __init__(self, in_features: int, out_features: int, bias: bool = True, rank: int = 8, alpha: float = 16.0,
@@ -45,27 +46,34 @@ class LoRALinear(nn.Linear):
         new.reset_lora_parameters()
         return new
 
-    def delta_weight(self) -> torch.Tensor:
-        "The low-rank update `scaling * B @ A`, shaped like `weight`."
-        return (self.lora_B @ self.lora_A) * self.scaling
+# %% ../../nbs/13_lora.ipynb #5460d50c
+@patch
+def delta_weight(self: LoRALinear) -> torch.Tensor:
+    "The low-rank update `scaling * B @ A`, shaped like `weight`."
+    return (self.lora_B @ self.lora_A) * self.scaling
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        if self.merged: return out
-        return out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+@patch
+def forward(self: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+    "The frozen layer plus the low-rank path (just the layer once merged)."
+    out = F.linear(x, self.weight, self.bias)
+    if self.merged: return out
+    return out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
-    @torch.no_grad()
-    def merge(self):
-        "Add the update into `weight` (no-op when already merged)."
-        if not self.merged: self.weight.add_(self.delta_weight().to(self.weight.dtype)); self.merged = True
+@patch
+@torch.no_grad()
+def merge(self: LoRALinear):
+    "Add the update into `weight` (no-op when already merged)."
+    if not self.merged: self.weight.add_(self.delta_weight().to(self.weight.dtype)); self.merged = True
 
-    @torch.no_grad()
-    def unmerge(self):
-        "Take the update back out of `weight` (no-op when not merged)."
-        if self.merged: self.weight.sub_(self.delta_weight().to(self.weight.dtype)); self.merged = False
+@patch
+@torch.no_grad()
+def unmerge(self: LoRALinear):
+    "Take the update back out of `weight` (no-op when not merged)."
+    if self.merged: self.weight.sub_(self.delta_weight().to(self.weight.dtype)); self.merged = False
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}, merged={self.merged}"
+@patch
+def extra_repr(self: LoRALinear) -> str:
+    return f"{nn.Linear.extra_repr(self)}, rank={self.rank}, alpha={self.alpha}, merged={self.merged}"
 
 # %% ../../nbs/13_lora.ipynb #76f558ec
 def _matches(name: str, targets) -> bool:

@@ -8,13 +8,13 @@ expert, an optional capacity limit, and the router statistics a run reports."""
 from __future__ import annotations
 import dataclasses, math
 from functools import partial
+from fastcore.basics import patch
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
-from .tendril import (FeedForward, Tendril, TransformerBlock, ffn_hidden_dim, flops_per_token,
-                                            register_model)
+from .tendril import (FeedForward, Tendril, TrainableModel, TransformerBlock, ffn_hidden_dim,
+                                            flops_per_token, register_model)
 
 # %% auto #0
 __all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balancing_loss', 'router_z_loss', 'StackedLinear',
@@ -79,7 +79,7 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
     m = _mask_weights(logits.shape[0], mask, logits.device)
     return (torch.logsumexp(logits.float(), -1).pow(2) * m).sum() / m.sum().clamp(min=1)
 
-# %% ../../nbs/12_moe.ipynb #5969a777
+# %% ../../nbs/12_moe.ipynb #2e8e1c88
 class StackedLinear(nn.Module):
     "`n` bias-free linear maps stored as one `weight [n, out_features, in_features]`; `weight[e]` is an `nn.Linear` weight."
     def __init__(self, n: int, in_features: int, out_features: int):
@@ -97,6 +97,7 @@ class StackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"n={self.weight.shape[0]}, in_features={self.in_features}, out_features={self.out_features}"
 
+# %% ../../nbs/12_moe.ipynb #05f1a2ff
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     "The dtype a matmul of `x` runs in: the autocast dtype when autocast is on, else `x`'s."
     dev = x.device.type
@@ -111,6 +112,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     "`F.grouped_mm(a, b, offs=offs)`; kept out of `torch.compile` graphs for dtypes its compiler rules reject (all but bf16)."
     return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm_eager(a, b, offs)
 
+# %% ../../nbs/12_moe.ipynb #29ef78de
 class GroupedExperts(nn.Module):
     "`n_experts` SwiGLU `FeedForward`s with stacked weights, run as one grouped (or batched) matmul per projection."
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
@@ -129,20 +131,22 @@ class GroupedExperts(nn.Module):
         gate, up = mm(x.to(dt), w13).chunk(2, dim=-1)
         return mm(F.silu(gate) * up, w2)
 
-    def expert(self, e: int) -> FeedForward:
-        "A standalone `FeedForward` holding a copy of expert `e`'s weights."
-        ff = FeedForward(self.w1.in_features, self.w1.out_features)
-        with torch.no_grad():
-            for name in ("w1", "w2", "w3"): getattr(ff, name).weight.copy_(getattr(self, name).weight[e])
-        return ff
+# %% ../../nbs/12_moe.ipynb #17689558
+@patch
+def expert(self: GroupedExperts, e: int) -> FeedForward:
+    "A standalone `FeedForward` holding a copy of expert `e`'s weights."
+    ff = FeedForward(self.w1.in_features, self.w1.out_features)
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"): getattr(ff, name).weight.copy_(getattr(self, name).weight[e])
+    return ff
 
-    @classmethod
-    def from_feed_forwards(cls, ffs: list[FeedForward]) -> GroupedExperts:
-        "Stack the weights of `FeedForward`s of one shape into a `GroupedExperts`."
-        g = cls(len(ffs), ffs[0].w1.in_features, ffs[0].w1.out_features)
-        with torch.no_grad():
-            for name in ("w1", "w2", "w3"): getattr(g, name).weight.copy_(torch.stack([getattr(f, name).weight for f in ffs]))
-        return g
+@patch(cls_method=True)
+def from_feed_forwards(cls: GroupedExperts, ffs: list[FeedForward]) -> GroupedExperts:
+    "Stack the weights of `FeedForward`s of one shape into a `GroupedExperts`."
+    g = cls(len(ffs), ffs[0].w1.in_features, ffs[0].w1.out_features)
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"): getattr(g, name).weight.copy_(torch.stack([getattr(f, name).weight for f in ffs]))
+    return g
 
 # %% ../../nbs/12_moe.ipynb #bf444a60
 def moe_dispatch(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, grouped: GroupedExperts,
@@ -194,7 +198,7 @@ def dispatch_capacity(x: torch.Tensor, capacity: int | None) -> int | None:
     "The capacity to dispatch `x [N, dim]` with: the configured one, else N where the grouped matmul would synchronise."
     return x.shape[0] if capacity is None and grouped_mm_syncs(x) else capacity
 
-# %% ../../nbs/12_moe.ipynb #ae610071
+# %% ../../nbs/12_moe.ipynb #229e5b84
 class MoEFeedForward(nn.Module):
     "Top-k routed SwiGLU experts plus an optional shared expert; keeps its auxiliary loss and routing statistics."
     def __init__(self, cfg: ModelConfig):
@@ -215,30 +219,34 @@ class MoEFeedForward(nn.Module):
         if self.capacity_factor is None or not self.training: return None
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.k / self.n_experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())
-        gates, experts, probs = route(logits, self.k, self.router_kind)
-        y = moe_dispatch(x, gates, experts, self.experts, dispatch_capacity(x, self.capacity(x.shape[0])))
-        if self.shared_expert is not None: y = y + self.shared_expert(x)
-        mask = None if self.loss_mask is None else self.loss_mask.reshape(-1)
-        if self.training:
-            if torch.is_grad_enabled():
-                self.aux = (self.load_balance_coef * load_balancing_loss(probs, experts, mask)
-                            + self.z_loss_coef * router_z_loss(logits, mask))
-        else: self._accumulate(experts, mask)
-        return y.view(shape)
+# %% ../../nbs/12_moe.ipynb #e78a3c5a
+@patch
+def forward(self: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    "Route, dispatch to the experts (plus the shared expert); keep the aux loss (training) or the statistics (eval)."
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        logits = F.linear(x.float(), self.router.weight.float())
+    gates, experts, probs = route(logits, self.k, self.router_kind)
+    y = moe_dispatch(x, gates, experts, self.experts, dispatch_capacity(x, self.capacity(x.shape[0])))
+    if self.shared_expert is not None: y = y + self.shared_expert(x)
+    mask = None if self.loss_mask is None else self.loss_mask.reshape(-1)
+    if self.training:
+        if torch.is_grad_enabled():
+            self.aux = (self.load_balance_coef * load_balancing_loss(probs, experts, mask)
+                        + self.z_loss_coef * router_z_loss(logits, mask))
+    else: self._accumulate(experts, mask)
+    return y.view(shape)
 
-    @torch.no_grad()
-    def _accumulate(self, experts: torch.Tensor, mask: torch.Tensor | None):
-        "Add this forward's assignments per expert (supervised tokens only) and token count to `stats`."
-        w = torch.ones(experts.shape[0], dtype=torch.long, device=experts.device) if mask is None else mask.long()
-        step = torch.cat([expert_counts(experts, self.n_experts, w), w.sum().view(1)])
-        self.stats = step if self.stats is None else self.stats + step
+@patch
+@torch.no_grad()
+def _accumulate(self: MoEFeedForward, experts: torch.Tensor, mask: torch.Tensor | None):
+    "Add this forward's assignments per expert (supervised tokens only) and token count to `stats`."
+    w = torch.ones(experts.shape[0], dtype=torch.long, device=experts.device) if mask is None else mask.long()
+    step = torch.cat([expert_counts(experts, self.n_experts, w), w.sum().view(1)])
+    self.stats = step if self.stats is None else self.stats + step
 
-# %% ../../nbs/12_moe.ipynb #554eed98
+# %% ../../nbs/12_moe.ipynb #a589a6a6
 class TendrilMoE(Tendril):
     "Tendril whose feed-forwards are top-k routed SwiGLU experts (`model.architecture: tendril_moe`)."
     def __init__(self, cfg: ModelConfig):
@@ -258,52 +266,63 @@ class TendrilMoE(Tendril):
         "Supervised tokens `[B, T]` (e.g. `labels != -100`) for the router losses and statistics of the next forward only."
         self._next_loss_mask = mask
 
-    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, kv_cache=None, start_pos: int = 0,
-                loss_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        "Logits (or with `labels` the summed loss), as `Tendril.forward`; `loss_mask [B, T]` selects the tokens the router losses see."
-        mask = loss_mask if loss_mask is not None else self._next_loss_mask
-        self._next_loss_mask = None
-        if mask is None and attn_mask is not None and attn_mask.dim() == 2:
-            mask = attn_mask[:, start_pos:start_pos + tokens.shape[1]]
-        if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
-            raise ValueError(f"loss_mask: expected shape {tuple(tokens.shape)} (the tokens'), got {tuple(mask.shape)}")
-        layers = self.moe_layers()
-        for m in layers: m.loss_mask = mask
-        try: return super().forward(tokens, position_ids=position_ids, doc_ids=doc_ids, attn_mask=attn_mask,
-                                    kv_cache=kv_cache, start_pos=start_pos, labels=labels)
-        finally:
-            for m in layers: m.loss_mask = None
+# %% ../../nbs/12_moe.ipynb #d0e40d75
+@patch
+def forward(self: TendrilMoE, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+            doc_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, kv_cache=None, start_pos: int = 0,
+            loss_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+    "Logits (or with `labels` the summed loss), as `Tendril.forward`; `loss_mask [B, T]` selects the tokens the router losses see."
+    mask = loss_mask if loss_mask is not None else self._next_loss_mask
+    self._next_loss_mask = None
+    if mask is None and attn_mask is not None and attn_mask.dim() == 2:
+        mask = attn_mask[:, start_pos:start_pos + tokens.shape[1]]
+    if mask is not None and tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"loss_mask: expected shape {tuple(tokens.shape)} (the tokens'), got {tuple(mask.shape)}")
+    layers = self.moe_layers()
+    for m in layers: m.loss_mask = mask
+    try: return super(TendrilMoE, self).forward(tokens, position_ids=position_ids, doc_ids=doc_ids, attn_mask=attn_mask,
+                                                kv_cache=kv_cache, start_pos=start_pos, labels=labels)
+    finally:
+        for m in layers: m.loss_mask = None
 
-    def aux_loss(self) -> torch.Tensor:
-        "Sum over layers of the weighted load-balancing and z-losses of the last training forward."
-        terms = [m.aux for m in self.moe_layers() if m.aux is not None]
-        return torch.stack(terms).sum() if terms else torch.zeros((), device=self.norm.weight.device)
+# %% ../../nbs/12_moe.ipynb #5d2d71d6
+@patch
+def aux_loss(self: TendrilMoE) -> torch.Tensor:
+    "Sum over layers of the weighted load-balancing and z-losses of the last training forward."
+    terms = [m.aux for m in self.moe_layers() if m.aux is not None]
+    return torch.stack(terms).sum() if terms else torch.zeros((), device=self.norm.weight.device)
 
-    def reset_router_stats(self):
-        "Forget the routing statistics accumulated by eval-mode forwards."
-        for m in self.moe_layers(): m.stats = None
+@patch
+def reset_router_stats(self: TendrilMoE):
+    "Forget the routing statistics accumulated by eval-mode forwards."
+    for m in self.moe_layers(): m.stats = None
 
-    def router_counts(self, reduce: bool = True) -> torch.Tensor | None:
-        "Accumulated `[n_layers, n_experts + 1]` counts (assignments per expert, then tokens); summed over ranks if `reduce`."
-        stats = [m.stats for m in self.moe_layers()]
-        if any(s is None for s in stats): return None
-        counts = torch.stack(stats)
-        if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1: dist.all_reduce(counts)
-        return counts
+@patch
+def router_counts(self: TendrilMoE) -> torch.Tensor | None:
+    "This process's `[n_layers, n_experts + 1]` counts (assignments per expert, then tokens) of the eval-mode forwards."
+    stats = [m.stats for m in self.moe_layers()]
+    return None if any(s is None for s in stats) else torch.stack(stats)
 
-    def router_load(self, reduce: bool = True) -> torch.Tensor | None:
-        "Share of the routed assignments per layer and expert `[n_layers, n_experts]` (rows sum to 1; balanced = 1/E)."
-        counts = self.router_counts(reduce)
-        if counts is None: return None
-        counts = counts[:, :-1].double()
-        return (counts / counts.sum(-1, keepdim=True).clamp(min=1)).float().cpu()
+@patch
+def router_stats(self: TendrilMoE) -> torch.Tensor | None:
+    "The protocol's local statistics: `router_counts()`, for the engine to sum over ranks."
+    return self.router_counts()
 
-    def router_metrics(self, reset: bool = True, per_expert: bool = True) -> dict[str, float]:
-        "Flat routing metrics of the eval-mode forwards since the last reset (collective under torch.distributed)."
-        load = self.router_load()
-        if reset: self.reset_router_stats()
-        return {} if load is None else router_metrics_from_load(load, per_expert)
+@patch
+def router_load(self: TendrilMoE, counts: torch.Tensor | None = None) -> torch.Tensor | None:
+    "Share of routed assignments per layer and expert `[n_layers, n_experts]` of `counts` (this process's when None)."
+    counts = self.router_counts() if counts is None else counts
+    if counts is None: return None
+    counts = counts[:, :-1].double()
+    return (counts / counts.sum(-1, keepdim=True).clamp(min=1)).float().cpu()
+
+@patch
+def router_metrics(self: TendrilMoE, stats: torch.Tensor | None = None, reset: bool = True,
+                   per_expert: bool = True) -> dict[str, float]:
+    "Flat routing metrics of `stats` (summed over ranks by the engine; this process's own when None); then reset."
+    load = self.router_load(stats)
+    if reset: self.reset_router_stats()
+    return {} if load is None else router_metrics_from_load(load, per_expert)
 
 # %% ../../nbs/12_moe.ipynb #ba4a8cb5
 def router_metrics_from_load(load: torch.Tensor, per_expert: bool = True) -> dict[str, float]:

@@ -12,15 +12,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
-from .attention import (Attention, KVCache, additive_mask, attention_mask, positions_from_doc_ids,
+from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask,
+                                              document_block_mask, positions_from_doc_ids,
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
 __all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES', 'ffn_hidden_dim',
            'RMSNormFunction', 'rms_norm', 'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward', 'chunk_loss_and_grad',
            'compiled_chunk_fn', 'LinearCrossEntropyFunction', 'loss_impl', 'linear_cross_entropy', 'TransformerBlock',
-           'check_model_config', 'Tendril', 'register_model', 'build_model', 'count_parameters', 'dense_matmul_params',
-           'flops_per_token']
+           'check_model_config', 'TrainableModel', 'unwrap_model', 'trainable', 'Tendril', 'register_model',
+           'build_model', 'count_parameters', 'dense_matmul_params', 'flops_per_token']
 
 # %% ../../nbs/11_tendril.ipynb #2fc6111d
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -259,10 +260,48 @@ def check_model_config(cfg: ModelConfig) -> ModelConfig:
         raise ConfigError(f"model.n_kv_heads: got {cfg.n_kv_heads}; must divide model.n_heads = {cfg.n_heads}")
     return cfg
 
+# %% ../../nbs/11_tendril.ipynb #45fdd052
+class TrainableModel:
+    "The optional behaviour a trainer may ask of a model, with defaults that do nothing; a model overrides what it has."
+    loss_from_labels: bool = False   # True when `forward(tokens, labels=...)` returns the summed loss itself
+
+    def set_loss_mask(self, mask: torch.Tensor | None):
+        "Supervised tokens `[B, T]` of the next forward, for losses that must see only those; ignored by default."
+
+    def aux_loss(self) -> torch.Tensor | None:
+        "An extra loss of the last training forward to add to the task's (e.g. router balancing); None by default."
+        return None
+
+    def reset_router_stats(self):
+        "Forget the statistics accumulated by eval-mode forwards; nothing to forget by default."
+
+    def router_stats(self) -> torch.Tensor | None:
+        "This process's accumulated statistics, sums and counts in one tensor (the engine sums it over ranks); None by default."
+        return None
+
+    def router_metrics(self, stats: torch.Tensor | None = None) -> dict[str, float]:
+        "Flat metrics from `stats` summed over ranks (this process's own when None); none by default."
+        return {}
+
+# %% ../../nbs/11_tendril.ipynb #4463b17a
+def unwrap_model(model: nn.Module) -> nn.Module:
+    "The user's module inside `torch.compile` and DDP wrappers (an FSDP2 module is the user's module already)."
+    while True:
+        if hasattr(model, "_orig_mod"): model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel): model = model.module
+        else: return model
+
+_NOTHING_DECLARED = TrainableModel()
+
+def trainable(model: nn.Module) -> TrainableModel:
+    "The one place to ask for optional behaviour: the unwrapped model when it declares `TrainableModel`, else the defaults."
+    inner = unwrap_model(model)
+    return inner if isinstance(inner, TrainableModel) else _NOTHING_DECLARED
+
 # %% ../../nbs/11_tendril.ipynb #0972370b
 _RESIDUAL_OUT = ("wo.weight", "w2.weight")
 
-class Tendril(nn.Module):
+class Tendril(TrainableModel, nn.Module):
     "Llama-style decoder: embeddings, pre-norm GQA/SwiGLU blocks, final RMSNorm, linear head (optionally tied)."
     loss_from_labels = True   # `forward(tokens, labels=...)` returns the summed loss
     def __init__(self, cfg: ModelConfig):
@@ -320,6 +359,9 @@ class Tendril(nn.Module):
         else: cos, sin = self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2)
         h = self.tok_embeddings(tokens)
         mask = full_mask
+        if mask is None and doc_ids is not None and pad_mask is None and start_pos == 0 \
+                and attention_backend(tokens.device.type, self.cfg.attention_backend) == "flex":
+            mask = document_block_mask(doc_ids)   # packed documents: block-sparse flex_attention
         if mask is None:
             mask = attention_mask(T, start_pos, pad_mask, doc_ids, tokens.device)
             if mask is not None and not torch.is_grad_enabled() and not torch.is_autocast_enabled(tokens.device.type):

@@ -77,7 +77,7 @@ def load_teacher_tokenizer(name_or_path: str):
         warnings.warn(f"distillation.teacher: no tokenizer with {name_or_path}; assuming it uses the student's token ids")
         return None
 
-# %% ../../nbs/33_distillation.ipynb #2a09f3c4
+# %% ../../nbs/33_distillation.ipynb #55e5fa47
 def teacher_attention_mask(batch: dict, dtype: torch.dtype) -> torch.Tensor:
     "Additive `[B, 1, T, T]` mask, causal inside each packed document (`doc_ids`, or restarts of `position_ids`)."
     ids, doc = batch["input_ids"], batch.get("doc_ids")
@@ -86,6 +86,7 @@ def teacher_attention_mask(batch: dict, dtype: torch.dtype) -> torch.Tensor:
     if mask is None: mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()[None, None]
     return additive_mask(mask, dtype).expand(ids.shape[0], -1, -1, -1)
 
+# %% ../../nbs/33_distillation.ipynb #5a0e26e2
 class DistillationTask:
     "Wraps a causal task: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE, summed over supervised tokens."
     def __init__(self, dist_cfg: DistillationConfig, teacher, task=None, student_vocab: Optional[int] = None):
@@ -113,6 +114,15 @@ class DistillationTask:
     def count(self, batch: dict) -> torch.Tensor:
         "Supervised tokens (the wrapped task's count)."
         return self.task.count(batch)
+
+    @property
+    def chat_prompts(self) -> bool:
+        "Whether the trainer samples chat-formatted prompts: the wrapped task's answer."
+        return self.task.chat_prompts
+
+    def baseline_loss(self, train_loader) -> float | None:
+        "The wrapped task's reference loss for the summary."
+        return self.task.baseline_loss(train_loader)
 
 # %% ../../nbs/33_distillation.ipynb #dbad90ec
 def wrap_with_distillation(task, cfg: GlobalConfig, tokenizer=None, device="cpu"):

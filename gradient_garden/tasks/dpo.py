@@ -65,7 +65,7 @@ def tokenize_pair(tokenizer, prompt, chosen, rejected, chat: bool = True, where:
         out.append(full[len(p_ids):])
     return tuple(out)
 
-# %% ../../nbs/32_dpo.ipynb #c4dbf8a2
+# %% ../../nbs/32_dpo.ipynb #3c7509b1
 PAIR_SOURCE_KEYS = {
     "verifiable": {"type", "train", "val", "tasks", "seed", "system_prob"},
     "hub": {"type", "path", "name", "split", "max_examples", "val_split", "val_fraction", "revision", "chat",
@@ -87,6 +87,7 @@ def iter_source_pairs(src: dict, split: str, where: str):
             if col not in row: raise ConfigError(f"{where}: column {col!r} not in the rows (columns: {', '.join(row)})")
         yield f"{src['path']} row {i}", row.get(pc), row[cc], row[rc], src.get("chat", True)
 
+# %% ../../nbs/32_dpo.ipynb #a18d26b0
 def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's preference sources into `out_dir/{train,val}`; returns the two splits' meta."
     from tqdm.auto import tqdm
@@ -159,7 +160,7 @@ def collate_pairs(ds: PairDataset, idx: np.ndarray, pad_id: int, seq_len: int) -
         lab[b, n_prompt - 1:len(s) - 1] = s[n_prompt:]
     return {"input_ids": torch.from_numpy(inp), "labels": torch.from_numpy(lab), "pair_index": torch.as_tensor(np.asarray(idx, dtype=np.int64))}
 
-# %% ../../nbs/32_dpo.ipynb #3bd580ac
+# %% ../../nbs/32_dpo.ipynb #4d8c2c19
 def sequence_logps(model, batch: dict) -> torch.Tensor:
     "Summed log-probability of each row's labels (`[2B]` for a pair batch), fp32, one forward."
     kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
@@ -171,6 +172,10 @@ def _plain_module(model):
     "The module to run forwards on: FSDP2 modules as they are, DDP / compile wrappers unwrapped."
     return model if is_fsdp(model) else unwrap(model)
 
+# %% ../../nbs/32_dpo.ipynb #41f3cd15
+from fastcore.basics import patch   # the reference and the loader are built up method by method below
+
+# %% ../../nbs/32_dpo.ipynb #715aba2d
 class PrecomputedReference:
     "Reference log-probs of every pair, computed once (lazily) from the starting policy; rides in the loader state."
     def __init__(self, model, datasets: dict, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
@@ -202,24 +207,31 @@ class PrecomputedReference:
         finally: model.train(was_training)
         return all_reduce(table).float().cpu()
 
-    def table(self, split: str) -> torch.Tensor:
-        "The `[n_pairs, 2]` (chosen, rejected) table of `split`, computing all splits on first use."
-        if not self.tables:
-            self.tables = {s: self._compute(ds) for s, ds in self.datasets.items()}
-            self.model = None  # the policy moves on; the table is the reference now
-        return self.tables[split]
+# %% ../../nbs/32_dpo.ipynb #6ffa7445
+@patch
+def table(self: PrecomputedReference, split: str) -> torch.Tensor:
+    "The `[n_pairs, 2]` (chosen, rejected) table of `split`, computing all splits on first use."
+    if not self.tables:
+        self.tables = {s: self._compute(ds) for s, ds in self.datasets.items()}
+        self.model = None  # the policy moves on; the table is the reference now
+    return self.tables[split]
 
-    def attach(self, batch: dict, split: str) -> dict:
-        "Add `ref_logps` (`[2B]`, chosen first) to a pair batch."
-        t = self.table(split)[batch["pair_index"]]
-        return batch | {"ref_logps": torch.cat([t[:, 0], t[:, 1]])}
+@patch
+def attach(self: PrecomputedReference, batch: dict, split: str) -> dict:
+    "Add `ref_logps` (`[2B]`, chosen first) to a pair batch."
+    t = self.table(split)[batch["pair_index"]]
+    return batch | {"ref_logps": torch.cat([t[:, 0], t[:, 1]])}
 
-    def logps(self, batch: dict) -> torch.Tensor: return batch["ref_logps"]
-    def state_dict(self) -> dict: return {"kind": "precomputed", "tables": dict(self.tables)}
-    def load_state_dict(self, d: dict):
-        if d.get("kind") != "precomputed": raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; the run asks for 'precomputed'")
-        self.tables, self.model = dict(d["tables"]), None
+@patch
+def logps(self: PrecomputedReference, batch: dict) -> torch.Tensor: return batch["ref_logps"]
+@patch
+def state_dict(self: PrecomputedReference) -> dict: return {"kind": "precomputed", "tables": dict(self.tables)}
+@patch
+def load_state_dict(self: PrecomputedReference, d: dict):
+    if d.get("kind") != "precomputed": raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; the run asks for 'precomputed'")
+    self.tables, self.model = dict(d["tables"]), None
 
+# %% ../../nbs/32_dpo.ipynb #e11e217f
 class ModelReference:
     "A frozen copy of the starting policy, run on every batch; its weights ride in the loader state."
     def __init__(self, model):
@@ -236,7 +248,7 @@ class ModelReference:
         if d.get("kind") != "copy": raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; the run asks for 'copy'")
         self.model.load_state_dict(d["model"])
 
-# %% ../../nbs/32_dpo.ipynb #8ab677de
+# %% ../../nbs/32_dpo.ipynb #e41f05a0
 class DPOLoader:
     "Batches of preference pairs for one rank (chosen and rejected stacked), with the reference attached; resumable on any number of ranks."
     def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
@@ -262,37 +274,45 @@ class DPOLoader:
             self._orders = {k: v for k, v in self._orders.items() if k[1] != shuffle} | {(epoch, shuffle): order}
         return self._orders[(epoch, shuffle)]
 
-    def _take(self, epoch: int, cursor: int, shuffle: bool):
-        "This rank's pairs of the round starting at (epoch, cursor): every `world_size`-th of the next ones."
-        mine, epoch, cursor = stream_positions(epoch, cursor, self.batch_size, self.rank, self.world_size, lambda e: len(self.pairs))
-        idx = np.asarray([self._order_for(e, shuffle)[c] for e, c in mine])
-        b = collate_pairs(self.data, idx, self.pad_id, self.seq_len)
-        return (self.reference.attach(b, self.split) if self.reference is not None else b), epoch, cursor
+# %% ../../nbs/32_dpo.ipynb #9e68cd95
+@patch
+def _take(self: DPOLoader, epoch: int, cursor: int, shuffle: bool):
+    "This rank's pairs of the round starting at (epoch, cursor): every `world_size`-th of the next ones."
+    mine, epoch, cursor = stream_positions(epoch, cursor, self.batch_size, self.rank, self.world_size, lambda e: len(self.pairs))
+    idx = np.asarray([self._order_for(e, shuffle)[c] for e, c in mine])
+    b = collate_pairs(self.data, idx, self.pad_id, self.seq_len)
+    return (self.reference.attach(b, self.split) if self.reference is not None else b), epoch, cursor
 
-    def next_batch(self) -> dict:
-        "The next `batch_size` pairs of this rank (`[2B, T]` rows)."
-        b, self.epoch, self.cursor = self._take(self.epoch, self.cursor, self.shuffle)
-        return b
+@patch
+def next_batch(self: DPOLoader) -> dict:
+    "The next `batch_size` pairs of this rank (`[2B, T]` rows)."
+    b, self.epoch, self.cursor = self._take(self.epoch, self.cursor, self.shuffle)
+    return b
 
-    def fixed_batches(self, n: int) -> list[dict]:
-        "`n` batches of this rank from the start of the unshuffled stream, the same at every call (validation)."
-        out, epoch, cursor = [], 0, 0
-        for _ in range(n):
-            b, epoch, cursor = self._take(epoch, cursor, False)
-            out.append(b)
-        return out
+@patch
+def fixed_batches(self: DPOLoader, n: int) -> list[dict]:
+    "`n` batches of this rank from the start of the unshuffled stream, the same at every call (validation)."
+    out, epoch, cursor = [], 0, 0
+    for _ in range(n):
+        b, epoch, cursor = self._take(epoch, cursor, False)
+        out.append(b)
+    return out
 
-    def state_dict(self) -> dict:
-        d = dict(kind="dpo", stream="global", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed,
-                 rank=self.rank, world_size=self.world_size, seq_len=self.seq_len, n_pairs=len(self.pairs))
-        if self.reference is not None: d["reference"] = self.reference.state_dict()
-        return d
+# %% ../../nbs/32_dpo.ipynb #85bd3f2a
+@patch
+def state_dict(self: DPOLoader) -> dict:
+    "Where the stream stands, what it was made from, and the reference."
+    d = dict(kind="dpo", stream="global", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed,
+             rank=self.rank, world_size=self.world_size, seq_len=self.seq_len, n_pairs=len(self.pairs))
+    if self.reference is not None: d["reference"] = self.reference.state_dict()
+    return d
 
-    def load_state_dict(self, d: dict):
-        "Resume at the saved stream position, any world size (and with the saved reference)."
-        check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "seq_len", "n_pairs"))
-        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
-        if self.reference is not None and d.get("reference"): self.reference.load_state_dict(d["reference"])
+@patch
+def load_state_dict(self: DPOLoader, d: dict):
+    "Resume at the saved stream position, any world size (and with the saved reference)."
+    check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "seq_len", "n_pairs"))
+    self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
+    if self.reference is not None and d.get("reference"): self.reference.load_state_dict(d["reference"])
 
 # %% ../../nbs/32_dpo.ipynb #0d15c094
 class DPOTask:
@@ -316,6 +336,12 @@ class DPOTask:
         "Pairs in the micro-batch, on the batch's device (a fill, not a copy from the host)."
         ids = batch["input_ids"]
         return torch.full((), ids.shape[0] // 2, dtype=torch.long, device=ids.device)
+
+    chat_prompts = True   # the trainer samples chat-formatted prompts
+
+    def baseline_loss(self, train_loader) -> None:
+        "No unigram reference for preference pairs."
+        return None
 
 # %% ../../nbs/32_dpo.ipynb #ffa06f21
 @torch.no_grad()

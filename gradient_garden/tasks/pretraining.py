@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ..config import GlobalConfig
-from ..engine.distributed import unwrap
+from ..models.tendril import trainable
 from .stages import StageParts
 
 # %% auto #0
@@ -26,12 +26,21 @@ class CausalLMTask:
     def loss(self, model, batch: dict):
         "Summed cross-entropy of the micro-batch and no extra metrics."
         kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        if getattr(unwrap(model), "loss_from_labels", False): return model(batch["input_ids"], labels=batch["labels"], **kw), {}
+        if trainable(model).loss_from_labels: return model(batch["input_ids"], labels=batch["labels"], **kw), {}
         return causal_lm_loss_sum(model(batch["input_ids"], **kw), batch["labels"]), {}
 
     def count(self, batch: dict) -> torch.Tensor:
         "Supervised tokens in the micro-batch."
         return (batch["labels"] != -100).sum()
+
+    chat_prompts = False   # the trainer samples plain-text prompts (the instruct stages' tasks say True)
+
+    def baseline_loss(self, train_loader) -> float | None:
+        "The summary's reference: cross-entropy of the training shards' unigram distribution (None without shards)."
+        d = getattr(train_loader, "data_dir", None)
+        if d is None: return None
+        try: return unigram_baseline(d)
+        except Exception: return None
 
 # %% ../../nbs/30_pretraining.ipynb #828b319e
 def build_pretraining(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:

@@ -114,7 +114,7 @@ class SFTDataset:
         a = self.offsets[i]
         return np.asarray(self.tokens[a:a + length], dtype=np.int64), np.asarray(self.mask[a:a + length], dtype=bool)
 
-# %% ../../nbs/31_sft.ipynb #a532e58d
+# %% ../../nbs/31_sft.ipynb #c0c9c7d4
 SOURCE_KEYS = {
     "verifiable": {"type", "train", "val", "tasks", "seed", "max_turns", "system_prob"},
     "hub": {"type", "path", "name", "split", "column", "max_examples", "val_split", "val_fraction", "revision"},
@@ -132,6 +132,7 @@ def check_source(src, where: str, kinds=SOURCE_KEYS) -> dict:
     if src["type"] in ("hub", "json") and not src.get("path"): raise ConfigError(f"{where}.path: required for type {src['type']!r}")
     return src
 
+# %% ../../nbs/31_sft.ipynb #25d989dd
 def _in_val(tag: str, i: int, fraction: float) -> bool:
     "Stable assignment of row `i` of source `tag` to the validation split."
     h = int.from_bytes(hashlib.sha1(f"{tag}|{i}".encode()).digest()[:4], "little")
@@ -156,6 +157,7 @@ def load_rows(src: dict, split: str):
         n += 1
         yield i, row
 
+# %% ../../nbs/31_sft.ipynb #5dff22a8
 @contextlib.contextmanager
 def datasets_progress(enabled: bool):
     "Silence the `datasets` progress bars inside the block unless `enabled`."
@@ -277,7 +279,7 @@ def pack_rows(order: np.ndarray, n_positions: np.ndarray, capacity: int, window:
             if len(open_rows) > window: rows.append(open_rows.pop(0)[1])
     return rows + [r[1] for r in open_rows]
 
-# %% ../../nbs/31_sft.ipynb #88510760
+# %% ../../nbs/31_sft.ipynb #144fe7d6
 def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int, epoch_len):
     "This rank's `n` positions `(epoch, index)` of the next `n x world_size` stream items, and the position after them."
     mine = []
@@ -287,6 +289,10 @@ def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int
         if cursor == epoch_len(epoch): epoch, cursor = epoch + 1, 0
     return mine, epoch, cursor
 
+# %% ../../nbs/31_sft.ipynb #191e6349
+from fastcore.basics import patch   # the loader is built up method by method below
+
+# %% ../../nbs/31_sft.ipynb #b7910015
 class SFTLoader:
     "Batches of chats for one rank: packed with document masking, or padded; resumable on any number of ranks."
     def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
@@ -320,35 +326,43 @@ class SFTLoader:
             self._cache = {k: v for k, v in self._cache.items() if k[1] != shuffle} | {key: rows}
         return self._cache[key]
 
-    def _rows(self, n_rows: int, epoch: int, cursor: int, shuffle: bool):
-        "This rank's `n_rows` rows of the round starting at (epoch, cursor); rows of (ids, mask) and the new position."
-        mine, epoch, cursor = stream_positions(epoch, cursor, n_rows, self.rank, self.world_size,
-                                               lambda e: len(self._epoch_rows(e, shuffle)))
-        rows = [[self.data.example(i, int(self.lengths[i])) for i in self._epoch_rows(e, shuffle)[c]] for e, c in mine]
-        return rows, epoch, cursor
+# %% ../../nbs/31_sft.ipynb #b7d75746
+@patch
+def _rows(self: SFTLoader, n_rows: int, epoch: int, cursor: int, shuffle: bool):
+    "This rank's `n_rows` rows of the round starting at (epoch, cursor); rows of (ids, mask) and the new position."
+    mine, epoch, cursor = stream_positions(epoch, cursor, n_rows, self.rank, self.world_size,
+                                           lambda e: len(self._epoch_rows(e, shuffle)))
+    rows = [[self.data.example(i, int(self.lengths[i])) for i in self._epoch_rows(e, shuffle)[c]] for e, c in mine]
+    return rows, epoch, cursor
 
-    def next_batch(self) -> dict:
-        "The next micro-batch of this rank."
-        rows, self.epoch, self.cursor = self._rows(self.batch_size, self.epoch, self.cursor, self.shuffle)
-        return collate_rows(rows, self.seq_len, self.pad_id, self.packing)
+@patch
+def next_batch(self: SFTLoader) -> dict:
+    "The next micro-batch of this rank."
+    rows, self.epoch, self.cursor = self._rows(self.batch_size, self.epoch, self.cursor, self.shuffle)
+    return collate_rows(rows, self.seq_len, self.pad_id, self.packing)
 
-    def fixed_batches(self, n: int) -> list[dict]:
-        "`n` batches of this rank from the start of the unshuffled stream, identical at every call (validation)."
-        out, epoch, cursor = [], 0, 0
-        for _ in range(n):
-            rows, epoch, cursor = self._rows(self.batch_size, epoch, cursor, False)
-            out.append(collate_rows(rows, self.seq_len, self.pad_id, self.packing))
-        return out
+@patch
+def fixed_batches(self: SFTLoader, n: int) -> list[dict]:
+    "`n` batches of this rank from the start of the unshuffled stream, identical at every call (validation)."
+    out, epoch, cursor = [], 0, 0
+    for _ in range(n):
+        rows, epoch, cursor = self._rows(self.batch_size, epoch, cursor, False)
+        out.append(collate_rows(rows, self.seq_len, self.pad_id, self.packing))
+    return out
 
-    def state_dict(self) -> dict:
-        return dict(kind="sft", stream="global", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed,
-                    rank=self.rank, world_size=self.world_size, packing=self.packing, pack_window=self.pack_window,
-                    seq_len=self.seq_len, n_docs=len(self.docs))
+# %% ../../nbs/31_sft.ipynb #4eae5429
+@patch
+def state_dict(self: SFTLoader) -> dict:
+    "Where the stream stands, and what it was made from (checked on resume)."
+    return dict(kind="sft", stream="global", split=self.split, epoch=self.epoch, cursor=self.cursor, seed=self.seed,
+                rank=self.rank, world_size=self.world_size, packing=self.packing, pack_window=self.pack_window,
+                seq_len=self.seq_len, n_docs=len(self.docs))
 
-    def load_state_dict(self, d: dict):
-        "Resume at the saved stream position (any world size); refuse a state from different data, length or packing."
-        check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "packing", "pack_window", "seq_len", "n_docs"))
-        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
+@patch
+def load_state_dict(self: SFTLoader, d: dict):
+    "Resume at the saved stream position (any world size); refuse a state from different data, length or packing."
+    check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "packing", "pack_window", "seq_len", "n_docs"))
+    self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
 
 def check_stream_state(saved: dict, mine: dict, keys):
     "One clear line when a saved loader state cannot continue this loader's stream."
@@ -363,6 +377,11 @@ def check_stream_state(saved: dict, mine: dict, keys):
 # %% ../../nbs/31_sft.ipynb #be3ea24d
 class SFTTask(CausalLMTask):
     "The instruct task: summed next-token cross-entropy over assistant tokens; `count` = supervised tokens."
+    chat_prompts = True   # the trainer samples chat-formatted prompts
+
+    def baseline_loss(self, train_loader) -> None:
+        "No unigram reference for conversations."
+        return None
 
 # %% ../../nbs/31_sft.ipynb #56b0cb3e
 def instruct_dir(cfg: GlobalConfig) -> Path:
@@ -392,7 +411,7 @@ def build_instruct(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
         return {"exact_match": r["exact_match"], **{f"exact_match/{k}": v for k, v in r["per_task"].items()}}
     return StageParts(wrap_with_distillation(SFTTask(), cfg, tokenizer, env.device), train, val, evaluate=held_out_exact_match)
 
-# %% ../../nbs/31_sft.ipynb #3a7c3400
+# %% ../../nbs/31_sft.ipynb #83edf587
 def prompt_ids(tokenizer, ex: VerifiableExample, system: Optional[str] = None) -> list[int]:
     "Chat ids of `ex`'s prompt followed by the assistant header (what the model continues)."
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": ex.prompt}]
@@ -408,6 +427,7 @@ def lockstep_generate(model, tokenizer, prompts: list[list[int]], n_per_rank: in
     outs = generate(model, tokenizer, padded, max_new_tokens=budget, temperature=0.0, stop_ids=[], batch_size=batch_size)
     return [o[:next((i for i, t in enumerate(o) if t in stops), len(o))] for o in outs[:len(prompts)]]
 
+# %% ../../nbs/31_sft.ipynb #1a1e5db2
 @torch.no_grad()
 def evaluate_exact_match(model, tokenizer, examples: Optional[list[VerifiableExample]] = None, n_per_task: int = 20,
                          max_new_tokens: int = 24, batch_size: int = 64, system: Optional[str] = None,
