@@ -128,7 +128,7 @@ def test_completions_plain_and_streamed(server, tiny):
 def test_greedy_equals_gg_generate(server, tiny, tmp_path):
     "The same prompts through `gg generate` and through the server, greedy: the same text."
     import argparse
-    from gradient_garden.generation import add_generate_args, run_generate
+    from gradient_garden.cli.generate import add_generate_args, run_generate
     prompts = ["def main(", "class Foo:"]
     (tmp_path/"p.json").write_text(json.dumps(prompts))
     out = {}
@@ -286,7 +286,7 @@ def test_coalesced_stream_is_the_same_text_in_fewer_chunks(coalescing_server, ti
 def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
     "`--hf-checkpoint` on the `gg export` folder of the checkpoint: same chat flag, same greedy tokens."
     import argparse
-    from gradient_garden.models.hf import add_export_args, run_export
+    from gradient_garden.cli.generate import add_export_args, run_export
     from gradient_garden.serve import Sequence, SamplingParams, add_serve_args, load_served
     out = tiny["base"]/"hf"
     assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
