@@ -40,7 +40,8 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: runtime.precision")
     parser.add_argument("--seed", type=int, default=None, help="seed of the example subsets (default: evals.seed)")
-    parser.add_argument("--share-context", action="store_true", help="score all choices of an example in one row")
+    parser.add_argument("--share-context", action=argparse.BooleanOptionalAction, default=True,
+                        help="all choices of an example in one token-tree row (default); --no-share-context: one row per choice")
     parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
                         help="BOS before every context (--no-add-bos: none); default: the tokenizer's default special "
                              "tokens, as lm-evaluation-harness's HF model (BOS for Llama 3-style tokenizers)")
