@@ -1,10 +1,12 @@
 """Multiple-choice eval throughput on CPU: examples/s per task for the debug-size model, side by side with
 lm-evaluation-harness's Hugging Face model (`HFLM`) on the same model exported with `export_hf`, the same rows and
-the same batch size: one forward per choice (the direct formulation), the platform's batched scorer, batched with
-shared contexts, `GardenLM` (the platform's model inside lm-eval) and `HFLM`. Medians of alternating repeats; every
-mode's log-likelihoods are checked against `HFLM`'s.
+the same batch size (16 rows a forward: `HFLM` 16 requests, the scorer 16 examples = 16 shared rows): one forward
+per choice (the direct formulation), the platform's scorer in its default mode (shared contexts), with one row
+per choice (`share_context=False`), `GardenLM` (the platform's model inside lm-eval) and `HFLM`. All in one
+process, one torch thread, fp32, every contender run once untimed first; medians of interleaved repeats; every
+mode's log-likelihoods are checked against `HFLM`'s. The load average is printed and stored with the figures.
 
-    .venv/bin/python bench/evals.py [--repeats 3] [--batch-size 16] [--device cpu]
+    .venv/bin/python bench/evals.py [--repeats 11] [--batch-size 16] [--lm-eval-batch-size N] [--device cpu]
 
 The last line of stdout is one JSON object with the figures."""
 import argparse, json, os, shutil, statistics, sys, tempfile, time
@@ -66,6 +68,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lm-eval-batch-size", type=int, default=None, help="HFLM's batch size (default: --batch-size)")
     ap.add_argument("--examples", type=int, default=0, help="examples per task (fixture rows; 0 = all 40)")
     a = ap.parse_args()
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
@@ -77,21 +80,22 @@ def main():
     mc = ModelConfig(vocab_size=tokenizer.vocab_size)
     model = debug_model(mc).to(device)
     export_hf(model, work/"hf", tokenizer=tokenizer, tokenizer_dir=tokenizer.path)
-    hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.batch_size, dtype="float32")
+    hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.lm_eval_batch_size or a.batch_size, dtype="float32")
     garden = GardenLM(model, tokenizer, batch_size=a.batch_size)
     n_params = sum(p.numel() for p in model.parameters())
     modes = {
         "one_per_choice": lambda exs: one_forward_per_choice(model, tokenizer, exs, device),
-        "batched": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, max_len=mc.max_seq_len),
-        "batched_shared": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, share_context=True,
-                                                       max_len=mc.max_seq_len),
+        "default": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, max_len=mc.max_seq_len),
+        "per_choice_rows": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, share_context=False,
+                                                        max_len=mc.max_seq_len),
         "garden_lm": lambda exs: regroup(garden.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs),
         "lm_eval_hf": lambda exs: regroup(hf.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs),
     }
     print(f"model tendril, {n_params/1e6:.2f}M params; tokenizer {tok_name}; device {device}; "
-          f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (HFLM and GardenLM: {a.batch_size} "
+          f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (GardenLM: {a.batch_size}, HFLM: {a.lm_eval_batch_size or a.batch_size} "
           f"requests); {a.repeats} repeats", file=sys.stderr)
-    figures = {}
+    figures, load_before = {}, os.getloadavg()
+    print(f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", file=sys.stderr)
     for name in E.TASKS:
         exs = E.load_examples(name)
         exs = [exs[i] for i in E.sample_indices(len(exs), a.examples, 0)]
@@ -111,8 +115,14 @@ def main():
         print(f"{name:14s} " + "  ".join(f"{m} {len(exs)/t:7.1f} ex/s" for m, t in med.items()) + "  | vs lm_eval_hf: " +
               "  ".join(f"{m} x{f[f'{m}_vs_lm_eval_hf']}" for m in diffs), file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"bench": "evals", "device": str(device), "model": "tendril", "params": n_params, "tokenizer": tok_name,
-                      "batch_size": a.batch_size, "repeats": a.repeats, "torch_threads": torch.get_num_threads(), "tasks": figures}))
+    load_after = os.getloadavg()
+    ratios = {n: f["default_vs_lm_eval_hf"] for n, f in figures.items()}
+    print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; default scorer vs lm-eval HFLM: " +
+          ", ".join(f"{n} x{r}" for n, r in ratios.items()) + f" (target >= 2x on each: "
+          f"{'met' if all(r >= 2 for r in ratios.values()) else 'not met'})", file=sys.stderr)
+    print(json.dumps({"bench": "evals", "load_average_before": [round(x, 2) for x in load_before],
+                      "load_average_after": [round(x, 2) for x in load_after], "device": str(device), "model": "tendril", "params": n_params, "tokenizer": tok_name,
+                      "batch_size": a.batch_size, "lm_eval_batch_size": a.lm_eval_batch_size or a.batch_size, "repeats": a.repeats, "torch_threads": torch.get_num_threads(), "tasks": figures}))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def child(spec: dict) -> dict:
     "Run one measurement in this (fresh) process."
     if spec["kind"] == "embedded":
         t0 = time.perf_counter()
-        from gradient_garden.data.prepare import add_prepare_args, run_prepare
+        from gradient_garden.cli.prepare import add_prepare_args, run_prepare
         os.chdir(spec["cwd"])
         args = add_prepare_args(argparse.ArgumentParser()).parse_args(["--recipe", spec["recipe"], "--no-progress"])
         run_prepare(args)

@@ -18,7 +18,8 @@ def tokens(batch=4, seq=32, seed=0):
 def grads_of(model, toks, scale=1.0):
     "Loss (summed, times `scale`) and full gradients by parameter name after one backward."
     loss = model(toks[:, :-1], labels=toks[:, 1:]) * scale
-    if hasattr(model, "aux_loss"): loss = loss + model.aux_loss()
+    aux = model.aux_loss() if hasattr(model, "aux_loss") else None   # None: a model without an auxiliary loss
+    if aux is not None: loss = loss + aux
     loss.backward()
     full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
     return loss.detach(), {n.replace("module.", ""): full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}

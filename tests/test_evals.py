@@ -8,6 +8,7 @@ import torch
 
 from gradient_garden.config import ConfigError, TokenizerConfig
 from gradient_garden import evals as E
+from gradient_garden.cli import evaluate as CE, prepare as CP
 
 LLAMA3_MODEL = Path(sys.prefix)/"lib"/f"python{sys.version_info.major}.{sys.version_info.minor}"/"site-packages"/"llama_models"/"llama3"/"tokenizer.model"
 
@@ -185,9 +186,9 @@ def test_prepare_offline_and_hub_path(tmp_path, monkeypatch):
     def offline(*a, **k): raise ConnectionError("no network")
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(ConfigError, match="cannot load from the hub.*--evals-offline"): E.prepare_evals(["winogrande"], tmp_path)
-    args = E.add_prepare_eval_args(argparse.ArgumentParser()).parse_args(["--winogrande", "--arc-challenge", "--evals-offline",
+    args = CP.add_prepare_eval_args(argparse.ArgumentParser()).parse_args(["--winogrande", "--arc-challenge", "--evals-offline",
                                                                          "--evals-dir", str(tmp_path)])
-    assert E.run_prepare_evals(args) == 0
+    assert CP.run_prepare_evals(args) == 0
     manifest = json.loads((tmp_path/"manifest.json").read_text())
     assert manifest["winogrande"]["source"] == "fixture" and manifest["hellaswag"]["source"].startswith("hub:Rowan/hellaswag")
 
@@ -199,7 +200,7 @@ def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
     argv = ["--hf-checkpoint", str(tmp_path/"hf"), "--hellaswag", "--hellaswag-examples", "10", "--winogrande",
             "--winogrande-examples", "10", "--arc-challenge", "--arc-challenge-examples", "0", "--evals-dir", str(tmp_path/"evals"),
             "--batch-size", "4", "--device", "cpu", "--seed", "3", "--output-file-name", str(tmp_path/"res.json")]
-    assert E.run_evaluate(E.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
+    assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     res = json.loads((tmp_path/"res.json").read_text())
     assert {k: v["n"] for k, v in res["tasks"].items()} == {"hellaswag": 10, "winogrande": 10, "arc_challenge": 40}
     for m in res["tasks"].values():
@@ -208,7 +209,7 @@ def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
     direct = E.evaluate_tasks(model, tok, ["hellaswag"], 10, 4, data_dir=tmp_path/"evals", seed=3)["hellaswag"]
     assert direct["acc"] == res["tasks"]["hellaswag"]["acc"] and direct["acc_norm"] == res["tasks"]["hellaswag"]["acc_norm"]
     with pytest.raises(ConfigError, match="--validation needs --checkpoint"):
-        E.run_evaluate(E.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--validation"]))
+        CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--validation"]))
 
 def test_a_new_task_plugs_in(tmp_path, model, tok):
     task = E.register_task(_edge_task())
@@ -217,9 +218,9 @@ def test_a_new_task_plugs_in(tmp_path, model, tok):
             for r in EDGE_ROWS: f.write(json.dumps(r) + "\n")
         res = E.evaluate_tasks(model, tok, ["edge-cases"], None, 2, data_dir=tmp_path)
         assert res["edge_cases"]["n"] == len(EDGE_ROWS) and res["edge_cases"]["source"] == "local"
-        args = E.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--edge-cases",
+        args = CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--edge-cases",
                                                                           "--edge-cases-examples", "3"])
-        assert E.selected_tasks(args) == ["edge_cases"] and args.edge_cases_examples == 3
+        assert CP.selected_tasks(args) == ["edge_cases"] and args.edge_cases_examples == 3
     finally: E.TASKS.pop(task.name)
 
 def test_subsets_are_seeded_random():
@@ -308,11 +309,11 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
     def fake_batches(c, tokenizer, steps, batch_size, rank, world_size):
         seen.update(steps=steps, identity=tokenizer.identity)
         return batches
-    monkeypatch.setattr(E, "_validation_batches", fake_batches)
+    monkeypatch.setattr(CE, "_validation_batches", fake_batches)
     E.prepare_evals(["arc_challenge"], tmp_path/"evals", from_hub=False)
     argv = ["--checkpoint", str(ckpt), "--validation", "--validation-steps", "3", "--arc-challenge", "--arc-challenge-examples", "8",
             "--evals-dir", str(tmp_path/"evals"), "--device", "cpu", "--output-file-name", str(tmp_path/"res.json")]
-    assert E.run_evaluate(E.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
+    assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     res = json.loads((tmp_path/"res.json").read_text())
     assert seen == {"steps": 3, "identity": init_tokenizer(cfg.tokenizer).identity}
     with torch.no_grad(): ref = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
@@ -354,16 +355,47 @@ def test_default_prefix_follows_the_tokenizer(tmp_path, tok):
     assert pair("", "Ice")[0] == [platform.bos_id]                           # one BOS, not two
     assert E.pair_encoder(platform, add_bos=False)("Answer:", " ice")[0] == hf.encode("Answer:", add_special_tokens=False)
     assert E.pair_encoder(tok, add_bos=True)("Answer:", " ice")[0][0] == E.prefix_token_id(tok)
-    args = E.add_evaluate_args(argparse.ArgumentParser())
+    args = CE.add_evaluate_args(argparse.ArgumentParser())
     assert [args.parse_args(a).add_bos for a in ([], ["--add-bos"], ["--no-add-bos"])] == [None, True, False]
 
 
 def test_evaluate_numbers_out_of_range_are_one_line_errors():
-    parse = lambda *a: E.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--checkpoint", "x.pt", "--winogrande", *a])
+    parse = lambda *a: CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--checkpoint", "x.pt", "--winogrande", *a])
     for argv, msg in [(["--batch-size", "0"], "gg evaluate --batch-size: got 0; must be >= 1"),
                       (["--validation", "--validation-steps", "0"], "gg evaluate --validation-steps: got 0; must be >= 1"),
                       (["--winogrande-examples", "-3"], "gg evaluate --winogrande-examples: got -3; must be >= 0 (0 = all rows)"),
                       (["--num-fewshot", "-1"], "gg evaluate --num-fewshot: got -1; must be >= 0")]:
-        with pytest.raises(ConfigError) as e: E.run_evaluate(parse(*argv))
+        with pytest.raises(ConfigError) as e: CE.run_evaluate(parse(*argv))
         assert str(e.value) == msg
     with pytest.raises(ConfigError, match="examples: got -3"): E.sample_indices(10, -3, 0)
+
+
+def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok):
+    "The default mode: one row per example, the vocabulary head on the scored positions only, the same numbers."
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models.tendril import build_model
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok), multiple_of=16)).eval()
+    exs = E.load_examples("hellaswag")[:5]
+    pair = E.pair_encoder(tok)
+    scored = sum(len({p for _, p, _ in E._shared_row([pair(c, k) for c, k in ex.requests], 0).targets}) for ex in exs)
+    rows_seen, head_rows = [], []
+    h1 = m.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
+    h2 = m.output.register_forward_hook(lambda mod, args, out: head_rows.append(args[0].flatten(0, -2).shape[0]))
+    try: shared = E.score_examples(m, tok, exs, batch_size=8)
+    finally: h1.remove(); h2.remove()
+    assert sum(rows_seen) == len(exs) and sum(head_rows) == scored          # no logits for context or padding
+    plain = E.score_examples(m, tok, exs, batch_size=8, share_context=False)
+    np.testing.assert_allclose(np.array(sum(shared, [])), np.array(sum(plain, [])), atol=1e-4, rtol=0)
+    Instance = pytest.importorskip("lm_eval.api.instance").Instance      # GardenLM: one row per context too
+    from gradient_garden.lm_eval_model import GardenLM
+    class Tok:                                                             # the platform tokenizer surface GardenLM reads
+        eos_id, bos_id, pad_id, special_ids, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, "bpe"
+        def encode(self, s): return tok.encode(s, add_special_tokens=False)
+        def decode(self, ids): return tok.decode(ids)
+    reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(r for ex in exs for r in ex.requests)]
+    rows_seen.clear(); h1 = m.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
+    try: got = GardenLM(m, Tok(), batch_size=8).loglikelihood(reqs)
+    finally: h1.remove()
+    assert sum(rows_seen) == len(exs)
+    np.testing.assert_allclose([ll for ll, _ in got], np.array(sum(plain, [])), atol=1e-4, rtol=0)

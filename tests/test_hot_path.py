@@ -1,7 +1,7 @@
 """The GPU hot path, checked on CPU: no host-device synchronisation inside a training step, the attention kernel each
 path asks for, bounded torch.compile graphs, FSDP2 accumulation without per-micro-step reduce-scatters, per-rank CUDA
-RNG state, and the GPU datasheet table."""
-import copy, os, tempfile
+RNG state, the GPU datasheet table, and the whole step on fake CUDA tensors without a device mismatch."""
+import copy, json, os, shutil, subprocess, sys, tempfile
 from collections import Counter
 from pathlib import Path
 from unittest import mock
@@ -144,9 +144,8 @@ def causal_batches(n=4, packed=False, seed=0):
     return out
 
 
-def make_trainer(kind: str, n_layers: int = 2, **training):
-    "A Trainer for `kind` in dense | moe | sft | dpo | distillation, on CPU, with in-memory batches."
-    from gradient_garden.engine.trainer import Trainer
+def make_parts(kind: str, n_layers: int = 2, **training):
+    "Config, model, task and loaders for `kind` in dense | moe | sft | dpo | distillation, on CPU, in memory."
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tasks.pretraining import CausalLMTask
     cfg = tiny_cfg("tendril_moe" if kind == "moe" else "tendril", n_layers, **training)
@@ -167,9 +166,14 @@ def make_trainer(kind: str, n_layers: int = 2, **training):
                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T))
         task = DistillationTask(cfg.distillation, teacher.eval().requires_grad_(False), CausalLMTask())
         for b in batches: b["labels"][:, :4] = -100
-    loader = ListLoader(batches)
-    return Trainer(cfg, model, task, loader, ListLoader(causal_batches(2, packed=kind == "sft", seed=1)),
-                   log_to_console=False)
+    return cfg, model, task, ListLoader(batches), ListLoader(causal_batches(2, packed=kind == "sft", seed=1))
+
+
+def make_trainer(kind: str, n_layers: int = 2, **training):
+    "A Trainer for `kind` in dense | moe | sft | dpo | distillation, on CPU, with in-memory batches."
+    from gradient_garden.engine.trainer import Trainer
+    cfg, model, task, loader, val_loader = make_parts(kind, n_layers, **training)
+    return Trainer(cfg, model, task, loader, val_loader, log_to_console=False)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "sft", "dpo", "distillation"])
@@ -366,3 +370,66 @@ def test_each_rank_restores_its_own_cuda_rng():
         assert restored == {0: [1, 0], 1: [1, 1]}
         set_rng_state(_rank_entry(ckpt, "rngs", "rng", 3))      # a rank the checkpoint did not have: rank 0's states
         assert restored == {0: [0, 0], 1: [0, 1]}
+
+
+# -- the step on CUDA without a GPU: FakeTensorMode's CUDA tensors through the real step --------------------------
+FAKE_CUDA_CASES = [f"{kind}:{precision}" for kind in ("dense", "moe", "sft", "dpo", "distillation") for precision in ("fp32", "bf16")]
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="builds a small C++ library that fakes CUDA for autograd")
+def test_training_step_on_fake_cuda_has_no_device_mismatch():
+    """Every task's step on fake `cuda:0` tensors, fp32 and bf16 autocast, compiled loss, fused AdamW, packed SFT on
+    flex_attention: everything on the device; a mask made on the host inside the loss is caught as a device mismatch."""
+    from fake_cuda import build_library
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("fake_cuda.py")), str(build_library()),
+                        *FAKE_CUDA_CASES, "dense:fp32:host"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for case in FAKE_CUDA_CASES:
+        got = res[case]
+        assert isinstance(got, dict), f"{case}: {got}"
+        devices = {d for v in got["devices"].values() for d in ([v] if isinstance(v, str) else v)}
+        assert devices == {"cuda:0"}, (case, got["devices"])
+        assert got["loss_impl"] == "compiled" and got["compiled_loss_graphs"] == 1 and got["fused_adamw"], (case, got)
+        assert ("torch.bfloat16" in got["activation_dtypes"]) == case.endswith("bf16"), (case, got["activation_dtypes"])
+        assert got["flex_attention_calls"] == (4 if case.startswith("sft") else 0), (case, got)   # 2 layers x 2 micro-steps
+    assert res["dense:fp32:host"].startswith("FakeTensorDeviceMismatchError"), res["dense:fp32:host"]
+
+
+# -- bench/gpu.sh: its training-step script runs (CPU smoke mode) -------------------------------------------------
+def test_gpu_bench_step_script_runs_on_cpu(tmp_path):
+    "The step script inside bench/gpu.sh, run on CPU without compile: accumulates as the recipe does, writes its JSON."
+    import re
+    root = Path(__file__).resolve().parent.parent
+    script = re.search(r"cat > \"\$OUT/step.py\" <<'PY'\n(.*?)\nPY\n", (root / "bench/gpu.sh").read_text(), re.S).group(1)
+    (tmp_path / "step.py").write_text(script)
+    for loss in ("auto", "eager"):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GG_BENCH_DEVICE": "cpu", "GG_BENCH_COMPILE": "0", "GG_LOSS_IMPL": loss}
+        r = subprocess.run([sys.executable, str(tmp_path / "step.py"), "recipes/pretraining/debug.yaml", str(tmp_path / f"{loss}.json"), "2"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res = json.loads((tmp_path / f"{loss}.json").read_text())
+        assert res["loss_impl"] == "eager" and res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1, res
+        from gradient_garden.config import load_recipe
+        t = load_recipe(root / "recipes/pretraining/debug.yaml").config.training
+        assert res["grad_accum"] == max(1, t.total_batch_size // (2 * t.seq_len)), res    # the recipe's accumulation
+
+
+# -- packed documents on flex_attention ---------------------------------------------------------------------------------
+def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
+    "`model.attention_backend: flex`: the BlockMask goes through compiled blocks, and the logits equal SDPA's dense mask."
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models import attention
+    from gradient_garden.models.tendril import build_model
+    shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32, multiple_of=16)
+    torch.manual_seed(0)
+    sdpa = build_model(ModelConfig(**shape, attention_backend="sdpa"))
+    flex = build_model(ModelConfig(**shape, attention_backend="flex")); flex.load_state_dict(sdpa.state_dict())
+    for block in flex.layers: block.compile(backend="aot_eager")    # as `parallelize` does, without Inductor's C++ build
+    calls, real = [], attention.flex_gqa
+    monkeypatch.setattr(attention, "flex_gqa", lambda *a: calls.append(1) or real(*a))
+    tokens, doc = torch.randint(0, VOCAB, (2, 32)), (torch.arange(32) >= 13).long().expand(2, 32).contiguous()
+    with torch.no_grad(): torch.testing.assert_close(flex(tokens, doc_ids=doc), sdpa(tokens, doc_ids=doc), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2                                          # one per layer: flex, not SDPA
+    with pytest.raises(NotImplementedError, match="cannot train on CPU"): flex(tokens, doc_ids=doc, labels=tokens)
+    torch._dynamo.reset()

@@ -14,6 +14,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 from gradient_garden import evals as E
+from gradient_garden.cli import evaluate as CE
 from gradient_garden.cli import main as gg
 from gradient_garden.config import GlobalConfig, ModelConfig
 from gradient_garden.engine.checkpoints import load_model_from_checkpoint, save_checkpoint
@@ -114,7 +115,7 @@ def test_gg_evaluate_equals_lm_eval_on_the_bundled_fixtures(setup, lm_eval_runs,
         argv = [f"--{kind}", str(src), "--hellaswag", "--winogrande", "--arc-challenge", "--hellaswag-examples", "0",
                 "--winogrande-examples", "0", "--arc-challenge-examples", "0", "--evals-dir", str(setup["d"]/"evals"),
                 "--device", "cpu", "--batch-size", "8", "--output-file-name", str(res_file)]
-        assert E.run_evaluate(E.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
+        assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
         out[kind] = json.loads(res_file.read_text())
         assert out[kind]["context_prefix"] == "bos (tokenizer default)"
     rows = []
@@ -147,7 +148,7 @@ def test_log_samples_can_be_diffed_with_lm_eval(setup, lm_eval_runs):
     res_file = setup["d"]/"logged"/"res.json"
     argv = ["--checkpoint", str(setup["ckpt"]), "--winogrande", "--winogrande-examples", "0", "--evals-dir", str(setup["d"]/"evals"),
             "--device", "cpu", "--log-samples", "--output-file-name", str(res_file)]
-    assert E.run_evaluate(E.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
+    assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     logged = E.read_jsonl(setup["d"]/"logged"/"res_samples_winogrande.jsonl")
     theirs = {s["doc_id"]: s for s in lm_eval_runs["samples"]["fx_winogrande"]}
     for r in logged:

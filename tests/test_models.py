@@ -37,7 +37,8 @@ def _args(add, argv):
 
 def test_gg_generate(run, capsys):
     "`run_generate` loads the checkpoint and tokenizer, completes plain and chat prompts, and writes the JSON file."
-    from gradient_garden.generation import add_generate_args, run_generate, generate_text
+    from gradient_garden.cli.generate import add_generate_args, run_generate
+    from gradient_garden.generation import generate_text
     from gradient_garden.tokenizer import init_tokenizer
     base = run["base"]
     (base / "prompts.json").write_text(json.dumps(["def main(", {"prompt": "import os"}]))
@@ -57,7 +58,7 @@ def test_gg_generate(run, capsys):
 
 def test_gg_generate_compiled_matches_eager(run):
     "`gg generate --compile` gives the eager completions (greedy, KV cache, mixed prompt lengths)."
-    from gradient_garden.generation import add_generate_args, run_generate
+    from gradient_garden.cli.generate import add_generate_args, run_generate
     base = run["base"]
     (base / "prompts_c.json").write_text(json.dumps(["def main(", "import os, sys", "x"]))
     outs = {}
@@ -73,7 +74,8 @@ def test_gg_export(run):
     "`run_export` writes a folder that transformers loads, with equal logits and a working tokenizer."
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from gradient_garden.config import ConfigError
-    from gradient_garden.models.hf import add_export_args, run_export, load_hf
+    from gradient_garden.cli.generate import add_export_args, run_export
+    from gradient_garden.models.hf import load_hf
     out = run["base"] / "hf"
     assert run_export(_args(add_export_args, ["--checkpoint", str(run["ckpt"]), "--out", str(out)])) == 0
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

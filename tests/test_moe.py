@@ -231,3 +231,55 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
     for r in range(2):
         ddp, fsdp = map(float, (tmp_path / f"rank{r}.txt").read_text().split())
         assert ddp < 1e-5 and fsdp < 1e-5, (r, ddp, fsdp)
+
+
+# -- router statistics: local in the model, summed over ranks by the engine ---------------------------------------
+def _router_batch(rank):
+    "A validation batch of this rank: its own tokens, the first three positions unsupervised."
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(100 + rank))
+    labels = tokens[:, 1:].clone(); labels[:, :3] = -100
+    return {"input_ids": tokens[:, :-1], "labels": labels}
+
+class _OneBatch:
+    "A loader that hands out one rank's batch."
+    def __init__(self, rank): self.rank = rank
+    def next_batch(self): return _router_batch(self.rank)
+    def fixed_batches(self, n): return [_router_batch(self.rank) for _ in range(n)]
+
+def _router_worker(rank, world, out_dir):
+    "Validate through the trainer on this rank's batch; write the router metrics it keeps."
+    import json
+    from unittest import mock
+    from gradient_garden.config import from_plain
+    from gradient_garden.engine.distributed import DistEnv
+    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.tasks.pretraining import CausalLMTask
+    cfg = from_plain(GlobalConfig, dict(model=dataclasses.asdict(CFG), runtime=dict(device="cpu"),
+                     training=dict(seq_len=16, micro_batch_size=2, total_batch_size=2 * 16 * world, max_steps=1),
+                     validation=dict(steps=1), paths=dict(runs=str(out_dir))))
+    torch.manual_seed(0)
+    tr = Trainer(cfg, moe(), CausalLMTask(), _OneBatch(rank), _OneBatch(rank), env=DistEnv(rank, rank, world),
+                 log_to_console=False)
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as reduce:
+        tr.validate()
+    with open(os.path.join(out_dir, f"router{rank}.json"), "w") as f:
+        json.dump(dict(metrics=tr.router_metrics, reduces=reduce.call_count), f)
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+def test_router_metrics_are_summed_over_ranks_by_the_engine(tmp_path):
+    "Two ranks validating different batches log the metrics of one process that saw both; the model reduces nothing."
+    import json
+    from unittest import mock as _mock
+    run_ranks(_router_worker, 2, tmp_path / "pg", str(tmp_path))
+    torch.manual_seed(0); one = moe().eval()
+    with torch.no_grad(), _mock.patch.object(dist, "all_reduce", side_effect=AssertionError("the model reduced")):
+        for r in range(2):
+            b = _router_batch(r); one.set_loss_mask(b["labels"] != -100); one(b["input_ids"])
+        counts = one.router_counts()
+        expected = one.router_metrics()
+    assert counts[:, -1].tolist() == [2 * 2 * 13] * CFG.n_layers          # supervised tokens of both ranks
+    for r in range(2):
+        got = json.loads((tmp_path / f"router{r}.json").read_text())
+        assert got["metrics"].keys() == expected.keys()
+        assert all(abs(got["metrics"][k] - v) < 1e-6 for k, v in expected.items()), (r, got["metrics"], expected)
+        assert got["reduces"] == 2                    # the engine's two: router counts, then the loss sums

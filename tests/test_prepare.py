@@ -9,8 +9,10 @@ import pytest
 from gradient_garden.config import ConfigError, TokenizerConfig
 from gradient_garden.tokenizer import ensure_tokenizer
 from gradient_garden.data import prepare as P
-from gradient_garden.data.prepare import (DEFAULT_PRETRAINING_DATA, SourceStream, add_prepare_args, is_validation,
-                                          parse_pretraining_data, parse_source, prepare_pretraining, run_prepare)
+from gradient_garden.data.prepare import (DEFAULT_PRETRAINING_DATA, SourceStream, is_validation,
+                                          parse_pretraining_data, parse_source, prepare_pretraining)
+from gradient_garden.cli import prepare as CP
+from gradient_garden.cli.prepare import add_prepare_args, run_prepare
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -360,7 +362,7 @@ def test_cli_two_stage_flags_is_a_usage_error():
 
 
 def test_cli_missing_hook_is_an_error(monkeypatch, tok):
-    monkeypatch.setitem(P.STAGE_HOOKS, "dpo", "gradient_garden.data.no_such_module:prepare_dpo")
+    monkeypatch.setitem(CP.STAGE_HOOKS, "dpo", "gradient_garden.data.no_such_module:prepare_dpo")
     assert error_of(cli, "--dpo", "--set", f"tokenizer.path={tok.path}") == (
         "--dpo: dpo data preparation is not available (gradient_garden.data.no_such_module.prepare_dpo(cfg, data, args) is not installed)")
 
@@ -371,7 +373,7 @@ def test_cli_hook_gets_config_data_and_args(tmp_path, monkeypatch, tok):
     mod = types.ModuleType("fake_instruct_prep")
     mod.prepare_instruct = lambda cfg, data, args: seen.update(stage=cfg.training.stage, data=data) or 7
     monkeypatch.setitem(sys.modules, "fake_instruct_prep", mod)
-    monkeypatch.setitem(P.STAGE_HOOKS, "instruct", "fake_instruct_prep:prepare_instruct")
+    monkeypatch.setitem(CP.STAGE_HOOKS, "instruct", "fake_instruct_prep:prepare_instruct")
     (tmp_path / "m.json").write_text(json.dumps({"tasks": ["arith"]}))
     assert cli("--instruct", "--mix-file", tmp_path / "m.json", "--set", "data.n=3", f"tokenizer.path={tok.path}") == 7
     assert seen == {"stage": "instruct", "data": {"tasks": ["arith"], "n": 3}}
@@ -379,7 +381,7 @@ def test_cli_hook_gets_config_data_and_args(tmp_path, monkeypatch, tok):
 
 def test_stage_hooks_resolve_to_callables():
     import importlib
-    for stage, target in P.STAGE_HOOKS.items():
+    for stage, target in CP.STAGE_HOOKS.items():
         module, name = target.split(":")
         assert callable(getattr(importlib.import_module(module), name)), stage
 

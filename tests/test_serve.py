@@ -93,6 +93,8 @@ def test_models_and_health(server):
     assert [m.id for m in models.data] == ["tiny-instruct"]
     h = httpx.get(f"{server['url']}/health").json()
     assert h["status"] == "ok" and h["max_batch_size"] == 8
+    from gradient_garden.serve import STREAM_INTERVAL_MS, STREAM_INTERVAL_TOKENS
+    assert h["stream_interval"] == {"tokens": STREAM_INTERVAL_TOKENS, "ms": STREAM_INTERVAL_MS}      # gg serve's defaults
 
 def test_chat_plain_and_streamed(server, tiny):
     c, msgs = server["client"], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def main():"}]
@@ -126,7 +128,7 @@ def test_completions_plain_and_streamed(server, tiny):
 def test_greedy_equals_gg_generate(server, tiny, tmp_path):
     "The same prompts through `gg generate` and through the server, greedy: the same text."
     import argparse
-    from gradient_garden.generation import add_generate_args, run_generate
+    from gradient_garden.cli.generate import add_generate_args, run_generate
     prompts = ["def main(", "class Foo:"]
     (tmp_path/"p.json").write_text(json.dumps(prompts))
     out = {}
@@ -245,10 +247,46 @@ def test_api_key_queue_limit_and_plain_checkpoint(small_server):
     with ThreadPoolExecutor(6) as ex: res = list(ex.map(ask, range(6)))
     assert res.count(429) >= 1 and any(r != 429 for r in res), res       # 1 running + 1 waiting; the rest refused
 
+@pytest.fixture()
+def coalescing_server(tiny):
+    "A real uvicorn server in this process whose streams send 8 tokens per chunk (no time limit)."
+    import uvicorn
+    from gradient_garden.serve import BatchEngine, Served, StreamInterval, create_app
+    model, _ = load_model_from_checkpoint(tiny["ckpt"])             # its own copy: the engine owns its model while it runs
+    served = Served(BatchEngine(model, tiny["tok"], max_batch_size=4), "tiny-instruct",
+                    stream_interval=StreamInterval(8, ms=60_000))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    srv.should_exit = True
+    th.join(timeout=30)
+
+def test_coalesced_stream_is_the_same_text_in_fewer_chunks(coalescing_server, tiny):
+    "The openai client reads chunks of several tokens: the same text and usage, the first chunk with the role."
+    c, msgs = coalescing_server, [{"role": "user", "content": "def main():"}]
+    ids = chat_ids(tiny, msgs)
+    out = generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=40, stop_ids=())[0]
+    chunks = list(c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=40, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert "".join(texts) == tiny["tok"].decode(out) and chunks[-1].usage.completion_tokens == 40
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert 2 <= len(texts) <= 1 + 5 + 1, len(texts)                 # the first token, then 8 per chunk (40 one by one)
+    whole = c.completions.create(model="tiny-instruct", prompt="import os\n", temperature=0, max_tokens=40).choices[0].text
+    stop = whole[12:15]
+    if stop.strip():                                                 # a stop string inside a chunk still cuts exactly
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny-instruct", prompt="import os\n", temperature=0, max_tokens=40, stop=[stop], stream=True))
+        assert streamed == whole[:whole.index(stop)]
+
 def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
     "`--hf-checkpoint` on the `gg export` folder of the checkpoint: same chat flag, same greedy tokens."
     import argparse
-    from gradient_garden.models.hf import add_export_args, run_export
+    from gradient_garden.cli.generate import add_export_args, run_export
     from gradient_garden.serve import Sequence, SamplingParams, add_serve_args, load_served
     out = tiny["base"]/"hf"
     assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
