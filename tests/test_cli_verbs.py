@@ -39,3 +39,23 @@ def test_evaluate_and_export_run(checkpoint, prepared, tmp_path):
     assert "validation" in json.loads(res.read_text())
     run_gg("export", "--checkpoint", checkpoint, "--out", tmp_path/"hf")
     assert (tmp_path/"hf"/"config.json").is_file() and any((tmp_path/"hf").glob("*.safetensors"))
+
+def test_generate_bf16_on_cpu_decodes_fp32_weights_under_autocast(checkpoint, tmp_path, monkeypatch):
+    import torch
+    import gradient_garden.cli.generate as cli_generate
+    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+    from gradient_garden.generation import PRETRAINING_TEST_PROMPTS, generate_text
+    from gradient_garden.tokenizer import init_tokenizer
+    loaded = []
+    def spy(path, device, dtype):
+        loaded.append(dtype); return load_model_from_checkpoint(path, device, dtype)
+    monkeypatch.setattr(cli_generate, "load_model_from_checkpoint", spy)
+    out = tmp_path/"gen.json"
+    assert main(["generate", "--checkpoint", str(checkpoint), "--max-gen-len", "6", "--device", "cpu", "--dtype", "bf16",
+                 "--output-file-name", str(out)]) == 0
+    assert loaded == [torch.float32]                       # the weights stay fp32; the matmuls run in bf16
+    model, cfg = load_model_from_checkpoint(checkpoint, torch.device("cpu"), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = generate_text(model, init_tokenizer(cfg.tokenizer), PRETRAINING_TEST_PROMPTS, instruct=False, max_new_tokens=6,
+                            temperature=0.0, top_p=0.9, top_k=None, repetition_penalty=1.0, use_kv_cache=True, batch_size=4, seed=42)
+    assert [r["completion"] for r in json.loads(out.read_text())["results"]] == ref

@@ -4,11 +4,11 @@
 
 # %% ../../nbs/52_cli_generate.ipynb #304ac4e3
 from __future__ import annotations
-import argparse, json, warnings
+import argparse, contextlib, json, warnings
 from pathlib import Path
 import torch
 from ..config import ConfigError, read_data_file
-from ..runtime import DTYPES, parse_dtype, resolve_device, write_text_atomic
+from ..runtime import DTYPES, autocast_context, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
 from ..generation import default_test_prompts, generate_text
 from ..models.hf import check_llama_compatible, export_hf, export_hf_with_adapter
@@ -52,7 +52,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                        help="bf16/fp16: on CPU the fp32 weights decode under autocast; on GPU the weights are cast")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True, help="decode with a KV cache")
@@ -82,15 +83,18 @@ def run_generate(args) -> int:
     check_generate_args(args)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device, flag="--device")
-    model, cfg = load_model_from_checkpoint(args.checkpoint, device, parse_dtype(args.dtype, "--dtype"))
+    dtype = parse_dtype(args.dtype, "--dtype")
+    on_cpu = device.type == "cpu"   # CPU: fp32 weights, bf16/fp16 matmuls under autocast (bf16 copies held while decoding)
+    model, cfg = load_model_from_checkpoint(args.checkpoint, device, torch.float32 if on_cpu else dtype)
     if args.compile: model.forward = torch.compile(model.forward, dynamic=True)
     tokenizer = init_tokenizer(cfg.tokenizer)
     instruct = args.instruct or (args.prompts is None and cfg.training.stage != "pretraining")
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts(cfg, instruct)
-    completions = generate_text(model, tokenizer, prompts, instruct=instruct, max_new_tokens=args.max_gen_len,
-                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                repetition_penalty=args.repetition_penalty, use_kv_cache=args.use_kv_cache,
-                                batch_size=args.batch_size, seed=args.seed)
+    with autocast_context(device, args.dtype) if on_cpu else contextlib.nullcontext():
+        completions = generate_text(model, tokenizer, prompts, instruct=instruct, max_new_tokens=args.max_gen_len,
+                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    repetition_penalty=args.repetition_penalty, use_kv_cache=args.use_kv_cache,
+                                    batch_size=args.batch_size, seed=args.seed)
     results = [dict(prompt=p, completion=c) for p, c in zip(prompts, completions)]
     for r in results:
         shown = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
