@@ -12,7 +12,7 @@ from .config import ConfigError
 
 # %% auto #0
 __all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'all_reduce',
-           'barrier', 'broadcast_object', 'all_gather_objects', 'unwrap', 'is_fsdp', 'fsync_dir', 'atomic_file',
+           'barrier', 'broadcast_object', 'all_gather_objects', 'is_fsdp', 'fsync_dir', 'atomic_file',
            'write_bytes_atomic', 'write_text_atomic', 'write_json_atomic', 'torch_save_atomic', 'atomic_dir']
 
 # %% ../nbs/05_runtime.ipynb #6a146fc2
@@ -93,17 +93,10 @@ def all_gather_objects(obj) -> list:
     return out
 
 # %% ../nbs/05_runtime.ipynb #c1796e9b
-def unwrap(model: nn.Module) -> nn.Module:
-    "The user's module inside DDP or `torch.compile` wrappers (FSDP2 modules are already the user's module)."
-    while True:
-        if hasattr(model, "_orig_mod"): model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel): model = model.module
-        else: return model
-
 def is_fsdp(model: nn.Module) -> bool:
-    "True when `fully_shard` has been applied to `model`."
+    "True when `fully_shard` has been applied to `model` (itself, or the module `torch.compile` wraps)."
     from torch.distributed.fsdp import FSDPModule
-    return isinstance(unwrap(model), FSDPModule)
+    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 # %% ../nbs/05_runtime.ipynb #41fac994
 def fsync_dir(d: Path):

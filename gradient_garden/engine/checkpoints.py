@@ -18,7 +18,8 @@ from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
-from .distributed import barrier, is_fsdp, unwrap
+from .distributed import barrier, is_fsdp
+from ..models.tendril import unwrap_model
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
@@ -323,7 +324,7 @@ def dcp_error(e: BaseException) -> str:
 
 def _owner(model: nn.Module) -> nn.Module:
     "The module whose state dict we save: FSDP2 modules as they are, DDP / compile wrappers removed."
-    return model if is_fsdp(model) else unwrap(model)
+    return model if is_fsdp(model) else unwrap_model(model)
 
 def sharded_state(model: nn.Module, optimizers=()) -> dict:
     "`{model, optimizers}` state of this rank: its shards under FSDP2/HSDP (DTensors), whole tensors otherwise."

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from ..config import ConfigError, RuntimeConfig
 from .activation_checkpointing import apply_activation_checkpointing
+from ..models.tendril import unwrap_model
 from ..runtime import (all_gather_objects, all_reduce, barrier, broadcast_object, is_fsdp, parse_dtype,
-                                     resolve_device, unwrap)
+                                     resolve_device)
 try: from torch.distributed.tensor import DTensor
 except ImportError: DTensor = None  # torch built without distributed support
 
@@ -114,7 +115,7 @@ def grad_sync(model: nn.Module, sync: bool):
     "Context for one micro-step: under DDP / FSDP2 gradients are reduced only when `sync` is true; a no-op otherwise."
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
-    if is_fsdp(inner) and not sync: return _fsdp_gradient_sync(unwrap(inner), False)
+    if is_fsdp(inner) and not sync: return _fsdp_gradient_sync(unwrap_model(inner), False)
     return contextlib.nullcontext()
 
 # %% ../../nbs/22_distributed.ipynb #6b18cf2f

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from ..config import GlobalConfig, grad_accum_steps, redact
 from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precision
-from .distributed import (DistEnv, all_reduce, unwrap, grad_sync, is_fsdp, barrier, broadcast_object,
+from .distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object,
                                                 clip_grad_norm_, all_gather_objects)
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state)
 from ..generation import default_test_prompts, encode_prompts, generate
-from ..models.tendril import trainable
+from ..models.tendril import trainable, unwrap_model
 
 
 # %% auto #0
@@ -229,14 +229,14 @@ def full_state(model: nn.Module, optimizers: list) -> tuple[dict, dict]:
     "Full model and optimizer state dicts (parameter-name keyed, on CPU) of a plain, DDP or FSDP2 model."
     from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd, osd = get_state_dict(unwrap(model) if not is_fsdp(model) else model, optimizers, options=opts)
+    msd, osd = get_state_dict(unwrap_model(model) if not is_fsdp(model) else model, optimizers, options=opts)
     return msd, osd
 
 def load_full_state(model: nn.Module, optimizers: list | None, model_sd: dict, optim_sd: dict | None):
     "Load full state dicts into a plain, DDP or FSDP2 model and its optimizers."
     from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict, StateDictOptions
     opts = StateDictOptions(full_state_dict=True, strict=True)
-    m = unwrap(model) if not is_fsdp(model) else model
+    m = unwrap_model(model) if not is_fsdp(model) else model
     if optimizers and optim_sd is not None:
         set_state_dict(m, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
     else: set_model_state_dict(m, model_sd, options=opts)
@@ -472,7 +472,7 @@ def sample(self: Trainer) -> list[dict]:
     if self.tokenizer is None: return []
     g, tok = self.cfg.generation, self.tokenizer
     prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
-    m = self.model if is_fsdp(self.model) else unwrap(self.model)
+    m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
     lockstep = is_fsdp(self.model) and self.env.distributed  # no early stop that numerics could time differently per rank
     stops = {t for t in (tok.eos_id, tok.eot_id) if t is not None}
     m.eval()
@@ -489,7 +489,7 @@ def sample(self: Trainer) -> list[dict]:
 def run_evals(self: Trainer) -> dict:
     "Multiple-choice evals split across ranks; flat metrics like `hellaswag/acc_norm`."
     from gradient_garden.evals import evaluate_from_config
-    m = self.model if is_fsdp(self.model) else unwrap(self.model)
+    m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
     m.eval()
     try:
         with autocast_context(self.env.device, self.cfg.runtime.precision): res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
@@ -535,7 +535,7 @@ def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, d
 def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
     "Add the final evaluation (on the last step) and the scheduled evals to the record."
     if last and self.final_evaluate is not None:
-        m = self.model if is_fsdp(self.model) else unwrap(self.model)
+        m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
         with autocast_context(self.env.device, self.cfg.runtime.precision): rec = (rec or dict(step=step)) | self.final_evaluate(m)
     e = self.cfg.evals
     if e.every and step % e.every == 0 and self.tokenizer is not None: rec = (rec or dict(step=step)) | self.run_evals()
@@ -641,7 +641,7 @@ def fit(self: Trainer) -> dict:
     peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
     before = {}
     if self.final_evaluate is not None and self.state.step == 0:  # the stage's score before training, for the summary
-        before = self.final_evaluate(self.model if is_fsdp(self.model) else unwrap(self.model))
+        before = self.final_evaluate(self.model if is_fsdp(self.model) else unwrap_model(self.model))
     progress = Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
     prof = make_profiler(cfg, self.run_dir, env)
     stopped_early, stopped_by, last_val, latest = False, None, None, {}

@@ -17,9 +17,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 __all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSE_MIN_TOKENS', 'rope_inv_freq',
            'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads',
            'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask', 'LayerKV', 'KVCache',
-           'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa', 'sdpa_kernel_class', 'attention_backend',
-           'document_block_mask', 'compiled_flex_attention', 'flex_gqa', 'plain_linear', 'fused_weight',
-           'hold_fused_weights', 'Attention']
+           'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa', 'sdpa_kernel_class',
+           'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention', 'flex_gqa',
+           'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -152,8 +152,8 @@ class KVCache:
 # %% ../../nbs/10_attention.ipynb #faf526a0
 BLOCK_ATTENTION_MAX_BYTES = 32 * 2**20   # saved probabilities per layer, above which bf16 CPU training keeps SDPA
 
-def _fp32_up(t: torch.Tensor) -> torch.Tensor:
-    "Half-precision tensors upcast to fp32; others unchanged."
+def fp32_at_least(t: torch.Tensor) -> torch.Tensor:
+    "Half-precision tensors upcast to fp32; fp32 and fp64 unchanged (RMSNorm in `11_tendril` uses it too)."
     return t.float() if t.element_size() < 4 else t
 
 # %% ../../nbs/10_attention.ipynb #43b198c7
@@ -169,7 +169,7 @@ class BlockAttentionFunction(torch.autograd.Function):
         probs = torch.empty(B, KV, r * T, S, dtype=q.dtype, device=q.device)
         qg = q.reshape(B, KV, r * T, d)                     # the r query heads of a K/V group, stacked along time
         for b in range(B):
-            s = _fp32_up(torch.matmul(qg[b], k[b].transpose(-1, -2))).view(KV, r, T, S)
+            s = fp32_at_least(torch.matmul(qg[b], k[b].transpose(-1, -2))).view(KV, r, T, S)
             s.masked_fill_(~mask[min(b, mask.shape[0] - 1)], float("-inf"))
             torch.softmax(s.mul_(scale), -1, out=s)
             probs[b].copy_(s.view(KV, r * T, S))
@@ -186,10 +186,10 @@ class BlockAttentionFunction(torch.autograd.Function):
         r, scale = H // KV, d ** -0.5
         grad, qg = grad.to(q.dtype).reshape(B, KV, r * T, d), q.reshape(B, KV, r * T, d)
         dq, dk, dv = torch.empty_like(qg), torch.empty_like(k), torch.empty_like(v)
-        delta = torch.linalg.vecdot(_fp32_up(grad), _fp32_up(out.reshape(B, KV, r * T, d)))[..., None]
+        delta = torch.linalg.vecdot(fp32_at_least(grad), fp32_at_least(out.reshape(B, KV, r * T, d)))[..., None]
         for b in range(B):
             torch.matmul(probs[b].transpose(-1, -2), grad[b], out=dv[b])
-            ds = _fp32_up(torch.matmul(grad[b], v[b].transpose(-1, -2))).sub_(delta[b]).mul_(probs[b]).mul_(scale).to(q.dtype)
+            ds = fp32_at_least(torch.matmul(grad[b], v[b].transpose(-1, -2))).sub_(delta[b]).mul_(probs[b]).mul_(scale).to(q.dtype)
             torch.matmul(ds, k[b], out=dq[b])
             torch.matmul(ds.transpose(-1, -2), qg[b], out=dk[b])
         return dq.view(B, H, T, d), dk, dv, None
@@ -247,11 +247,14 @@ def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128) -> BlockMa
 FLEX_COMPILE_BACKEND = "inductor"
 _COMPILED_FLEX: dict = {}
 
+def compiled_once(fn, backend: str, cache: dict):
+    "`fn` under `torch.compile(backend=backend)`, compiled once per backend and kept in `cache` (the chunked loss of `11_tendril` too)."
+    if backend not in cache: cache[backend] = torch.compile(fn, backend=backend)
+    return cache[backend]
+
 def compiled_flex_attention(backend: str | None = None):
     "`flex_attention` under `torch.compile` (`FLEX_COMPILE_BACKEND` by default; one compiled function per backend)."
-    backend = backend or FLEX_COMPILE_BACKEND
-    if backend not in _COMPILED_FLEX: _COMPILED_FLEX[backend] = torch.compile(flex_attention, backend=backend)
-    return _COMPILED_FLEX[backend]
+    return compiled_once(flex_attention, backend or FLEX_COMPILE_BACKEND, _COMPILED_FLEX)
 
 def flex_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, T, d]` under `block_mask`, K/V not repeated."

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
-from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask,
-                                              document_block_mask, positions_from_doc_ids,
+from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask, compiled_once,
+                                              document_block_mask, fp32_at_least, positions_from_doc_ids,
                                               positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
 
 # %% auto #0
@@ -33,15 +33,11 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None 
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 # %% ../../nbs/11_tendril.ipynb #dfc368f3
-def _fp32_at_least(t: torch.Tensor) -> torch.Tensor:
-    "Half-precision tensors upcast to fp32; fp32 and fp64 unchanged."
-    return t.float() if t.element_size() < 4 else t
-
 class RMSNormFunction(torch.autograd.Function):
     "RMSNorm with a closed-form backward that saves only the input and 1/rms (fp32 math for half inputs)."
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        xf = _fp32_at_least(x)
+        xf = fp32_at_least(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return (xf * rstd).to(x.dtype) * weight
@@ -49,12 +45,12 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        xhat = _fp32_at_least(x) * rstd
-        gw = _fp32_at_least(grad) * _fp32_at_least(weight)
+        xhat = fp32_at_least(x) * rstd
+        gw = fp32_at_least(grad) * fp32_at_least(weight)
         dot = torch.linalg.vecdot(gw, xhat).unsqueeze(-1).div_(x.shape[-1])
         grad_x = torch.addcmul(gw, xhat, dot, value=-1).mul_(rstd).to(x.dtype)
         grad_w = None
-        if ctx.needs_input_grad[1]: grad_w = (_fp32_at_least(grad) * xhat).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        if ctx.needs_input_grad[1]: grad_w = (fp32_at_least(grad) * xhat).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
         return grad_x, grad_w, None
 
 
@@ -63,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     "RMSNorm of the last dimension: `RMSNormFunction` when training eagerly, else the plain formula."
     if plain_ops():
         if x.dtype == weight.dtype and x.element_size() >= 4: return F.rms_norm(x, (x.shape[-1],), weight, eps)
-        xf = _fp32_at_least(x)
+        xf = fp32_at_least(x)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return RMSNormFunction.apply(x, weight, eps)
 
@@ -157,9 +153,7 @@ _COMPILED_CHUNK: dict = {}
 
 def compiled_chunk_fn(backend: str | None = None):
     "`chunk_loss_and_grad` under `torch.compile` (`LOSS_COMPILE_BACKEND` by default; one compiled function per backend)."
-    backend = backend or LOSS_COMPILE_BACKEND
-    if backend not in _COMPILED_CHUNK: _COMPILED_CHUNK[backend] = torch.compile(chunk_loss_and_grad, backend=backend)
-    return _COMPILED_CHUNK[backend]
+    return compiled_once(chunk_loss_and_grad, backend or LOSS_COMPILE_BACKEND, _COMPILED_CHUNK)
 
 
 # %% ../../nbs/11_tendril.ipynb #d3de7628

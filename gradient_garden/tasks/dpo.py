@@ -12,11 +12,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from ..config import ConfigError, DPOConfig, GlobalConfig
-from ..runtime import all_reduce, autocast_context, is_fsdp, unwrap
+from ..runtime import all_reduce, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
-                                       check_identity, _sources, run_prepare_stage, datasets_progress)
+                                       check_identity, _sources, run_prepare_stage, datasets_progress, SplitStream)
+from ..models.tendril import unwrap_model
 from .stages import StageParts
 
 # %% auto #0
@@ -170,7 +171,7 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
 
 def _plain_module(model):
     "The module to run forwards on: FSDP2 modules as they are, DDP / compile wrappers unwrapped."
-    return model if is_fsdp(model) else unwrap(model)
+    return model if is_fsdp(model) else unwrap_model(model)
 
 # %% ../../nbs/32_dpo.ipynb #41f3cd15
 from fastcore.basics import patch   # the reference and the loader are built up method by method below
@@ -249,30 +250,13 @@ class ModelReference:
         self.model.load_state_dict(d["model"])
 
 # %% ../../nbs/32_dpo.ipynb #e41f05a0
-class DPOLoader:
+class DPOLoader(SplitStream):
     "Batches of preference pairs for one rank (chosen and rejected stacked), with the reference attached; resumable on any number of ranks."
     def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True, reference=None, dataset: Optional[PairDataset] = None):
-        self.data = dataset or PairDataset(data_dir, split)
-        self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
-        self.rank, self.world_size, self.shuffle, self.reference = rank, world_size, shuffle, reference
-        self.pad_id = int(self.data.meta["pad_id"])
-        self.pairs = np.flatnonzero(self.data.lengths() <= seq_len + 1)
-        self.n_dropped = len(self.data) - len(self.pairs)
-        if len(self.pairs) < world_size:
-            raise ConfigError(f"training.seq_len: got {seq_len}; only {len(self.pairs)} {split} pairs fit (world size {world_size})")
-        self.epoch, self.cursor = 0, 0
-        self._orders: dict = {}
-
-    @property
-    def tokenizer_identity(self) -> Optional[str]: return self.data.tokenizer_identity
-
-    def _order_for(self, epoch: int, shuffle: bool) -> np.ndarray:
-        "All pairs in the order of `epoch` (every rank computes the same; the current epoch cached)."
-        if (epoch, shuffle) not in self._orders:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.pairs) if shuffle else self.pairs
-            self._orders = {k: v for k, v in self._orders.items() if k[1] != shuffle} | {(epoch, shuffle): order}
-        return self._orders[(epoch, shuffle)]
+        data = dataset or PairDataset(data_dir, split)
+        self.pairs, self.reference = np.flatnonzero(data.lengths() <= seq_len + 1), reference
+        super().__init__(data, self.pairs, split, batch_size, seq_len, rank, world_size, seed, shuffle, "pairs")
 
 # %% ../../nbs/32_dpo.ipynb #9e68cd95
 @patch

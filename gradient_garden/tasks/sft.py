@@ -21,9 +21,9 @@ from .stages import StageParts
 __all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'DEFAULT_INSTRUCT_SOURCES', 'check_messages', 'turn_cuts', 'tokenize_chat',
            'save_ragged', 'load_ragged', 'open_split', 'write_split', 'SFTDataset', 'check_source', 'load_rows',
            'datasets_progress', 'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'run_prepare_stage',
-           'run_prepare_instruct', 'collate_rows', 'pack_rows', 'stream_positions', 'SFTLoader', 'check_stream_state',
-           'SFTTask', 'instruct_dir', 'check_identity', 'build_instruct', 'prompt_ids', 'lockstep_generate',
-           'evaluate_exact_match']
+           'run_prepare_instruct', 'collate_rows', 'pack_rows', 'stream_positions', 'SplitStream', 'SFTLoader',
+           'check_stream_state', 'SFTTask', 'instruct_dir', 'check_identity', 'build_instruct', 'prompt_ids',
+           'lockstep_generate', 'evaluate_exact_match']
 
 # %% ../../nbs/31_sft.ipynb #46a633bc
 IGNORE_INDEX = -100
@@ -292,30 +292,43 @@ def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int
 # %% ../../nbs/31_sft.ipynb #191e6349
 from fastcore.basics import patch   # the loader is built up method by method below
 
-# %% ../../nbs/31_sft.ipynb #b7910015
-class SFTLoader:
-    "Batches of chats for one rank: packed with document masking, or padded; resumable on any number of ranks."
-    def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, packing: bool = True, shuffle: bool = True, pack_window: int = 8):
-        self.data = SFTDataset(data_dir, split)
+# %% ../../nbs/31_sft.ipynb #b57e3b99
+class SplitStream:
+    "One rank's resumable stream over the `kept` items of a prepared split (those that fit `seq_len`); the SFT and DPO loaders build on it."
+    def __init__(self, data, kept: np.ndarray, split: str, batch_size: int, seq_len: int, rank: int, world_size: int,
+                 seed: int, shuffle: bool, what: str):
+        self.data, self.kept = data, kept
         self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
-        self.rank, self.world_size, self.packing, self.shuffle, self.pack_window = rank, world_size, packing, shuffle, pack_window
-        self.pad_id = int(self.data.meta["pad_id"])
-        self.lengths = self.data.fitted_lengths(seq_len + 1)
-        self.docs = np.flatnonzero(self.lengths)
-        self.n_dropped = len(self.data) - len(self.docs)
-        if len(self.docs) < world_size:
-            raise ConfigError(f"training.seq_len: got {seq_len}; only {len(self.docs)} {split} conversations fit "
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.pad_id = int(data.meta["pad_id"])
+        self.n_dropped = len(data) - len(kept)
+        if len(kept) < world_size:
+            raise ConfigError(f"training.seq_len: got {seq_len}; only {len(kept)} {split} {what} fit "
                               f"(need at least one per rank, world size {world_size})")
         self.epoch, self.cursor = 0, 0
-        self._cache: dict = {}
+        self._orders: dict = {}
 
     @property
     def tokenizer_identity(self) -> Optional[str]: return self.data.tokenizer_identity
 
     def _order_for(self, epoch: int, shuffle: bool) -> np.ndarray:
-        "All conversations in the order of `epoch` (every rank computes the same)."
-        return np.random.default_rng([self.seed, epoch]).permutation(self.docs) if shuffle else self.docs
+        "All kept items in the order of `epoch` (every rank computes the same; the current epoch cached)."
+        if (epoch, shuffle) not in self._orders:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.kept) if shuffle else self.kept
+            self._orders = {k: v for k, v in self._orders.items() if k[1] != shuffle} | {(epoch, shuffle): order}
+        return self._orders[(epoch, shuffle)]
+
+# %% ../../nbs/31_sft.ipynb #b7910015
+class SFTLoader(SplitStream):
+    "Batches of chats for one rank: packed with document masking, or padded; resumable on any number of ranks."
+    def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, packing: bool = True, shuffle: bool = True, pack_window: int = 8):
+        data = SFTDataset(data_dir, split)
+        self.lengths = data.fitted_lengths(seq_len + 1)
+        self.docs = np.flatnonzero(self.lengths)
+        super().__init__(data, self.docs, split, batch_size, seq_len, rank, world_size, seed, shuffle, "conversations")
+        self.packing, self.pack_window = packing, pack_window
+        self._cache: dict = {}
 
     def _epoch_rows(self, epoch: int, shuffle: bool) -> list[list[int]]:
         "The rows of `epoch`, packed from the whole order (cached for the current epoch)."
