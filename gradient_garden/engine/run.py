@@ -7,6 +7,7 @@ parallelism, the stage's task and loaders, the trainer, and the run directory's 
 from __future__ import annotations
 import importlib, json, os, shutil, signal, socket, sys, time
 from pathlib import Path
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 import torch
@@ -25,6 +26,7 @@ from ..tasks.stages import StageParts
 from ..tasks.pretraining import build_pretraining
 from ..tasks.sft import build_instruct
 from ..tasks.dpo import build_dpo
+from ..tasks.distillation import wrap_with_distillation
 
 # %% auto #0
 __all__ = ['STAGES', 'STOP_SIGNALS', 'RUN_RECORDS', 'register_stage', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records',
@@ -39,10 +41,11 @@ def register_stage(name: str):
     return deco
 
 def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts:
-    "Build the task and loaders of `cfg.training.stage`."
+    "Build the task and loaders of `cfg.training.stage`; its task distilled from a teacher when `distillation.enabled`."
     stage = cfg.training.stage
     if stage not in STAGES: raise ConfigError(f"training.stage: got {stage!r}; registered stages are {', '.join(sorted(STAGES))}")
-    return STAGES[stage](cfg, tokenizer, env, model)
+    parts = STAGES[stage](cfg, tokenizer, env, model)
+    return dataclasses.replace(parts, task=wrap_with_distillation(parts.task, cfg, tokenizer, env.device))
 
 # %% ../../nbs/25_run.ipynb #55b6936f
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

@@ -18,6 +18,7 @@ from .pretraining import MODEL_INPUTS
 from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
                                        check_identity, _sources, run_prepare_stage, datasets_progress, SplitStream)
 from ..models.tendril import unwrap_model
+from ..tokenizer import init_tokenizer
 from .stages import StageParts
 
 # %% auto #0
@@ -92,9 +93,7 @@ def iter_source_pairs(src: dict, split: str, where: str):
 def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's preference sources into `out_dir/{train,val}`; returns the two splits' meta."
     from tqdm.auto import tqdm
-    if tokenizer is None:
-        from gradient_garden.tokenizer import init_tokenizer
-        tokenizer = init_tokenizer(cfg.tokenizer)
+    if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
     srcs = [check_source(s, f"data.sources[{i}]", PAIR_SOURCE_KEYS) for i, s in enumerate(_sources(recipe_data, DEFAULT_DPO_SOURCES))]
     max_len, metas = cfg.model.max_seq_len + 1, {}
     for split in SPLITS:

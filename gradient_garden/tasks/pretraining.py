@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from ..config import GlobalConfig
+import numpy as np
+from ..data.loaders import load_meta, open_shards, pretraining_loaders
 from ..models.tendril import trainable
 from .stages import StageParts
 
@@ -44,18 +46,13 @@ class CausalLMTask:
 
 # %% ../../nbs/30_pretraining.ipynb #828b319e
 def build_pretraining(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
-    "Causal task (distilled from a teacher when configured) plus train/val `PretrainLoader`s for this rank."
-    from gradient_garden.data.loaders import pretraining_loaders
-    from gradient_garden.tasks.distillation import wrap_with_distillation
+    "Causal task plus train/val `PretrainLoader`s for this rank (the engine's `build_stage` adds distillation when enabled)."
     train, val = pretraining_loaders(cfg, env.rank, env.world_size, tokenizer_identity=getattr(tokenizer, "identity", None))
-    task = wrap_with_distillation(CausalLMTask(), cfg, tokenizer, env.device)  # KL to a teacher when distillation.enabled
-    return StageParts(task, train, val if cfg.validation.enabled else None)
+    return StageParts(CausalLMTask(), train, val if cfg.validation.enabled else None)
 
 # %% ../../nbs/30_pretraining.ipynb #86925903
 def unigram_baseline(data_dir) -> float:
     "Validation cross-entropy (nats/token) of the train split's add-one-smoothed unigram distribution."
-    import numpy as np
-    from gradient_garden.data.loaders import load_meta, open_shards
     meta = load_meta(data_dir)
     count = lambda split: sum(np.bincount(s, minlength=1 << 16 if s.dtype == np.uint16 else 0).astype(np.float64)
                               for s in open_shards(data_dir, meta, split))

@@ -14,6 +14,8 @@ from ..config import ConfigError, GlobalConfig
 from ..runtime import all_gather_objects, atomic_dir
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
                                              SPLITS)
+from ..tokenizer import init_tokenizer
+from ..generation import generate
 from .pretraining import CausalLMTask
 from .stages import StageParts
 
@@ -191,9 +193,7 @@ def _sources(recipe_data: Optional[dict], default: list) -> list[dict]:
 def prepare_instruct(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's chat sources into `out_dir/{train,val}`; returns the two splits' meta."
     from tqdm.auto import tqdm
-    if tokenizer is None:
-        from gradient_garden.tokenizer import init_tokenizer
-        tokenizer = init_tokenizer(cfg.tokenizer)
+    if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
     srcs = [check_source(s, f"data.sources[{i}]") for i, s in enumerate(_sources(recipe_data, DEFAULT_INSTRUCT_SOURCES))]
     max_len = cfg.model.max_seq_len + 1
     metas = {}
@@ -226,7 +226,6 @@ def prepared_matches(out_dir, sources: list, tokenizer, max_len: int) -> bool:
 
 def run_prepare_stage(cfg: GlobalConfig, data: Optional[dict], args, stage: str, prepare, default_sources: list) -> int:
     "The `gg prepare --instruct/--dpo` hook body: prepare `paths.datasets/<stage>` unless already up to date."
-    from gradient_garden.tokenizer import init_tokenizer
     tokenizer = init_tokenizer(cfg.tokenizer)
     out = Path(cfg.paths.datasets)/stage
     if not getattr(args, "overwrite", False) and prepared_matches(out, _sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
@@ -416,13 +415,12 @@ def build_instruct(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
     train = SFTLoader(d, "train", **kw)
     check_identity(tokenizer, train.tokenizer_identity, d, cfg.tokenizer.path)
     val = SFTLoader(d, "val", **kw) if (d/"val"/"meta.json").is_file() and cfg.validation.enabled else None
-    from gradient_garden.tasks.distillation import wrap_with_distillation
     def held_out_exact_match(m):
         "Exact match on held-out verifiable prompts, overall and per task."
         r = evaluate_exact_match(m, tokenizer, rank=env.rank, world_size=env.world_size,
                                  lockstep=cfg.runtime.fsdp and env.world_size > 1)  # FSDP2: forwards are collectives
         return {"exact_match": r["exact_match"], **{f"exact_match/{k}": v for k, v in r["per_task"].items()}}
-    return StageParts(wrap_with_distillation(SFTTask(), cfg, tokenizer, env.device), train, val, evaluate=held_out_exact_match)
+    return StageParts(SFTTask(), train, val, evaluate=held_out_exact_match)
 
 # %% ../../nbs/31_sft.ipynb #83edf587
 def prompt_ids(tokenizer, ex: VerifiableExample, system: Optional[str] = None) -> list[int]:
@@ -433,7 +431,6 @@ def prompt_ids(tokenizer, ex: VerifiableExample, system: Optional[str] = None) -
 def lockstep_generate(model, tokenizer, prompts: list[list[int]], n_per_rank: int, max_new_tokens: int, batch_size: int,
                       longest: int) -> list[list[int]]:
     "Greedy answers with the same forwards on every rank: `n_per_rank` prompts (padded), the full budget, cut at stop tokens."
-    from gradient_garden.generation import generate
     stops = {t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None}
     budget = min(max_new_tokens, model.cfg.max_seq_len - longest)  # the same on every rank: the longest prompt of all
     padded = prompts + [prompts[0] if prompts else [tokenizer.bos_id or 0]] * (n_per_rank - len(prompts))
@@ -446,7 +443,6 @@ def evaluate_exact_match(model, tokenizer, examples: Optional[list[VerifiableExa
                          max_new_tokens: int = 24, batch_size: int = 64, system: Optional[str] = None,
                          seed: int = 0, rank: int = 0, world_size: int = 1, lockstep: bool = False) -> dict:
     "Greedy answers to held-out verifiable prompts scored by exact match: overall, per task, samples; split over ranks."
-    from gradient_garden.generation import generate
     examples = heldout_examples(n_per_task, seed=seed) if examples is None else examples
     prompts = [prompt_ids(tokenizer, e, system) for e in examples]
     mine = list(range(rank, len(examples), world_size))
