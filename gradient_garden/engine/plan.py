@@ -12,6 +12,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
+from .trainer import gpu_datasheet_flops, measure_matmul_peak
+from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS, flops_per_token
+from .optim import classify_parameters
+from ..models.lora import apply_lora
+from .activation_checkpointing import SAVE_OPS
+from ..runtime import resolve_precision
 
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'HEADROOM', 'Accelerator', 'accelerator',
@@ -31,7 +37,6 @@ class Accelerator:
 
 def accelerator(name: str, precision: str = "bf16") -> Accelerator:
     "The `Accelerator` for `--gpu NAME` (H100, H200, A100, L40S or cpu); an unknown name is a one-line error."
-    from gradient_garden.engine.trainer import gpu_datasheet_flops, measure_matmul_peak
     key = {k.lower(): k for k in GPU_MEMORY_GIB}.get(name.lower())
     if name.lower() == "cpu":
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -43,12 +48,9 @@ def accelerator(name: str, precision: str = "bf16") -> Accelerator:
 # %% ../../nbs/27_plan.ipynb #9d164d6a
 def parameter_counts(cfg: GlobalConfig) -> dict:
     "Parameters of the configured model on the meta device: total, trainable, per optimizer, per block, outside blocks."
-    from gradient_garden.models.tendril import build_model, count_parameters
-    from gradient_garden.engine.optim import classify_parameters
     with torch.device("meta"):
         model = build_model(cfg.model)
         if cfg.lora.enabled:
-            from gradient_garden.models.lora import apply_lora
             apply_lora(model, cfg.lora)
     groups = {g: sum(p.numel() for _, p in ps) for g, ps in classify_parameters(model).items()}
     muon = groups.get("matrices", 0) if cfg.optimizers.muon.enabled else 0
@@ -66,8 +68,6 @@ def _storage_key(t: torch.Tensor):
 def _trace(cfg: ModelConfig, batch: int, seq: int, dtype) -> dict:
     "Bytes block 0 saves for backward (`none`) and the bytes of its matmul/attention outputs (`selective`)."
     from torch.utils._python_dispatch import TorchDispatchMode
-    from gradient_garden.models.tendril import build_model
-    from gradient_garden.engine.activation_checkpointing import SAVE_OPS
     saved, kept = {}, {}
     class KeepSelected(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -112,7 +112,6 @@ GiB = 2**30
 
 def loss_chunk_bytes(cfg: GlobalConfig, device_type: str = "cuda") -> int:
     "Bytes of the fused loss's logits chunk (fp32 logits, plus their half-precision copy under autocast)."
-    from gradient_garden.models.tendril import LOSS_CHUNK_ELEMENTS
     m, t = cfg.model, cfg.training
     budget = LOSS_CHUNK_ELEMENTS.get(device_type, LOSS_CHUNK_ELEMENTS["default"])
     tokens = t.micro_batch_size * t.seq_len
@@ -208,11 +207,9 @@ def layouts(nodes: int, gpus_per_node: int) -> dict:
 def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: int = 1, mfu: float | None = None,
          mfu_from=None) -> Plan:
     "Memory for every layout the target allows, FLOPs/token, token budget, steps and time for `cfg` on `gpu`."
-    from gradient_garden.models.tendril import flops_per_token
     for name, v in (("--gpus-per-node", gpus_per_node), ("--nodes", nodes)):
         if v < 1: raise ConfigError(f"{name}: got {v}; must be >= 1")
     if cfg.runtime.precision == "auto":  # what `auto` picks on the target: bf16 on these GPUs, the CPU's own answer
-        from gradient_garden.engine.trainer import resolve_precision
         cfg = _with(cfg, runtime__precision="bf16" if gpu.lower() != "cpu" else resolve_precision(torch.device("cpu"), "auto")[0])
     dev = accelerator(gpu, cfg.runtime.precision)
     world = nodes * gpus_per_node
@@ -308,7 +305,6 @@ def device_memory(device: torch.device, local_world: int = 1) -> int:
 
 def check_fit(cfg: GlobalConfig, device: torch.device, world: int = 1, local_world: int = 1) -> Plan | None:
     "Plan `cfg` on `device` with `world` ranks; raise `ConfigError` with `fit_message` when it does not fit."
-    from gradient_garden.models.tendril import build_model
     with torch.device("meta"): blocks = getattr(build_model(cfg.model), "layers", None)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks): return None   # a registered model without blocks: no plan
     gpus_per_node = max(1, local_world)

@@ -21,8 +21,10 @@ from .distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broa
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state)
 from ..generation import default_test_prompts, encode_prompts, generate
-from ..models.tendril import trainable, unwrap_model
-
+from ..models.tendril import trainable, unwrap_model, build_model, count_parameters, flops_per_token
+from .optim import build_optimizers, set_learning_rates
+from ..data.loaders import prefetching
+from ..evals import evaluate_from_config
 
 # %% auto #0
 __all__ = ['GPU_DATASHEET', 'GPU_PEAK_FLOPS', 'make_grad_scaler', 'set_tf32', 'gpu_datasheet_flops', 'compute_precision',
@@ -100,7 +102,6 @@ def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = Fa
 # %% ../../nbs/24_trainer.ipynb #d1a4d1f2
 def estimate_workload(cfg: GlobalConfig, tokens_per_s: float | None = None, world_size: int = 1) -> dict:
     "Parameters, FLOPs/token, Chinchilla tokens, steps and (given throughput) hours for `cfg`'s model and batch."
-    from gradient_garden.models.tendril import build_model, count_parameters, flops_per_token
     with torch.device("meta"): model = build_model(cfg.model)
     n_params = count_parameters(model)
     n_non_emb = count_parameters(model, exclude_embeddings=True)
@@ -256,7 +257,6 @@ class Trainer:
     def __init__(self, cfg: GlobalConfig, model: nn.Module, task, train_loader, val_loader=None, *, optimizers=None,
                  tokenizer=None, env: DistEnv | None = None, run_dir=None, log_to_console: bool = True,
                  final_evaluate: Callable | None = None):
-        from gradient_garden.engine.optim import build_optimizers
         self.cfg, self.model, self.task, self.tokenizer = cfg, model, task, tokenizer
         self.train_loader, self.val_loader = train_loader, val_loader
         self.env = env or DistEnv(device=next(model.parameters()).device)
@@ -275,7 +275,6 @@ class Trainer:
         self.router_metrics: dict = {}
         self.final_evaluate = final_evaluate
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
-        from gradient_garden.data.loaders import prefetching   # runtime.num_workers batches prepared (and pinned) ahead
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
 
@@ -350,7 +349,6 @@ def _optimizer_step(self: Trainer) -> torch.Tensor | None:
 def train_step(self: Trainer) -> dict:
     "Read `grad_accum` micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
     cfg, dev = self.cfg, self.env.device
-    from gradient_garden.engine.optim import set_learning_rates
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
     batches = [self._to_device(self.train_loader.next_batch()) for _ in range(self.grad_accum)]
@@ -488,7 +486,6 @@ def sample(self: Trainer) -> list[dict]:
 @patch
 def run_evals(self: Trainer) -> dict:
     "Multiple-choice evals split across ranks; flat metrics like `hellaswag/acc_norm`."
-    from gradient_garden.evals import evaluate_from_config
     m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
     m.eval()
     try:
@@ -501,7 +498,6 @@ def run_evals(self: Trainer) -> dict:
 def _flops_per_token(self: Trainer) -> float:
     "Model FLOPs per trained token of the configured shape (cached)."
     if self._fpt is None:
-        from gradient_garden.models.tendril import flops_per_token
         self._fpt = flops_per_token(self.cfg.model, self.cfg.training.seq_len)
     return self._fpt
 
