@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig
+from .prepare import check_shard_version
 
 # %% auto #0
 __all__ = ['load_meta', 'open_shards', 'PretrainLoader', 'to_batch', 'pretraining_loaders', 'pin_batch', 'PrefetchLoader',
@@ -30,7 +31,6 @@ def load_meta(data_dir) -> dict:
     if meta.get("format") != "gradient-garden-shards":
         raise ConfigError(f"{d/'meta.json'}: not a gradient-garden shard folder (format={meta.get('format')!r})")
     if "version" in meta:                                    # hand-made folders without one are taken as they are
-        from gradient_garden.data.prepare import check_shard_version
         check_shard_version(meta, d)
     return meta
 

@@ -10,7 +10,6 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union
 import numpy as np
-import datasets
 from tqdm.auto import tqdm
 from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_overrides, from_plain,
                                     load_config, read_data_file, to_plain)
@@ -188,11 +187,13 @@ def parse_mix_file_data(data: dict, path) -> PretrainingData:
 # %% ../../nbs/02_data.ipynb #9eff4e6e
 def _load_files(fmt: str, files: list[str], sample_by: str = "document") -> datasets.IterableDataset:
     "Stream files through a packaged `datasets` builder (text: one row per file, paragraph or line)."
+    import datasets   # lazy here and below: about 1 s of start-up that training (which reads prepared shards) does not need
     kw = {"sample_by": sample_by, "encoding_errors": "replace"} if fmt == "text" else {}
     return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **kw)
 
 def open_source(src) -> datasets.IterableDataset:
     "Stream the rows of a source through `datasets`; the same code path for the hub, local files and the embedded corpus."
+    import datasets
     if src.type == "hub":
         try: return datasets.load_dataset(src.path, src.config, split=src.split, revision=src.revision, streaming=True)
         except Exception as e:
