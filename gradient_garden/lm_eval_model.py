@@ -21,6 +21,8 @@ from .config import ConfigError
 from .runtime import parse_dtype
 from .evals import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id, text_encoder
 from .generation import generate
+from .engine.checkpoints import load_model_from_checkpoint
+from .tokenizer import init_tokenizer
 
 # %% auto #0
 __all__ = ['GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
@@ -173,8 +175,6 @@ for _name in ("gradient_garden", "gg"): model_registry.register(_name, target="g
 
 def load_checkpoint_lm(checkpoint, device="cpu", dtype: str = "fp32"):
     "(model, tokenizer) of a gradient-garden checkpoint (LoRA merged), ready for `GardenLM`."
-    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
-    from gradient_garden.tokenizer import init_tokenizer
     model, cfg = load_model_from_checkpoint(checkpoint, device=device, dtype=parse_dtype(dtype))
     return model, init_tokenizer(cfg.tokenizer)
 

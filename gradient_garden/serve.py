@@ -11,16 +11,20 @@ from collections import deque
 from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Callable, Literal
 import torch
 from fastcore.basics import patch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from .config import ConfigError
+from .config import ConfigError, TokenizerConfig
 from .generation import HOLD_MAX_BYTES, apply_repetition_penalty, decode_step, decode_step_applies, sample_next
 from .runtime import DTYPES as _DTYPES, resolve_device
 from .models.attention import KVCache, hold_fused_weights
+from .tokenizer import init_tokenizer
+from .engine.checkpoints import load_model_from_checkpoint
+from .models.hf import load_hf
 
 # %% auto #0
 __all__ = ['log', 'STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'LOOPBACK_NAMES', 'TextStream', 'SamplingParams', 'Sequence',
@@ -835,7 +839,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # %% ../nbs/60_serve.ipynb #c1ef16e5
 def _chat_template_in(folder) -> bool:
     "True when a Hugging Face folder carries a chat template."
-    from pathlib import Path
     folder = Path(folder)
     if (folder/"chat_template.jinja").is_file(): return True
     cfg = folder/"tokenizer_config.json"
@@ -843,18 +846,13 @@ def _chat_template_in(folder) -> bool:
 
 def load_served(args) -> Served:
     "Model, tokenizer and engine for the flags of `gg serve`."
-    from pathlib import Path
-    from gradient_garden.tokenizer import init_tokenizer
     StreamInterval(args.stream_interval, args.stream_interval_ms)        # bad values fail before the model loads
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
     if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
-        from gradient_garden.engine.checkpoints import load_model_from_checkpoint
         model, cfg = load_model_from_checkpoint(args.checkpoint, device, dtype)
         tokenizer, chat, name = init_tokenizer(cfg.tokenizer), cfg.training.stage != "pretraining", cfg.run.name
     else:
-        from gradient_garden.models.hf import load_hf
-        from gradient_garden.config import TokenizerConfig
         model, _ = load_hf(args.hf_checkpoint, device, dtype)
         tokenizer = init_tokenizer(TokenizerConfig(backend="huggingface", path=str(args.hf_checkpoint)))
         chat, name = _chat_template_in(args.hf_checkpoint), Path(args.hf_checkpoint).resolve().name
