@@ -5,7 +5,7 @@ errors that name the key path, the value and what is allowed."""
 
 # %% ../nbs/00_config.ipynb #cb1d43da
 from __future__ import annotations
-import json, math, os, re, sys, types
+import copy, json, math, os, re, sys, types
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -519,7 +519,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     "Return a copy of nested dict `data` with each `a.b=value` override applied."
-    import copy
     data = copy.deepcopy(data)
     for item in overrides or []:
         keys, value = parse_override(item)

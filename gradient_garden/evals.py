@@ -5,13 +5,14 @@ across ranks; plus `gg prepare` for the data and `gg evaluate` for a checkpoint.
 
 # %% ../nbs/40_evals.ipynb #ce03440a
 from __future__ import annotations
-import json, math, os, random, re, sys, time
+import inspect, json, math, os, random, re, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 import gradient_garden
+from tqdm.auto import tqdm
 from .config import ConfigError, GlobalConfig
 from .runtime import write_text_atomic
 
@@ -149,7 +150,7 @@ def sample_indices(n: int, k: Optional[int], seed: int) -> list[int]:
 # %% ../nbs/40_evals.ipynb #7b458c32
 def load_hub_rows(name: str) -> list[dict]:
     "The rows of task `name` from the Hugging Face Hub (network, or the local `datasets` cache)."
-    import datasets
+    import datasets  # lazy: about 1 s of import (measured), only when a source is read
     task = get_task(name)
     try: ds = datasets.load_dataset(task.hub_path, task.hub_name, split=task.split)
     except Exception as e:
@@ -313,7 +314,6 @@ def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
 
 def _forward_takes(model, *names: str) -> bool:
     "True when the model's forward names every one of `names` among its parameters."
-    import inspect
     m = getattr(model, "module", model)
     try: return all(n in inspect.signature(getattr(m, "forward", m)).parameters for n in names)
     except (TypeError, ValueError): return False
@@ -472,7 +472,6 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
     if hasattr(model, "eval"): model.eval()
     out: list[list[float]] = [[0.0] * len(ex.requests) for ex in examples]
     try:
-        from tqdm.auto import tqdm
         for bi in tqdm(range(max(n_batches or 0, len(batches))), desc="eval", disable=not progress, leave=False):
             if bi >= len(batches):                         # dummy work: same number of forwards on every rank
                 _forward_rows(model, [_Row([prefix or 0], [(0, 0, 0)])], 1, device)

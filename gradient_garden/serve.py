@@ -18,6 +18,8 @@ from fastcore.basics import patch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+import uvicorn
 from .config import ConfigError, TokenizerConfig
 from .generation import HOLD_MAX_BYTES, apply_repetition_penalty, decode_step, decode_step_applies, sample_next
 from .runtime import DTYPES as _DTYPES, resolve_device
@@ -722,7 +724,6 @@ def _error_response(e: APIError):
 
 def _install_errors(app):
     "OpenAI-style JSON for our errors, unknown routes and methods, and anything unexpected (no traceback)."
-    from starlette.exceptions import HTTPException
     @app.exception_handler(APIError)
     async def _api(request, e): return _error_response(e)
     @app.exception_handler(HTTPException)
@@ -865,7 +866,6 @@ def load_served(args) -> Served:
 # %% ../nbs/60_serve.ipynb #d37ed2bf
 def run_serve(args) -> int:
     "Run `gg serve`: check the flags, load the model, serve the API and the page with uvicorn until interrupted."
-    import uvicorn
     api_key = args.api_key or os.environ.get("GG_API_KEY") or None
     if not is_loopback(args.host) and not api_key:
         raise ConfigError(f"--host {args.host}: listening beyond this machine requires an API key (--api-key or GG_API_KEY)")

@@ -210,7 +210,7 @@ class HFTokenizer(Tokenizer):
     kind = "hf"
 
     def __init__(self, path: str | Path, **from_pretrained_kwargs):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
         path = str(path)
         if not Path(path).expanduser().exists() and not _is_hub_id(path):
             raise ConfigError(f"tokenizer.path={path!r}: no such folder (expected a local tokenizer folder or a hub id 'org/name')")

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
@@ -286,7 +288,6 @@ class MetadataUnpickler(pickle.Unpickler):
 class SafeReader(FileSystemReader):
     "dcp's `FileSystemReader`, reading `.metadata` through `MetadataUnpickler`."
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
         with open(Path(self.path)/".metadata", "rb") as f: md = MetadataUnpickler(f).load()
         if getattr(md, "storage_meta", None) is None: md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -359,7 +360,6 @@ def read_metadata(path):
 
 def read_sharded(path, keys=("model", "optimizers")) -> dict:
     "The full (unsharded) `keys` of sharded checkpoint `path`, read in this one process."
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     p, out = Path(path), {}
     read_metadata(p)  # its own errors first: dcp would wrap them
     try: _load_state_dict(out, storage_reader=SafeReader(p), planner=SafeFullLoadPlanner(keys=set(keys)), no_dist=True)

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import ConfigError, RuntimeConfig
 from .activation_checkpointing import apply_activation_checkpointing
 from ..models.tendril import unwrap_model
@@ -73,7 +76,6 @@ def mesh_shape(runtime: RuntimeConfig, world_size: int, local_world_size: int | 
 
 def build_mesh(runtime: RuntimeConfig, env: DistEnv):
     "The `DeviceMesh` for FSDP2: 1-D `(shard,)` for pure FSDP2, 2-D `(replicate, shard)` for HSDP."
-    from torch.distributed.device_mesh import init_device_mesh
     r, s = mesh_shape(runtime, env.world_size, env.local_world_size)
     if r == 1: return init_device_mesh(env.device.type, (s,), mesh_dim_names=("shard",))
     return init_device_mesh(env.device.type, (r, s), mesh_dim_names=("replicate", "shard"))
@@ -81,7 +83,6 @@ def build_mesh(runtime: RuntimeConfig, env: DistEnv):
 # %% ../../nbs/22_distributed.ipynb #c7ef7792
 def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Module:
     "Shard `model` with FSDP2 over `mesh` (2-D: HSDP; None: all ranks): one unit per transformer block, then the root."
-    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else parse_dtype(precision, "runtime.precision"), reduce_dtype=torch.float32)
     blocks = getattr(model, "layers", None)
     if blocks is None: raise ConfigError(f"runtime.fsdp: model {type(model).__name__} has no `layers` to shard per block")
@@ -99,7 +100,6 @@ def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv) -> nn.Mo
         if not (env.distributed and runtime.fsdp) and not hasattr(model, "layers"): model.compile()
     if not env.distributed: return model
     if runtime.fsdp: return apply_fsdp(model, runtime.precision, build_mesh(runtime, env))
-    from torch.nn.parallel import DistributedDataParallel as DDP
     # buffers (the RoPE tables) are computed identically on every rank: no broadcast before every forward
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
 

@@ -6,11 +6,14 @@ the token budget against Chinchilla; steps; and wall time at a stated or measure
 
 # %% ../../nbs/27_plan.ipynb #c31e9908
 from __future__ import annotations
-import math, os, json
+import copy, json, math, os
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
 from .trainer import gpu_datasheet_flops, measure_matmul_peak
 from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS, flops_per_token
@@ -62,12 +65,10 @@ def parameter_counts(cfg: GlobalConfig) -> dict:
 
 # %% ../../nbs/27_plan.ipynb #57b2af2f
 def _storage_key(t: torch.Tensor):
-    from torch.multiprocessing.reductions import StorageWeakRef
     return StorageWeakRef(t.untyped_storage())
 
 def _trace(cfg: ModelConfig, batch: int, seq: int, dtype) -> dict:
     "Bytes block 0 saves for backward (`none`) and the bytes of its matmul/attention outputs (`selective`)."
-    from torch.utils._python_dispatch import TorchDispatchMode
     saved, kept = {}, {}
     class KeepSelected(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -94,7 +95,6 @@ _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def trace_block(cfg: ModelConfig, batch: int, seq: int, precision: str = "fp32") -> dict:
     "Activation bytes of one block at `[batch, seq]`: saved without checkpointing, kept by the selective policy, its input."
-    from torch._subclasses.fake_tensor import FakeTensorMode
     dtype = _AUTOCAST[precision]
     try:
         with FakeTensorMode(): out = _trace(cfg, batch, seq, dtype)
@@ -230,7 +230,6 @@ def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: in
 # %% ../../nbs/27_plan.ipynb #ed33a52c
 def _with(cfg: GlobalConfig, **changes) -> GlobalConfig:
     "A copy of `cfg` with `section.key` changes, e.g. `_with(cfg, runtime__fsdp=True)`."
-    import copy
     new = copy.deepcopy(cfg)
     for k, v in changes.items():
         sec, key = k.split("__")

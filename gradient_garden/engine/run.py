@@ -5,7 +5,7 @@ parallelism, the stage's task and loaders, the trainer, and the run directory's 
 
 # %% ../../nbs/25_run.ipynb #449151b2
 from __future__ import annotations
-import importlib, json, os, shutil, signal, socket, sys, time
+import importlib, json, os, shutil, signal, socket, sys, threading, time
 from pathlib import Path
 import dataclasses
 from dataclasses import dataclass
@@ -68,7 +68,6 @@ class StopRequest:
             os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
 
     def __enter__(self):
-        import threading
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             self._old = {s: signal.signal(s, self._handle) for s in self.signals}
         return self

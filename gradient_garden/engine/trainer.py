@@ -14,6 +14,10 @@ from fastcore.basics import patch
 import numpy as np
 import torch
 from torch import nn
+from importlib.metadata import version, PackageNotFoundError
+from torch.profiler import profile, schedule, ProfilerActivity
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, set_model_state_dict, StateDictOptions
+from tqdm import tqdm   # the terminal bar: never a notebook widget
 from ..config import GlobalConfig, grad_accum_steps, redact
 from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precision
 from .distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object,
@@ -126,7 +130,6 @@ def _git_commit() -> str | None:
 
 def package_versions() -> dict:
     "Versions of the packages that shape a run."
-    from importlib.metadata import version, PackageNotFoundError
     out = {"python": platform.python_version()}
     for p in ["torch", "numpy", "transformers", "tokenizers", "tiktoken", "datasets", "gradient-garden"]:
         try: out[p] = version(p)
@@ -160,7 +163,7 @@ def init_wandb(cfg: GlobalConfig, run_dir: Path):
         warnings.warn("wandb.enabled is true but WANDB_API_KEY is not set (environment or .env): logging to W&B offline "
                       "in the run directory; `wandb sync` it later")
         mode = "offline"
-    import wandb
+    import wandb  # lazy: only when logging.wandb is on
     run = wandb.init(project=w.project, entity=w.entity, name=cfg.run.name, tags=w.tags, mode=mode,
                      dir=str(run_dir), config=cfg.to_dict(), reinit="finish_previous")
     run.define_metric("*", step_metric="step")
@@ -216,7 +219,6 @@ def make_profiler(cfg: GlobalConfig, run_dir, env: DistEnv):
     "A started-on-enter `torch.profiler.profile` per the config, or None."
     p = cfg.torch_profiler
     if not p.enabled: return None
-    from torch.profiler import profile, schedule, ProfilerActivity
     out = Path(run_dir)/"profiler"
     out.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
@@ -228,14 +230,12 @@ def make_profiler(cfg: GlobalConfig, run_dir, env: DistEnv):
 # %% ../../nbs/24_trainer.ipynb #ae1e8f2d
 def full_state(model: nn.Module, optimizers: list) -> tuple[dict, dict]:
     "Full model and optimizer state dicts (parameter-name keyed, on CPU) of a plain, DDP or FSDP2 model."
-    from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(unwrap_model(model) if not is_fsdp(model) else model, optimizers, options=opts)
     return msd, osd
 
 def load_full_state(model: nn.Module, optimizers: list | None, model_sd: dict, optim_sd: dict | None):
     "Load full state dicts into a plain, DDP or FSDP2 model and its optimizers."
-    from torch.distributed.checkpoint.state_dict import set_state_dict, set_model_state_dict, StateDictOptions
     opts = StateDictOptions(full_state_dict=True, strict=True)
     m = unwrap_model(model) if not is_fsdp(model) else model
     if optimizers and optim_sd is not None:
@@ -561,7 +561,6 @@ class Progress:
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.bar = None
         if enabled and self.terminal:
-            from tqdm import tqdm  # the terminal bar: never a notebook widget
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
     def line(self, step: int, rec: dict) -> str:

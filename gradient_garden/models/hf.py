@@ -28,7 +28,7 @@ def check_llama_compatible(cfg: ModelConfig) -> ModelConfig:
 
 def hf_llama_config(cfg: ModelConfig, tokenizer=None):
     "The `transformers.LlamaConfig` of a Tendril config (token ids from `tokenizer` when given)."
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
     check_llama_compatible(cfg)
     kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
               intermediate_size=ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier),
@@ -136,7 +136,7 @@ def from_hf_state_dict(hf_state_dict: dict, cfg: ModelConfig) -> dict[str, torch
 # %% ../../nbs/15_hf.ipynb #766c60aa
 def to_hf_model(model: Tendril, tokenizer=None):
     "A `transformers.LlamaForCausalLM` holding a copy of `model`'s weights (same dtype and device)."
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
     cfg = check_llama_compatible(model.cfg)
     p = next(model.parameters())
     hf = LlamaForCausalLM(hf_llama_config(cfg, tokenizer)).to(device=p.device, dtype=p.dtype)
@@ -181,7 +181,7 @@ def export_hf(model: Tendril, out_dir, tokenizer=None, tokenizer_dir=None, dtype
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     "All tensors of a Hugging Face folder: `model.safetensors`, a sharded safetensors index, or `pytorch_model.bin`."
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: about 0.9 s of import (measured), only for Hugging Face / adapter files
     if (path / "model.safetensors").is_file(): return load_file(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -194,7 +194,7 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
 # %% ../../nbs/15_hf.ipynb #49203e66
 def load_hf(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Tendril, ModelConfig]:
     "A Tendril (and its config) from a local Hugging Face Llama folder."
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
     path = Path(path)
     if not (path / "config.json").is_file(): raise ConfigError(f"{path}: not a Hugging Face model folder (no config.json)")
     cfg = model_config_from_hf(AutoConfig.from_pretrained(path), where=str(path / "config.json"))

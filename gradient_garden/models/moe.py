@@ -346,7 +346,7 @@ def router_load_from_metrics(metrics: dict) -> torch.Tensor | None:
 
 def plot_router_load(load: torch.Tensor, ax=None, title: str | None = None):
     "Heatmap of the share of routed assignments per layer (rows) and expert (columns); balanced is 1 / n_experts."
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: only for the figure
     ax = ax or plt.subplots(figsize=(1 + 0.45 * load.shape[1], 0.8 + 0.4 * load.shape[0]))[1]
     im = ax.imshow(load, cmap="viridis", vmin=0, vmax=max(2 / load.shape[1], float(load.max())), aspect="auto")
     ax.set_xlabel("expert"); ax.set_ylabel("layer"); ax.set_xticks(range(load.shape[1])); ax.set_yticks(range(load.shape[0]))

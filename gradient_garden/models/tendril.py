@@ -220,7 +220,7 @@ def _chunked_loss(h, weight, labels, rows: int, ignore_index: int, impl: str = "
     with torch.autocast(h.device.type, enabled=False):
         wants_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         if impl == "liger":
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # lazy: optional kernel (loss_impl liger), not a dependency
             out = liger_fused_linear_cross_entropy(h, weight, labels, ignore_index=ignore_index, reduction="sum")
             return (out[0] if isinstance(out, tuple) else out).float()
         if wants_grad:

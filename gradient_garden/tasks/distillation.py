@@ -32,7 +32,7 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 # %% ../../nbs/33_distillation.ipynb #4b4ec8f4
 def load_teacher(name_or_path: str, dtype: str = "fp32", device="cpu"):
     "A frozen, eval-mode `AutoModelForCausalLM` from a hub id or local folder."
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
     torch_dtype = parse_dtype(dtype, "distillation.teacher_dtype")
     try: teacher = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype)
     except (OSError, ValueError) as e:
@@ -71,7 +71,7 @@ def check_vocab(student_vocab: int, teacher_vocab: int, student_tokenizer=None, 
 
 def load_teacher_tokenizer(name_or_path: str):
     "The tokenizer saved with the teacher, or None (with a warning) when there is none."
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
     try: return AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception:
         warnings.warn(f"distillation.teacher: no tokenizer with {name_or_path}; assuming it uses the student's token ids")

