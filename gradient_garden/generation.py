@@ -239,7 +239,7 @@ def generate_text(model: nn.Module, tokenizer, prompts: list, instruct: bool = F
 # %% ../nbs/14_generation.ipynb #f7c0210d
 PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]
 
-def default_test_prompts(stage: str) -> list[str]:
-    "Prompts sampled during training: code openings for pretraining, held-out verifiable questions after it."
-    if stage == "pretraining": return PRETRAINING_TEST_PROMPTS
+def default_test_prompts(chat: bool) -> list[str]:
+    "Prompts sampled during training: code openings for plain-text models, held-out verifiable questions for chat ones."
+    if not chat: return PRETRAINING_TEST_PROMPTS
     return [e.prompt for e in heldout_examples(1)][:5]

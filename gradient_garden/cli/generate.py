@@ -38,7 +38,7 @@ def load_prompts(path) -> list:
 def default_prompts(cfg, instruct: bool) -> list:
     "The run's test prompts, or the defaults for the stage (`default_test_prompts`)."
     if cfg.generation.test_prompts: return list(cfg.generation.test_prompts)
-    return default_test_prompts("instruct" if instruct else "pretraining")
+    return default_test_prompts(chat=instruct)
 
 # %% ../../nbs/52_cli_generate.ipynb #a814ae5a
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

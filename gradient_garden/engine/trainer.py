@@ -469,7 +469,7 @@ def sample(self: Trainer) -> list[dict]:
     "Generate from the test prompts (every rank runs the same forwards; rank 0 keeps the text)."
     if self.tokenizer is None: return []
     g, tok = self.cfg.generation, self.tokenizer
-    prompts = g.test_prompts or default_test_prompts(self.cfg.training.stage)
+    prompts = g.test_prompts or default_test_prompts(self.task.chat_prompts)
     m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
     lockstep = is_fsdp(self.model) and self.env.distributed  # no early stop that numerics could time differently per rank
     stops = {t for t in (tok.eos_id, tok.eot_id) if t is not None}
