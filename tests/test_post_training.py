@@ -17,9 +17,9 @@ from gradient_garden.models.lora import apply_lora, lora_state_dict, merge_lora,
 from gradient_garden.models.tendril import build_model
 from gradient_garden.tasks.distillation import DistillationTask, check_vocab, distillation_kl, load_teacher
 from gradient_garden.tasks.dpo import (DPOLoader, DPOTask, ModelReference, PairDataset, PrecomputedReference, dpo_loss,
-                                       prepare_dpo, preference_accuracy, run_prepare_dpo, sequence_logps)
-from gradient_garden.tasks.sft import (IGNORE_INDEX, SFTLoader, SFTTask, prepare_instruct, run_prepare_instruct,
-                                       tokenize_chat)
+                                       prepare_dpo, preference_accuracy, sequence_logps)
+from gradient_garden.tasks.sft import IGNORE_INDEX, SFTLoader, SFTTask, prepare_instruct, tokenize_chat
+from gradient_garden.cli.prepare import run_prepare_dpo, run_prepare_instruct   # the gg prepare --instruct/--dpo hooks
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
 VOCAB, SEQ = 768, 128

@@ -12,11 +12,14 @@ from ..tokenizer import ensure_tokenizer
 from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_file_data,
                                           parse_pretraining_data, prepare_pretraining, tokenizer_texts)
 from ..evals import TASKS, eval_source, prepare_evals
+from ..tasks.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
+from ..tasks.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
 
 # %% auto #0
 __all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
-           'stage_data', 'run_stage_hook', 'prepare_other_stage', 'estimate_token_target', 'report_prepared',
-           'prepare_pretraining_stage', 'run_prepare']
+           'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_stage_hook',
+           'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_pretraining_stage',
+           'run_prepare']
 
 # %% ../../nbs/51_cli_prepare.ipynb #3b7a6eba
 def add_prepare_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,9 +70,29 @@ def stage_data(args, recipe) -> dict | None:
     if args.mix_file: return load_mix_file(args.mix_file)
     return recipe.data if recipe and recipe.data else None
 
+# %% ../../nbs/51_cli_prepare.ipynb #9ae13879
+def stage_dir_line(done: dict) -> str:
+    "One console line for what `prepare_stage_dir` did."
+    if done["up_to_date"]:
+        return f"{done['path']} is up to date (same sources and tokenizer); pass --overwrite to prepare it again"
+    return (f"prepared {done['path']}: {done['train']:,} train + {done['val']:,} val examples "
+            f"({done['dropped']} dropped as too long) with {done['tokenizer']}")
+
+def run_prepare_instruct(cfg: GlobalConfig, data: dict | None, args) -> int:
+    "`gg prepare --instruct` hook: chats of the recipe's data section into `paths.datasets/instruct`."
+    print(stage_dir_line(prepare_stage_dir(cfg, data, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES,
+                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
+    return 0
+
+def run_prepare_dpo(cfg: GlobalConfig, data: dict | None, args) -> int:
+    "`gg prepare --dpo` hook: pairs of the recipe's data section into `paths.datasets/dpo`."
+    print(stage_dir_line(prepare_stage_dir(cfg, data, "dpo", prepare_dpo, DEFAULT_DPO_SOURCES,
+                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
+    return 0
+
 # %% ../../nbs/51_cli_prepare.ipynb #df7e5173
-STAGE_HOOKS = {"instruct": "gradient_garden.tasks.sft:run_prepare_instruct",
-               "dpo": "gradient_garden.tasks.dpo:run_prepare_dpo"}
+STAGE_HOOKS = {"instruct": "gradient_garden.cli.prepare:run_prepare_instruct",
+               "dpo": "gradient_garden.cli.prepare:run_prepare_dpo"}
 
 def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> int:
     "Hand preparation of a non-pretraining stage to the function named in `STAGE_HOOKS`."

@@ -17,15 +17,15 @@ from ..runtime import all_reduce, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
-                                       check_identity, _sources, run_prepare_stage, datasets_progress, SplitStream)
+                                       check_identity, _sources, datasets_progress, SplitStream)
 from ..models.tendril import unwrap_model
 from ..tokenizer import init_tokenizer
 from .stages import StageParts
 
 # %% auto #0
 __all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'dpo_loss', 'tokenize_pair', 'iter_source_pairs',
-           'prepare_dpo', 'run_prepare_dpo', 'PairDataset', 'collate_pairs', 'sequence_logps', 'PrecomputedReference',
-           'ModelReference', 'DPOLoader', 'DPOTask', 'preference_accuracy', 'dpo_dir', 'build_dpo']
+           'prepare_dpo', 'PairDataset', 'collate_pairs', 'sequence_logps', 'PrecomputedReference', 'ModelReference',
+           'DPOLoader', 'DPOTask', 'preference_accuracy', 'dpo_dir', 'build_dpo']
 
 # %% ../../nbs/32_dpo.ipynb #e8ad4800
 DPO_LOSSES = ("sigmoid", "ipo", "conservative")
@@ -117,11 +117,6 @@ def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokeniz
         shutil.rmtree(folder, ignore_errors=True); os.replace(tmpdir, folder)
         metas[split] = meta
     return metas
-
-# %% ../../nbs/32_dpo.ipynb #80767cbd
-def run_prepare_dpo(cfg: GlobalConfig, data: Optional[dict], args) -> int:
-    "`gg prepare --dpo` hook: pairs of the recipe's data section into `paths.datasets/dpo`."
-    return run_prepare_stage(cfg, data, args, "dpo", prepare_dpo, DEFAULT_DPO_SOURCES)
 
 # %% ../../nbs/32_dpo.ipynb #1196f228
 class PairDataset:

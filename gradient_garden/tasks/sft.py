@@ -23,10 +23,10 @@ from .stages import StageParts
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'DEFAULT_INSTRUCT_SOURCES', 'check_messages', 'turn_cuts', 'tokenize_chat',
            'save_ragged', 'load_ragged', 'open_split', 'write_split', 'SFTDataset', 'check_source', 'load_rows',
-           'datasets_progress', 'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'run_prepare_stage',
-           'run_prepare_instruct', 'collate_rows', 'pack_rows', 'stream_positions', 'SplitStream', 'SFTLoader',
-           'check_stream_state', 'SFTTask', 'instruct_dir', 'check_identity', 'build_instruct', 'prompt_ids',
-           'lockstep_generate', 'evaluate_exact_match']
+           'datasets_progress', 'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'prepare_stage_dir',
+           'collate_rows', 'pack_rows', 'stream_positions', 'SplitStream', 'SFTLoader', 'check_stream_state', 'SFTTask',
+           'instruct_dir', 'check_identity', 'build_instruct', 'prompt_ids', 'lockstep_generate',
+           'evaluate_exact_match']
 
 # %% ../../nbs/31_sft.ipynb #46a633bc
 IGNORE_INDEX = -100
@@ -224,22 +224,18 @@ def prepared_matches(out_dir, sources: list, tokenizer, max_len: int) -> bool:
         if (m.get("sources"), m.get("tokenizer_identity"), m.get("max_len")) != (sources, tokenizer.identity, max_len): return False
     return True
 
-def run_prepare_stage(cfg: GlobalConfig, data: Optional[dict], args, stage: str, prepare, default_sources: list) -> int:
-    "The `gg prepare --instruct/--dpo` hook body: prepare `paths.datasets/<stage>` unless already up to date."
+def prepare_stage_dir(cfg: GlobalConfig, data: Optional[dict], stage: str, prepare, default_sources: list,
+                      overwrite: bool = False, progress: bool = True) -> dict:
+    "Prepare `paths.datasets/<stage>` with `prepare` unless already up to date; what was done, as plain values."
     tokenizer = init_tokenizer(cfg.tokenizer)
     out = Path(cfg.paths.datasets)/stage
-    if not getattr(args, "overwrite", False) and prepared_matches(out, _sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
-        print(f"{out} is up to date (same sources and tokenizer); pass --overwrite to prepare it again")
-        return 0
-    metas = prepare(data, cfg, out, tokenizer=tokenizer, progress=getattr(args, "progress", True))
+    done = dict(path=out, tokenizer=f"{tokenizer.name} [{tokenizer.identity}]")
+    if not overwrite and prepared_matches(out, _sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
+        return done | dict(up_to_date=True)
+    metas = prepare(data, cfg, out, tokenizer=tokenizer, progress=progress)
     n = lambda m: m.get("n_conversations", m.get("n_pairs"))
-    print(f"prepared {out}: {n(metas['train']):,} train + {n(metas['val']):,} val examples "
-          f"({metas['train']['dropped'] + metas['val']['dropped']} dropped as too long) with {tokenizer.name} [{tokenizer.identity}]")
-    return 0
-
-def run_prepare_instruct(cfg: GlobalConfig, data: Optional[dict], args) -> int:
-    "`gg prepare --instruct` hook: chats of the recipe's data section into `paths.datasets/instruct`."
-    return run_prepare_stage(cfg, data, args, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES)
+    return done | dict(up_to_date=False, train=n(metas["train"]), val=n(metas["val"]),
+                       dropped=metas["train"]["dropped"] + metas["val"]["dropped"])
 
 # %% ../../nbs/31_sft.ipynb #af613eda
 def _round_up(n: int, k: int = 8) -> int: return -(-n // k) * k
