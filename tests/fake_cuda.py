@@ -48,10 +48,11 @@ def torch_dir() -> Path:
 
 
 def build_library(cache: Path | None = None) -> Path:
-    "Compile the fake-CUDA library once per source and torch version (about a second); return its path."
+    "Compile the fake-CUDA library once per source, torch version and torch install (about a second); return its path."
     import torch
     cache = Path(cache or os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gradient_garden" / "fake_cuda"
-    key = hashlib.sha256((CPP_SOURCE + torch.__version__).encode()).hexdigest()[:16]
+    # the library links torch's by an absolute rpath, so another environment (another venv) gets its own build
+    key = hashlib.sha256((CPP_SOURCE + torch.__version__ + str(torch_dir().resolve())).encode()).hexdigest()[:16]
     lib = cache / f"fake_cuda_{key}.so"
     if lib.exists(): return lib
     cache.mkdir(parents=True, exist_ok=True)
