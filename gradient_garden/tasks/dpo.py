@@ -5,7 +5,7 @@ their reward metrics, a resumable pair loader, the `dpo` stage, and preference a
 
 # %% ../../nbs/32_dpo.ipynb #834f3084
 from __future__ import annotations
-import copy, json, math, os, shutil
+import copy, json, math
 from pathlib import Path
 from typing import Optional
 import numpy as np
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 from ..config import ConfigError, DPOConfig, GlobalConfig
-from ..runtime import all_reduce, autocast_context, is_fsdp
+from ..runtime import all_reduce, atomic_dir, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
@@ -106,15 +106,12 @@ def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokeniz
                     if len(t[0]) + max(len(t[1]), len(t[2])) > max_len: dropped += 1
                     else: rows.append(t)
         if not rows: raise ConfigError(f"data.sources: no {split} preference pair fits in {max_len} tokens")
-        folder = Path(out_dir)/split
-        tmpdir = folder.parent/f".{folder.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmpdir, ignore_errors=True); tmpdir.mkdir(parents=True)
-        for j, name in enumerate(("prompt", "chosen", "rejected")): save_ragged(tmpdir, name, [t[j] for t in rows], np.int32)
         meta = dict(format="gradient-garden-dpo", version=1, stage="dpo", split=split, n_pairs=len(rows), dropped=dropped,
                     tokenizer_identity=tokenizer.identity, tokenizer_name=tokenizer.name, vocab_size=tokenizer.vocab_size,
                     pad_id=tokenizer.pad_id, max_len=max_len, sources=srcs)
-        (tmpdir/"meta.json").write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(folder, ignore_errors=True); os.replace(tmpdir, folder)
+        with atomic_dir(Path(out_dir)/split) as tmpdir:   # the split appears whole or not at all
+            for j, name in enumerate(("prompt", "chosen", "rejected")): save_ragged(tmpdir, name, [t[j] for t in rows], np.int32)
+            (tmpdir/"meta.json").write_text(json.dumps(meta, indent=2))
         metas[split] = meta
     return metas
 
