@@ -16,11 +16,12 @@ from .data.verifiable import heldout_examples
 import torch.nn.functional as F
 from .models.attention import (Attention, KVCache, additive_mask, apply_rope, hold_fused_weights,
                                               plain_linear, sdpa_gqa)
-from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
+from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rescore_top_logits, rms_norm
 
 # %% auto #0
-__all__ = ['HOLD_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next', 'decode_step_applies',
-           'decode_step', 'hold_decode_weights', 'generate', 'encode_prompts', 'generate_text', 'default_test_prompts']
+__all__ = ['PACKED_MIN_MACS', 'HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty',
+           'sample_next', 'decode_step_applies', 'prepack_cpu_weight', 'decode_step', 'hold_decode_weights', 'generate',
+           'encode_prompts', 'generate_text', 'default_test_prompts']
 
 # %% ../nbs/14_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -67,23 +68,52 @@ def decode_step_applies(model: nn.Module) -> bool:
 
 
 # %% ../nbs/14_generation.ipynb #40b44ef6
-def _linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
-    "`x @ W.T` with `weight`, else the weight `m` holds, else `m.weight`; `x` cast to the weight's dtype."
-    w = weight if weight is not None else _held(m) if _held(m) is not None else m.weight
+def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
+    "A CPU fp32/bf16 weight `[out, in]` in oneDNN's prepacked matmul layout (what Inductor's freezing makes), else None."
+    if type(w) is not torch.Tensor or w.device.type != "cpu" or not torch.backends.mkldnn.is_available(): return None
+    if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported(): return None
+    if w.dtype not in (torch.float32, torch.bfloat16): return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)   # 8: the row count it is tuned for (any count works)
+
+PACKED_MIN_MACS = 2**19   # fp32 decoding takes oneDNN's prepacked weight from this many multiply-adds per matmul on
+
+def _packed_for(x: torch.Tensor, m: nn.Module) -> torch.Tensor | None:
+    "The prepacked weight `m` holds, if the matmul on `x` should use it: always in bf16, in fp32 from `PACKED_MIN_MACS`."
+    w = m.__dict__.get("_packed_weight")
+    if w is None or w.dtype != torch.float32: return w
+    return w if x.numel() // x.shape[-1] * w.numel() >= PACKED_MIN_MACS else None
+
+def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    "`x @ W.T` with the prepacked weight (`_packed_for`), else the weight `m` holds, else `m.weight`; `x` cast to it."
+    w = _packed_for(x, m)
+    if w is not None: return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "")
+    w = _held(m) if _held(m) is not None else m.weight
     return F.linear(x.to(w.dtype), w)
 
+def _decode_head(model: Tendril, h: torch.Tensor) -> torch.Tensor:
+    "`model.head(h)`, from the prepacked head where `_packed_for` picks it (bf16: the top logits re-scored in fp32)."
+    w = _packed_for(h, model.output)
+    if w is None: return model.head(h)
+    logits = _linear(h, model.output)
+    return logits if w.dtype == torch.float32 else rescore_top_logits(logits, h, model.output.weight)
+
+
+# %% ../nbs/14_generation.ipynb #6a1d0c37
+def _rope_and_bias(model: Tendril, start_pos: int, pad_mask, positions, attn_bias, dtype) -> tuple:
+    "RoPE angles of each row's new token and the additive attention bias (None without padding)."
+    if positions is None and pad_mask is not None: positions = pad_mask.sum(-1, keepdim=True) - 1   # real tokens only
+    if attn_bias is None and pad_mask is not None: attn_bias = additive_mask(pad_mask[:, None, None, :], dtype)
+    if positions is None:
+        return model.rope_cos[start_pos:start_pos + 1, None], model.rope_sin[start_pos:start_pos + 1, None], attn_bias
+    return model.rope_cos[positions].unsqueeze(2), model.rope_sin[positions].unsqueeze(2), attn_bias
+
 def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
-                pad_mask: torch.Tensor | None = None) -> torch.Tensor:
-    "Logits `[B, vocab]` for one new token per row at `start_pos` (`pad_mask` `[B, start_pos + 1]`, True = real)."
+                pad_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                attn_bias: torch.Tensor | None = None) -> torch.Tensor:
+    "Logits `[B, vocab]` for one new token per row at `start_pos`; padding as `pad_mask` or as `positions` + `attn_bias`."
     B = tokens.shape[0]
-    if pad_mask is None:
-        cos, sin, mask = model.rope_cos[start_pos:start_pos + 1, None], model.rope_sin[start_pos:start_pos + 1, None], None
-    else:
-        pos = pad_mask.sum(-1, keepdim=True) - 1                     # positions count real tokens only
-        cos, sin = model.rope_cos[pos].unsqueeze(2), model.rope_sin[pos].unsqueeze(2)
     h = F.embedding(tokens, model.tok_embeddings.weight)          # the residual stream stays in the weights' dtype
-    if pad_mask is not None:
-        mask = additive_mask(pad_mask[:, None, None, :], h.dtype)
+    cos, sin, mask = _rope_and_bias(model, start_pos, pad_mask, positions, attn_bias, h.dtype)
     for layer in model.layers:
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
@@ -94,11 +124,12 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
         h = h + _linear(out.transpose(1, 2).reshape(B, 1, H * d), att.wo)
         gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff).chunk(2, -1)
         h = h + _linear(F.silu(gate) * up, ff.w2)
-    return model.head(rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
+    return _decode_head(model, rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
 
 
 # %% ../nbs/14_generation.ipynb #5d3c92f4
 HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding holds fused q/k/v and w1/w3 copies up to this size
+PACK_MAX_BYTES = 2**30         # ... and oneDNN-prepacked copies of the matmul weights up to this size
 
 def _model_device(model: nn.Module) -> torch.device:
     "The device of the model's parameters."
@@ -111,21 +142,39 @@ def _no_grad_mode(model: nn.Module):
     return torch.no_grad() if sharded else torch.inference_mode()
 
 
+def _matmul_modules(model: Tendril) -> tuple[list[nn.Module], list[nn.Module]]:
+    "The modules holding fused weights, and the plain linears decoding multiplies by (`wo`, `w2`, the head)."
+    fused = [m for b in model.layers for m in (b.attention, b.feed_forward) if _held(m) is not None]
+    lins = [m for b in model.layers for m in (getattr(b.attention, "wo", None), getattr(b.feed_forward, "w2", None))
+            if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
+    return fused, lins
+
+def _decode_weight(m: nn.Module) -> torch.Tensor:
+    "The weight a decoding matmul of `m` multiplies by: its held copy, else its own weight."
+    return _held(m) if _held(m) is not None else m.weight.detach()
+
+
+# %% ../nbs/14_generation.ipynb #5b2bb22d
 @contextmanager
-def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES):
-    "Hold the fused weights; under autocast on CPU also every block matmul weight and the head in the autocast dtype."
+def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES, pack_bytes: int | None = PACK_MAX_BYTES):
+    "Hold the fused weights, prepacked for oneDNN on CPU; under autocast every matmul weight and the head in its dtype."
     dev = _model_device(model).type
     with hold_fused_weights(model, max_bytes=max_bytes):
-        if not (torch.is_autocast_enabled(dev) and isinstance(model, Tendril)): yield model; return
-        low = torch.get_autocast_dtype(dev)
-        mods = [m for b in model.layers for m in (b.attention, b.feed_forward) if _held(m) is not None]
-        lins = [m for b in model.layers for m in (getattr(b.attention, "wo", None), getattr(b.feed_forward, "w2", None))
-                if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
-        for m in mods: m._held_weight = _held(m).to(low)            # hold_fused_weights clears these on the way out
-        for m in lins: m._held_weight = m.weight.detach().to(low)
+        if dev != "cpu" or not isinstance(model, Tendril): yield model; return
+        low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        fused, lins = _matmul_modules(model)
+        if low is not None:
+            for m in fused: m._held_weight = _held(m).to(low)          # hold_fused_weights clears these on the way out
+            for m in lins: m._held_weight = m.weight.detach().to(low)
+        mods = fused + lins
+        size = sum(_decode_weight(m).numel() * _decode_weight(m).element_size() for m in mods)
+        if pack_bytes is None or size <= pack_bytes:
+            for m in mods: m._packed_weight = prepack_cpu_weight(_decode_weight(m))
         try: yield model
         finally:
-            for m in lins: m._held_weight = None
+            for m in mods: m._packed_weight = None
+            if low is not None:
+                for m in lins: m._held_weight = None
 
 
 # %% ../nbs/14_generation.ipynb #c7f45fb9

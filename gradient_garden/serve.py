@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 import uvicorn
 from .config import ConfigError, TokenizerConfig
-from .generation import HOLD_MAX_BYTES, apply_repetition_penalty, decode_step, decode_step_applies, sample_next
-from .runtime import DTYPES as _DTYPES, resolve_device
-from .models.attention import KVCache, hold_fused_weights
+from .generation import apply_repetition_penalty, decode_step, decode_step_applies, hold_decode_weights, sample_next
+from .runtime import DTYPES as _DTYPES, autocast_context, resolve_device
+from .models.attention import KVCache, additive_mask
 from .tokenizer import init_tokenizer
 from .engine.checkpoints import load_model_from_checkpoint
 from .models.hf import load_hf
@@ -127,10 +127,11 @@ class QueueFull(RuntimeError): "The waiting queue is full."
 
 class BatchEngine:
     "Decodes every running sequence in one batch, one token per step; waiting sequences join between steps."
-    def __init__(self, model, tokenizer, max_batch_size: int = 8, max_queue: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 8, max_queue: int = 64, precision: str = "fp32"):
         if max_batch_size < 1: raise ConfigError(f"--max-batch-size: got {max_batch_size}; must be >= 1")
         if max_queue < 0: raise ConfigError(f"--max-queue: got {max_queue}; must be >= 0")
         self.model, self.tok, self.max_batch_size, self.max_queue = model, tokenizer, max_batch_size, max_queue
+        self.precision = precision       # bf16/fp16 on CPU: the fp32 model decodes under autocast on the engine thread
         self.max_len, self.device = model.cfg.max_seq_len, next(model.parameters()).device
         self.stop_ids = {int(t) for t in (tokenizer.eos_id, tokenizer.eot_id) if t is not None}
         self.pad_id = int(getattr(tokenizer, "pad_id", 0) or 0)
@@ -139,6 +140,7 @@ class BatchEngine:
         self.cache: KVCache | None = None
         self.starts = self.last = None     # [rows] first real column, [rows] next token to feed
         self.col, self.fast = 0, False
+        self._bias = self._bias_of = None  # the additive attention bias of the rows' padding, and the starts it is for
         self.stats = dict(served=0, cancelled=0, rejected=0, tokens=0, steps=0, prefills=0, realigns=0)
         self._cv, self._closed, self._thread = threading.Condition(), False, None
         self.after_step: list[Callable] = []   # called on the engine thread once the step's events are emitted
@@ -292,13 +294,27 @@ def _admit(self: BatchEngine):
 
 # %% ../nbs/60_serve.ipynb #36829b58
 @patch
+def _padding(self: BatchEngine) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    "Each row's position `[rows, 1]` and the attention bias over the columns so far; (None, None) without padding."
+    if self._bias_of is not self.starts:          # rows joined, left or moved: rebuild the bias once, not every step
+        self._bias_of, self._bias = self.starts, None
+        if bool(self.starts.any()):
+            real = torch.arange(self.max_len, device=self.device)[None] >= self.starts[:, None]
+            self._bias = additive_mask(real[:, None, None, :], self.model.tok_embeddings.weight.dtype)
+    if self._bias is None: return None, None
+    return (self.col - self.starts)[:, None], self._bias[..., :self.col + 1]
+
+@patch
 def _decode(self: BatchEngine):
     "One decoding step: every row's newest token through the model at the write column."
     if self.col >= self.max_len: self._realign(self.col - int(self.starts.min()))
     col = self.col
-    mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:, None]
-    if self.fast: logits = decode_step(self.model, self.last[:, None], self.cache, col, mask)
-    else: logits = self.model(self.last[:, None], attn_mask=mask, kv_cache=self.cache, start_pos=col)[:, -1]
+    if self.fast:
+        positions, bias = self._padding()
+        logits = decode_step(self.model, self.last[:, None], self.cache, col, positions=positions, attn_bias=bias)
+    else:
+        mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:, None]
+        logits = self.model(self.last[:, None], attn_mask=mask, kv_cache=self.cache, start_pos=col)[:, -1]
     self.col += 1
     self.stats["steps"] += 1
     nxt = self._sample(self.rows, logits.float())
@@ -327,9 +343,10 @@ def _notify(self: BatchEngine):
 @patch
 @contextmanager
 def running(self: BatchEngine):
-    "Within the block the model holds its fused weights (CPU) and the fast decoding step is chosen."
+    "Within the block (on the engine thread) autocast is on, the model holds its decoding weights, the fast step is chosen."
     cpu = self.device.type == "cpu"
-    with hold_fused_weights(self.model, max_bytes=HOLD_MAX_BYTES) if cpu else nullcontext():
+    with autocast_context(self.device, self.precision) if cpu else nullcontext(), \
+         hold_decode_weights(self.model) if cpu else nullcontext():
         self.fast = decode_step_applies(self.model)
         try: yield self
         finally: self.fast = False
@@ -824,7 +841,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (not loopback: needs an API key)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES),
+                        help="bf16/fp16: on CPU the fp32 weights decode under autocast; on GPU the weights are cast")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 suits small models)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most; beyond it requests get 429")
@@ -849,6 +867,8 @@ def load_served(args) -> Served:
     "Model, tokenizer and engine for the flags of `gg serve`."
     StreamInterval(args.stream_interval, args.stream_interval_ms)        # bad values fail before the model loads
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
+    precision = args.dtype if device.type == "cpu" else "fp32"     # CPU: fp32 weights, low-precision matmuls under autocast
+    if device.type == "cpu": dtype = torch.float32
     if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
         model, cfg = load_model_from_checkpoint(args.checkpoint, device, dtype)
@@ -860,7 +880,7 @@ def load_served(args) -> Served:
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
     interval = StreamInterval(args.stream_interval, args.stream_interval_ms)
-    return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue), args.model_name or name, chat,
+    return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue, precision), args.model_name or name, chat,
                   stream_interval=interval)
 
 # %% ../nbs/60_serve.ipynb #d37ed2bf
