@@ -15,13 +15,13 @@ from .config import ConfigError
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
 from .models.attention import (Attention, KVCache, additive_mask, apply_rope, hold_fused_weights,
-                                              plain_linear, sdpa_gqa)
-from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rescore_top_logits, rms_norm
+                                              inference_linear, plain_linear, prepack_cpu_weight, sdpa_gqa)
+from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
 # %% auto #0
-__all__ = ['PACKED_MIN_MACS', 'HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty',
-           'sample_next', 'decode_step_applies', 'prepack_cpu_weight', 'decode_step', 'hold_decode_weights', 'generate',
-           'encode_prompts', 'generate_text', 'default_test_prompts']
+__all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next',
+           'decode_step_applies', 'decode_step', 'hold_decode_weights', 'generate', 'encode_prompts', 'generate_text',
+           'default_test_prompts']
 
 # %% ../nbs/14_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -66,36 +66,10 @@ def decode_step_applies(model: nn.Module) -> bool:
                                    for m in (b.attention, b.feed_forward, b.attention.wo, b.feed_forward.w2)): return False
     return True
 
-
-# %% ../nbs/14_generation.ipynb #40b44ef6
-def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
-    "A CPU fp32/bf16 weight `[out, in]` in oneDNN's prepacked matmul layout (what Inductor's freezing makes), else None."
-    if type(w) is not torch.Tensor or w.device.type != "cpu" or not torch.backends.mkldnn.is_available(): return None
-    if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported(): return None
-    if w.dtype not in (torch.float32, torch.bfloat16): return None
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)   # 8: the row count it is tuned for (any count works)
-
-PACKED_MIN_MACS = 2**19   # fp32 decoding takes oneDNN's prepacked weight from this many multiply-adds per matmul on
-
-def _packed_for(x: torch.Tensor, m: nn.Module) -> torch.Tensor | None:
-    "The prepacked weight `m` holds, if the matmul on `x` should use it: always in bf16, in fp32 from `PACKED_MIN_MACS`."
-    w = m.__dict__.get("_packed_weight")
-    if w is None or w.dtype != torch.float32: return w
-    return w if x.numel() // x.shape[-1] * w.numel() >= PACKED_MIN_MACS else None
-
 def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-    "`x @ W.T` with the prepacked weight (`_packed_for`), else the weight `m` holds, else `m.weight`; `x` cast to it."
-    w = _packed_for(x, m)
-    if w is not None: return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "")
+    "`x @ W.T` with the weight `m` decodes with (prepacked where it pays, else held, else `m.weight`); `x` cast to it."
     w = _held(m) if _held(m) is not None else m.weight
-    return F.linear(x.to(w.dtype), w)
-
-def _decode_head(model: Tendril, h: torch.Tensor) -> torch.Tensor:
-    "`model.head(h)`, from the prepacked head where `_packed_for` picks it (bf16: the top logits re-scored in fp32)."
-    w = _packed_for(h, model.output)
-    if w is None: return model.head(h)
-    logits = _linear(h, model.output)
-    return logits if w.dtype == torch.float32 else rescore_top_logits(logits, h, model.output.weight)
+    return inference_linear(x.to(w.dtype), m, w)
 
 
 # %% ../nbs/14_generation.ipynb #6a1d0c37
@@ -124,7 +98,7 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
         h = h + _linear(out.transpose(1, 2).reshape(B, 1, H * d), att.wo)
         gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff).chunk(2, -1)
         h = h + _linear(F.silu(gate) * up, ff.w2)
-    return _decode_head(model, rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
+    return model.head(rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
 
 
 # %% ../nbs/14_generation.ipynb #5d3c92f4

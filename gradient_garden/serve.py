@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Literal
+import tokenizers
 import torch
 from fastcore.basics import patch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
+from tokenizers.decoders import DecodeStream
 import uvicorn
 from .config import ConfigError, TokenizerConfig
 from .generation import apply_repetition_penalty, decode_step, decode_step_applies, hold_decode_weights, sample_next
@@ -44,9 +46,15 @@ class TextStream:
         self.ids: list[int] = []
         self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already, as `window`
         self.window, self.text, self.sent, self.stopped = "", "", 0, False
+        self.rust = getattr(tokenizer, "_backend", None)      # a Hugging Face tokenizer: its own incremental decoder
+        self.rust_stream = DecodeStream(skip_special_tokens=False) if isinstance(self.rust, tokenizers.Tokenizer) else None
 
     def _decode_new(self, final: bool = False):
         "Append the text of the ids not decoded yet (unless it ends inside a character and more may come)."
+        if self.rust_stream is not None:
+            if final: self.text += self.tok.decode(self.ids)[len(self.text):]     # what the decoder still holds
+            elif (piece := self.rust_stream.step(self.rust, self.ids[-1])) is not None: self.text += piece
+            return
         new = self.tok.decode(self.ids[self.prefix:])           # one decode per token: the window's text is kept
         if new.endswith("\ufffd") and not final: return
         self.text += new[len(self.window):]
@@ -569,6 +577,11 @@ class LoopWaker:
             for run in self.due:
                 if run.ripe(now): run._due = False; self.woken.append(run)
                 else: held.append(run)
+            if self.woken and held:          # a wake-up goes out anyway: streams half due ride along, and fall into step
+                self.due = held; held = []
+                for run in self.due:
+                    if run.ripe(now, early=True): run._due = False; self.woken.append(run)
+                    else: held.append(run)
             self.due = held
         if self.scheduled or not self.woken: return
         self.scheduled = True
@@ -637,9 +650,10 @@ def _emitter(self: RequestRun, i: int) -> Callable:
     return emit
 
 @patch
-def ripe(self: RequestRun, now: float) -> bool:
-    "Engine thread: whether the queued events go out now (first text, an end, `every` pieces, `every_s` seconds)."
-    if not (self._urgent or self._held >= self.every or now - self._last >= self.every_s): return False
+def ripe(self: RequestRun, now: float, early: bool = False) -> bool:
+    "Engine thread: whether the queued events go out now (first text, an end, `every` pieces or `every_s`; `early`: half)."
+    k = 0.5 if early else 1.0
+    if not (self._urgent or self._held >= k * self.every or now - self._last >= k * self.every_s): return False
     self._urgent, self._held, self._last = False, 0, now
     return True
 

@@ -14,12 +14,13 @@ from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSE_MIN_TOKENS', 'rope_inv_freq',
-           'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads',
+__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSE_MIN_TOKENS', 'PACKED_MIN_MACS',
+           'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads',
            'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask', 'LayerKV', 'KVCache',
            'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa', 'sdpa_kernel_class',
            'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention', 'flex_gqa',
-           'plain_linear', 'fused_weight', 'hold_fused_weights', 'Attention']
+           'plain_linear', 'fused_weight', 'hold_fused_weights', 'prepack_cpu_weight', 'packed_weight',
+           'inference_linear', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -301,6 +302,29 @@ def hold_fused_weights(model: nn.Module, max_bytes: int | None = None):
     finally:
         for m in held: m._held_weight = None
 
+# %% ../../nbs/10_attention.ipynb #40b4a0ff
+PACKED_MIN_MACS = 2**19   # fp32 inference takes oneDNN's prepacked weight above this many multiply-adds per matmul
+
+def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
+    "A CPU fp32/bf16 weight `[out, in]` in oneDNN's prepacked matmul layout (what Inductor's freezing makes), else None."
+    if type(w) is not torch.Tensor or w.device.type != "cpu" or not torch.backends.mkldnn.is_available(): return None
+    if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported(): return None
+    if w.dtype not in (torch.float32, torch.bfloat16): return None
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)   # 8: the row count it is tuned for (any count works)
+
+def packed_weight(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    "The prepacked weight `m` holds, if a matmul on `x` should take it: always in bf16, in fp32 above `PACKED_MIN_MACS`."
+    w = m.__dict__.get("_packed_weight")
+    if w is None or w.dtype != torch.float32: return w
+    return w if x.numel() // x.shape[-1] * w.numel() > PACKED_MIN_MACS else None
+
+def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
+    "`x @ W.T` of module `m`: without gradients from its prepacked weight where it pays, else with `weight` or `m` itself."
+    if not torch.is_grad_enabled() and (w := packed_weight(m, x)) is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "")
+    return m(x) if weight is None else F.linear(x, weight)
+
+
 # %% ../../nbs/10_attention.ipynb #23807300
 class Attention(nn.Module):
     "Grouped-query self-attention with RoPE on SDPA; `layer_id` selects this layer's slot in a `KVCache`."
@@ -326,7 +350,7 @@ def _qkv(self: Attention, x, cos, sin):
     H, KV, d = self.n_heads, self.n_kv_heads, self.head_dim
     w = fused_weight(self, x)
     if w is not None:
-        qkv = F.linear(x, w).view(B, T, H + 2 * KV, d)
+        qkv = inference_linear(x, self, w).view(B, T, H + 2 * KV, d)
         qk, v = rotate_heads(qkv, cos, sin, H + KV)
         q, k = qk.split([H, KV], dim=2)
         return q, k, v
@@ -348,4 +372,4 @@ def forward(self: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     else:
         if mask is None and T > 1 and k.shape[2] > T: mask = attention_mask(T, k.shape[2] - T, device=x.device)
         out = sdpa_gqa(q.transpose(1, 2), k, v, mask)
-    return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+    return inference_linear(out.transpose(1, 2).reshape(B, T, -1), self.wo)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
 from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask, compiled_once,
                                               document_block_mask, fp32_at_least, positions_from_doc_ids,
-                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight)
+                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight,
+                                              inference_linear, packed_weight)
 
 # %% auto #0
 __all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'RESCORE_TOP_K', 'MODELS', 'MODEL_FLOPS', 'MODEL_MODULES',
@@ -116,7 +117,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = fused_weight(self, x)
-        if w is not None: return self.w2(swiglu(F.linear(x, w)))
+        if w is not None: return inference_linear(swiglu(inference_linear(x, self, w)), self.w2)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 # %% ../../nbs/11_tendril.ipynb #ae77ae28
@@ -399,12 +400,11 @@ def rescore_top_logits(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tens
 
 @patch
 def head(self: Tendril, h: torch.Tensor) -> torch.Tensor:
-    "The output projection; for a few tokens of inference `W @ h.T` on CPU, or under autocast the top logits re-scored in fp32."
+    "The output projection; for a few tokens of inference prepacked or `W @ h.T` on CPU, under autocast re-scored in fp32."
     few = h.shape[0] * h.shape[1] <= 32 and not torch.is_grad_enabled() and plain_linear(self.output)
-    if few and torch.is_autocast_enabled(h.device.type):
-        held = self.output.__dict__.get("_held_weight")            # a low-precision copy held for decoding, if any
-        low = self.output(h) if held is None else F.linear(h.to(held.dtype), held)
-        return rescore_top_logits(low, h, self.output.weight)
+    if few and torch.is_autocast_enabled(h.device.type):       # a low-precision copy held for decoding, if any
+        return rescore_top_logits(inference_linear(h, self.output, self.output.__dict__.get("_held_weight")), h, self.output.weight)
+    if few and packed_weight(self.output, h) is not None: return inference_linear(h, self.output)
     if few and h.device.type == "cpu":
         return (self.output.weight @ h.flatten(0, 1).T).T.unflatten(0, h.shape[:2])
     return self.output(h)
