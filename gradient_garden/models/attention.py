@@ -315,7 +315,8 @@ def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
 def packed_weight(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     "The prepacked weight `m` holds, if a matmul on `x` should take it: always in bf16, in fp32 above `PACKED_MIN_MACS`."
     w = m.__dict__.get("_packed_weight")
-    if w is None or w.dtype != torch.float32: return w
+    if w is None or torch.compiler.is_compiling(): return None        # compiled graphs keep their own weight layout
+    if w.dtype != torch.float32: return w
     return w if x.numel() // x.shape[-1] * w.numel() > PACKED_MIN_MACS else None
 
 def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:

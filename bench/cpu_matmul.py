@@ -1,0 +1,59 @@
+"""CPU matmuls of a few rows, the shape of decoding: MKL (`F.linear`) against oneDNN on a prepacked weight, fp32 and bf16.
+
+For each weight shape and row count, the median time of one call, MKL fp32 / oneDNN fp32 (prepacked with
+`torch.ops.mkldnn._reorder_linear_weight`, as `generation.hold_decode_weights` holds them) / oneDNN bf16, and a
+1024^3 GEMM's GFLOP/s in each. `models.attention.PACKED_MIN_MACS` is where oneDNN's fixed cost per call stops
+losing to MKL in fp32.
+
+    python bench/cpu_matmul.py                 # torch's threads
+    python bench/cpu_matmul.py --threads 1
+
+The last line of stdout is one JSON object with the figures.
+"""
+from __future__ import annotations
+import argparse, json, statistics, time
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(128, 128), (256, 256), (512, 256), (1536, 256), (4096, 128), (2304, 768)]
+ROWS = [1, 2, 4, 8, 16, 32]
+
+def median_us(f, calls: int = 300, repeats: int = 5) -> float:
+    "Median over `repeats` of the mean time of `calls` calls, in microseconds."
+    for _ in range(20): f()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls): f()
+        ts.append((time.perf_counter() - t) / calls)
+    return statistics.median(ts) * 1e6
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads: torch.set_num_threads(args.threads)
+    mk, out = torch.ops.mkldnn, {}
+    print(f"threads {torch.get_num_threads()}; us per call, MKL fp32 / oneDNN fp32 / oneDNN bf16")
+    with torch.inference_mode():
+        for o, i in SHAPES:
+            w = torch.randn(o, i)
+            p32, p16 = mk._reorder_linear_weight(w, 8), mk._reorder_linear_weight(w.bfloat16(), 8)
+            row = {}
+            for m in ROWS:
+                x = torch.randn(m, i); xb = x.bfloat16()
+                row[m] = [round(median_us(f), 1) for f in (lambda: F.linear(x, w),
+                                                           lambda: mk._linear_pointwise(x, p32, None, "none", [], ""),
+                                                           lambda: mk._linear_pointwise(xb, p16, None, "none", [], ""))]
+            out[f"{o}x{i}"] = row
+            print(f"{o:>5} x {i:<4} " + "  ".join(f"{m}: {a:.0f}/{b:.0f}/{c:.0f}" for m, (a, b, c) in row.items()))
+        a = torch.randn(1024, 1024); pa, pb = mk._reorder_linear_weight(a, 1024), mk._reorder_linear_weight(a.bfloat16(), 1024)
+        flops = 2 * 1024 ** 3
+        gemm = {name: round(flops / median_us(f, calls=20) / 1e3, 1) for name, f in (
+            ("mkl_fp32", lambda: a @ a), ("onednn_fp32", lambda: mk._linear_pointwise(a, pa, None, "none", [], "")),
+            ("onednn_bf16", lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], "")))}
+    print("1024^3 GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in gemm.items()))
+    print(json.dumps(dict(bench="cpu_matmul", threads=torch.get_num_threads(), torch=torch.__version__, us_per_call=out, gemm_gflops=gemm)))
+
+if __name__ == "__main__":
+    main()
