@@ -46,14 +46,14 @@ class TextStream:
         self.ids: list[int] = []
         self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already, as `window`
         self.window, self.text, self.sent, self.stopped = "", "", 0, False
-        self.rust = getattr(tokenizer, "_backend", None)      # a Hugging Face tokenizer: its own incremental decoder
-        self.rust_stream = DecodeStream(skip_special_tokens=False) if isinstance(self.rust, tokenizers.Tokenizer) else None
+        self.backend = getattr(tokenizer, "_backend", None)   # a Hugging Face tokenizer: its own incremental decoder
+        self.decoder = DecodeStream(skip_special_tokens=False) if isinstance(self.backend, tokenizers.Tokenizer) else None
 
     def _decode_new(self, final: bool = False):
         "Append the text of the ids not decoded yet (unless it ends inside a character and more may come)."
-        if self.rust_stream is not None:
+        if self.decoder is not None:
             if final: self.text += self.tok.decode(self.ids)[len(self.text):]     # what the decoder still holds
-            elif (piece := self.rust_stream.step(self.rust, self.ids[-1])) is not None: self.text += piece
+            elif (piece := self.decoder.step(self.backend, self.ids[-1])) is not None: self.text += piece
             return
         new = self.tok.decode(self.ids[self.prefix:])           # one decode per token: the window's text is kept
         if new.endswith("\ufffd") and not final: return
@@ -573,16 +573,12 @@ class LoopWaker:
     def flush(self):
         "Engine thread, end of a step: one wake-up for the marked runs whose events are due (unless one is on its way)."
         if self.due:
-            now, held = time.perf_counter(), []
-            for run in self.due:
-                if run.ripe(now): run._due = False; self.woken.append(run)
-                else: held.append(run)
-            if self.woken and held:          # a wake-up goes out anyway: streams half due ride along, and fall into step
-                self.due = held; held = []
-                for run in self.due:
-                    if run.ripe(now, early=True): run._due = False; self.woken.append(run)
-                    else: held.append(run)
-            self.due = held
+            now = time.perf_counter()
+            ripe = [run.ripe(now) for run in self.due]
+            if any(ripe) or self.woken:      # a wake-up goes out anyway: streams half due ride along, and fall into step
+                ripe = [r or run.ripe(now, early=True) for r, run in zip(ripe, self.due)]
+            for run in (run for run, r in zip(self.due, ripe) if r): run._due = False; self.woken.append(run)
+            self.due = [run for run, r in zip(self.due, ripe) if not r]
         if self.scheduled or not self.woken: return
         self.scheduled = True
         try: self.loop.call_soon_threadsafe(self._wake)
