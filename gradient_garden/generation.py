@@ -66,9 +66,13 @@ def decode_step_applies(model: nn.Module) -> bool:
                                    for m in (b.attention, b.feed_forward, b.attention.wo, b.feed_forward.w2)): return False
     return True
 
+def _decode_weight(m: nn.Module) -> torch.Tensor:
+    "The weight a decoding matmul of `m` multiplies by: its held copy, else its own weight."
+    return _held(m) if _held(m) is not None else m.weight.detach()
+
 def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-    "`x @ W.T` with the weight `m` decodes with (prepacked where it pays, else held, else `m.weight`); `x` cast to it."
-    w = _held(m) if _held(m) is not None else m.weight
+    "`x @ W.T` with the weight `m` decodes with (prepacked where it pays, else `_decode_weight`); `x` cast to it."
+    w = _decode_weight(m)
     return inference_linear(x.to(w.dtype), m, w)
 
 
@@ -123,10 +127,6 @@ def _matmul_modules(model: Tendril) -> tuple[list[nn.Module], list[nn.Module]]:
             if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
     return fused, lins
 
-def _decode_weight(m: nn.Module) -> torch.Tensor:
-    "The weight a decoding matmul of `m` multiplies by: its held copy, else its own weight."
-    return _held(m) if _held(m) is not None else m.weight.detach()
-
 
 # %% ../nbs/14_generation.ipynb #5b2bb22d
 @contextmanager
@@ -141,7 +141,7 @@ def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES
             for m in fused: m._held_weight = _held(m).to(low)          # hold_fused_weights clears these on the way out
             for m in lins: m._held_weight = m.weight.detach().to(low)
         mods = fused + lins
-        size = sum(_decode_weight(m).numel() * _decode_weight(m).element_size() for m in mods)
+        size = sum((w := _decode_weight(m)).numel() * w.element_size() for m in mods)
         if pack_bytes is None or size <= pack_bytes:
             for m in mods: m._packed_weight = prepack_cpu_weight(_decode_weight(m))
         try: yield model
