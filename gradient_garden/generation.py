@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 from .config import ConfigError
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
-from .models.attention import (Attention, KVCache, additive_mask, apply_rope, hold_fused_weights,
+from .models.attention import (Attention, KVCache, additive_mask, apply_rope, attention_mask, hold_fused_weights,
                                               inference_linear, plain_linear, prepack_cpu_weight, sdpa_gqa)
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
@@ -77,33 +77,36 @@ def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
 
 
 # %% ../nbs/14_generation.ipynb #6a1d0c37
-def _rope_and_bias(model: Tendril, start_pos: int, pad_mask, positions, attn_bias, dtype) -> tuple:
-    "RoPE angles of each row's new token and the additive attention bias (None without padding)."
+def _rope_and_bias(model: Tendril, start_pos: int, T: int, pad_mask, positions, attn_bias, dtype) -> tuple:
+    "RoPE angles of each row's `T` new tokens and the additive attention bias (None where causal order is all there is)."
+    if pad_mask is not None and T > 1: raise ValueError("decode_step: pad_mask is for one new token per row; "
+                                                        "for more, pass positions and attn_bias")
     if positions is None and pad_mask is not None: positions = pad_mask.sum(-1, keepdim=True) - 1   # real tokens only
     if attn_bias is None and pad_mask is not None: attn_bias = additive_mask(pad_mask[:, None, None, :], dtype)
+    if attn_bias is None and T > 1 and start_pos:     # SDPA's own causal mask assumes no cached tokens before
+        attn_bias = additive_mask(attention_mask(T, start_pos, device=model.rope_cos.device), dtype)
     if positions is None:
-        return model.rope_cos[start_pos:start_pos + 1, None], model.rope_sin[start_pos:start_pos + 1, None], attn_bias
+        return model.rope_cos[start_pos:start_pos + T, None], model.rope_sin[start_pos:start_pos + T, None], attn_bias
     return model.rope_cos[positions].unsqueeze(2), model.rope_sin[positions].unsqueeze(2), attn_bias
 
 def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
                 pad_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attn_bias: torch.Tensor | None = None) -> torch.Tensor:
-    "Logits `[B, vocab]` for one new token per row at `start_pos`; padding as `pad_mask` or as `positions` + `attn_bias`."
-    B = tokens.shape[0]
+    "Logits `[B, vocab]` of the last of `tokens` `[B, T]` written at `start_pos`; padding as `pad_mask` (T = 1) or `positions` + `attn_bias`."
+    B, T = tokens.shape
     h = F.embedding(tokens, model.tok_embeddings.weight)          # the residual stream stays in the weights' dtype
-    cos, sin, mask = _rope_and_bias(model, start_pos, pad_mask, positions, attn_bias, h.dtype)
+    cos, sin, mask = _rope_and_bias(model, start_pos, T, pad_mask, positions, attn_bias, h.dtype)
     for layer in model.layers:
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
-        qkv = _linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att).view(B, 1, H + 2 * KV, d)
+        qkv = _linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att).view(B, T, H + 2 * KV, d)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
         k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
         out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)
-        h = h + _linear(out.transpose(1, 2).reshape(B, 1, H * d), att.wo)
+        h = h + _linear(out.transpose(1, 2).reshape(B, T, H * d), att.wo)
         gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff).chunk(2, -1)
         h = h + _linear(F.silu(gate) * up, ff.w2)
-    return model.head(rms_norm(h, model.norm.weight, model.norm.eps))[:, -1]
-
+    return model.head(rms_norm(h[:, -1:], model.norm.weight, model.norm.eps))[:, -1]
 
 # %% ../nbs/14_generation.ipynb #5d3c92f4
 HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding holds fused q/k/v and w1/w3 copies up to this size

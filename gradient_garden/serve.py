@@ -6,10 +6,12 @@ with a chat page at `/`; concurrent requests decoded together in one batch."""
 
 # %% ../nbs/60_serve.ipynb #a9e375ef
 from __future__ import annotations
-import argparse, asyncio, hmac, ipaddress, json, logging, math, os, threading, time, uuid
+import argparse, asyncio, hmac, ipaddress, itertools, json, logging, math, multiprocessing, os, queue, signal, threading, time
+import traceback, uuid
 from collections import deque
 from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Literal
@@ -25,18 +27,19 @@ import uvicorn
 from .config import ConfigError, TokenizerConfig
 from .generation import apply_repetition_penalty, decode_step, decode_step_applies, hold_decode_weights, sample_next
 from .runtime import DTYPES as _DTYPES, autocast_context, resolve_device
-from .models.attention import KVCache, additive_mask
+from .models.attention import KVCache, additive_mask, attention_mask, positions_from_pad_mask
 from .tokenizer import init_tokenizer
 from .engine.checkpoints import load_model_from_checkpoint
 from .models.hf import load_hf
 
 # %% auto #0
-__all__ = ['log', 'STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'LOOPBACK_NAMES', 'TextStream', 'SamplingParams', 'Sequence',
-           'EngineClosed', 'QueueFull', 'BatchEngine', 'StreamOptions', 'TextPart', 'ChatMessage',
-           'ChatCompletionRequest', 'CompletionRequest', 'APIError', 'validation_error', 'parse_body', 'StreamInterval',
-           'Served', 'chat_prompt', 'completion_prompts', 'check_request', 'sampling_params', 'LoopWaker', 'loop_waker',
-           'RequestRun', 'collect_run', 'chat_page', 'create_app', 'is_loopback', 'add_serve_args', 'load_served',
-           'run_serve']
+__all__ = ['log', 'STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'LOOPBACK_NAMES', 'ENGINE_FLAGS', 'ENGINE_START_TIMEOUT_S',
+           'TextStream', 'SamplingParams', 'Sequence', 'EngineClosed', 'QueueFull', 'BatchEngine', 'StreamOptions',
+           'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'APIError', 'validation_error',
+           'parse_body', 'StreamInterval', 'Served', 'chat_prompt', 'completion_prompts', 'check_request',
+           'sampling_params', 'LoopWaker', 'loop_waker', 'RequestRun', 'collect_run', 'chat_page', 'create_app',
+           'is_loopback', 'add_serve_args', 'load_engine', 'EngineHost', 'engine_args', 'engine_process_main',
+           'EngineClient', 'load_served', 'run_serve']
 
 # %% ../nbs/60_serve.ipynb #da3336b8
 class TextStream:
@@ -124,10 +127,12 @@ class Sequence:
     stream: TextStream | None = None
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None
+    on_cancel: Callable | None = None    # set by an engine in another process: passes the cancel on
 
     def cancel(self):
         "Ask the engine to drop this sequence at its next step (safe from any thread)."
         self.cancelled = True
+        if self.on_cancel is not None: self.on_cancel()
 
 # %% ../nbs/60_serve.ipynb #080ff370
 class EngineClosed(RuntimeError): "The engine is shutting down and takes no more requests."
@@ -140,12 +145,14 @@ class BatchEngine:
         if max_queue < 0: raise ConfigError(f"--max-queue: got {max_queue}; must be >= 0")
         self.model, self.tok, self.max_batch_size, self.max_queue = model, tokenizer, max_batch_size, max_queue
         self.precision = precision       # bf16/fp16 on CPU: the fp32 model decodes under autocast on the engine thread
-        self.max_len, self.device = model.cfg.max_seq_len, next(model.parameters()).device
+        self.max_len, self.vocab_size = model.cfg.max_seq_len, model.cfg.vocab_size
+        self.device = next(model.parameters()).device
         self.stop_ids = {int(t) for t in (tokenizer.eos_id, tokenizer.eot_id) if t is not None}
         self.pad_id = int(getattr(tokenizer, "pad_id", 0) or 0)
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []
-        self.cache: KVCache | None = None
+        self.cache: KVCache | None = None  # buffers of `capacity` rows; rows 0..len(rows)-1 are in use
+        self._view = None                  # a KVCache over the rows in use (views of the buffers), rebuilt as they change
         self.starts = self.last = None     # [rows] first real column, [rows] next token to feed
         self.col, self.fast = 0, False
         self._bias = self._bias_of = None  # the additive attention bias of the rows' padding, and the starts it is for
@@ -170,6 +177,11 @@ def submit(self: BatchEngine, seqs: list[Sequence]):
 def pending(self: BatchEngine) -> int:
     "Sequences running or waiting."
     return len(self.rows) + len(self.waiting)
+
+@patch
+def snapshot(self: BatchEngine) -> dict:
+    "What `/health` reports of the engine: sequences running and waiting, and its counters."
+    return dict(running=len(self.rows), waiting=len(self.waiting), **self.stats)
 
 # %% ../nbs/60_serve.ipynb #a3327ffd
 @patch
@@ -214,46 +226,57 @@ def _realign(self: BatchEngine, target: int):
     lo = max(0, -delta)
     assert int(self.starts.min()) >= lo and target <= self.max_len, (delta, self.col, target)
     self.stats["realigns"] += 1
-    for buffers in (self.cache.keys, self.cache.values):
-        for l, old in enumerate(buffers):
-            new = torch.zeros_like(old)
-            new[:, lo + delta:target] = old[:, lo:self.col]
-            buffers[l] = new
+    n = len(self.rows)
+    for buf in self.cache.keys + self.cache.values: buf[:n, lo + delta:target] = buf[:n, lo:self.col].clone()
     self.starts, self.col = self.starts + delta, target
 
 @patch
+def _uncancelled(self: BatchEngine, seqs: list[Sequence]) -> list[bool]:
+    "Which of `seqs` stay: the cancelled ones are counted and get a last event, `cancelled`, as they leave."
+    keep = [not s.cancelled for s in seqs]
+    for s in (s for s, k in zip(seqs, keep) if not k):
+        self.stats["cancelled"] += 1
+        s.emit("cancelled", None)
+    return keep
+
+@patch
 def _keep(self: BatchEngine, alive: list[bool]):
-    "Keep only the rows marked alive (the others are finished or cancelled)."
+    "Keep only the rows marked alive (the others are finished or cancelled): the last live rows move into the holes."
     if all(alive): return
-    self.rows = [r for r, a in zip(self.rows, alive) if a]
-    if not self.rows:
-        self.cache, self.starts, self.last, self.col = None, None, None, 0
+    m = sum(alive)
+    holes = [i for i in range(m) if not alive[i]]
+    movers = [i for i in range(m, len(alive)) if alive[i]]       # as many as there are holes
+    order = list(range(m))
+    for h, i in zip(holes, movers): order[h] = i
+    self.rows, self._view = [self.rows[i] for i in order], None
+    if not m:
+        self.starts, self.last, self.col = None, None, 0
         return
-    idx = torch.tensor([i for i, a in enumerate(alive) if a], device=self.device)
-    for buffers in (self.cache.keys, self.cache.values):
-        for l, t in enumerate(buffers): buffers[l] = t.index_select(0, idx)
+    if holes:
+        dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
+        for buf in self.cache.keys + self.cache.values: buf.index_copy_(0, dst, buf.index_select(0, src))
+    idx = torch.tensor(order, device=self.device)
     self.starts, self.last = self.starts.index_select(0, idx), self.last.index_select(0, idx)
 
 # %% ../nbs/60_serve.ipynb #ec8eacfe
 @patch
-def _join(self: BatchEngine, rows: list[Sequence], tmp: KVCache, width: int, starts: torch.Tensor, first: torch.Tensor):
-    "Add prefilled rows (their cache `tmp` holds `width` columns) so that their data ends at the write column."
-    used = self.col - int(self.starts.min()) if self.rows else 0
-    self._realign(max(used, width))
-    col, n = self.col, len(rows)
-    if self.cache is None:
-        self.cache = KVCache(len(tmp.keys), 0, self.max_len, tmp.n_kv_heads, tmp.head_dim)
-        self.cache.keys, self.cache.values = [None] * len(tmp.keys), [None] * len(tmp.keys)
-    for buffers, fresh in ((self.cache.keys, tmp.keys), (self.cache.values, tmp.values)):
-        for l, t in enumerate(fresh):
-            block = t.new_zeros((n, self.max_len) + t.shape[2:])
-            block[:, col - width:col] = t
-            buffers[l] = block if buffers[l] is None else torch.cat([buffers[l], block])
-    new_starts = starts + (col - width)
-    self.starts = new_starts if self.starts is None else torch.cat([self.starts, new_starts])
-    self.last = first if self.last is None else torch.cat([self.last, first])
-    self.rows += rows
-    self.cache.batch_size = len(self.rows)
+def _reserve(self: BatchEngine, rows: int):
+    "Make the buffers hold at least `rows` rows (doubling, up to `max_batch_size`), keeping the rows in use."
+    have = 0 if self.cache is None else self.cache.batch_size
+    if rows <= have: return
+    grown = self.model.new_kv_cache(min(self.max_batch_size, max(rows, 2 * have)), self.max_len)
+    grown.allocate(self.model.tok_embeddings.weight.dtype, self.device)   # the dtype a forward would allocate in
+    n = len(self.rows)
+    if n:
+        for old, new in zip(self.cache.keys + self.cache.values, grown.keys + grown.values): new[:n] = old[:n]
+    self.cache, self._view = grown, None
+
+@patch
+def _rows_cache(self: BatchEngine, lo: int, hi: int) -> KVCache:
+    "A `KVCache` over rows `lo:hi` of the buffers: views, so what a forward writes lands in them."
+    view = self.model.new_kv_cache(hi - lo, self.max_len)
+    view.keys, view.values = [k[lo:hi] for k in self.cache.keys], [v[lo:hi] for v in self.cache.values]
+    return view
 
 # %% ../nbs/60_serve.ipynb #e40a611a
 @patch
@@ -269,36 +292,50 @@ def _prepare(self: BatchEngine, s: Sequence):
         s.seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
         s.seen[0, torch.tensor(s.prompt, device=self.device)] = True
 
+# %% ../nbs/60_serve.ipynb #0f2c6c63
+@patch
+def _prefill(self: BatchEngine, tokens: torch.Tensor, real: torch.Tensor | None, row: int) -> torch.Tensor:
+    "Logits of the last of `tokens` `[k, width]`, written into rows `row..` so that they end at the write column."
+    view, start = self._rows_cache(row, row + tokens.shape[0]), self.col - tokens.shape[1]
+    if not self.fast:
+        return self.model(tokens, attn_mask=real, kv_cache=view, start_pos=start, logits_to_keep=1)[:, -1].float()
+    positions = bias = None
+    if real is not None:         # what `forward` makes of the mask: positions over real tokens, causal + padding bias
+        positions = positions_from_pad_mask(real)[:, start:]
+        bias = additive_mask(attention_mask(tokens.shape[1], start, real, device=self.device), self.model.tok_embeddings.weight.dtype)
+    return decode_step(self.model, tokens, view, start, positions=positions, attn_bias=bias).float()
+
+
 # %% ../nbs/60_serve.ipynb #eefdcf31
 @patch
 def _admit(self: BatchEngine):
-    "Prefill waiting sequences into free rows (one left-padded forward) and sample their first tokens."
+    "Prefill waiting sequences straight into free rows of the cache (one left-padded forward); sample their first tokens."
     with self._cv:
         take = min(self.max_batch_size - len(self.rows), len(self.waiting))
         new = [self.waiting.popleft() for _ in range(take)]
-    self.stats["cancelled"] += sum(s.cancelled for s in new)
-    new = [s for s in new if not s.cancelled]
+    new = [s for s, k in zip(new, self._uncancelled(new)) if k]
     if not new: return
-    width = max(len(s.prompt) for s in new)
+    n, width = len(self.rows), max(len(s.prompt) for s in new)
+    if not n: self.col = width
+    else:
+        used = self.col - int(self.starts.min())
+        if width > self.col or self.col - used >= self.max_len // 4: self._realign(max(used, width))   # room; padding out
+    self._reserve(n + len(new))
     tokens = torch.full((len(new), width), self.pad_id, dtype=torch.long)
     for i, s in enumerate(new):
         tokens[i, width - len(s.prompt):] = torch.tensor(s.prompt)
         self._prepare(s)
-    starts = torch.tensor([width - len(s.prompt) for s in new])
-    real = torch.arange(width)[None] >= starts[:, None]
-    tmp = self.model.new_kv_cache(len(new), width)
+    starts = torch.tensor([self.col - len(s.prompt) for s in new])
+    real = torch.arange(self.col)[None] >= starts[:, None]            # over every column: the row's older data is hidden
     tokens, real, starts = tokens.to(self.device), real.to(self.device), starts.to(self.device)
-    mask = None if bool(real.all()) else real
-    logits = self.model(tokens, attn_mask=mask, kv_cache=tmp, logits_to_keep=1)[:, -1].float()
+    logits = self._prefill(tokens, None if self.col == width and bool(real.all()) else real, n)
     self.stats["prefills"] += 1
     nxt = self._sample(new, logits)
-    alive = [self._advance(s, t) for s, t in zip(new, nxt)]
-    if not any(alive): return
-    idx = torch.tensor([i for i, a in enumerate(alive) if a], device=self.device)
-    tmp.keys = [k.index_select(0, idx) for k in tmp.keys]
-    tmp.values = [v.index_select(0, idx) for v in tmp.values]
-    first = torch.tensor(nxt, device=self.device).index_select(0, idx)
-    self._join([s for s, a in zip(new, alive) if a], tmp, width, starts.index_select(0, idx), first)
+    first = torch.tensor(nxt, device=self.device)
+    self.rows, self._view = self.rows + new, None
+    self.starts = starts if self.starts is None else torch.cat([self.starts, starts])
+    self.last = first if self.last is None else torch.cat([self.last, first])
+    self._keep([True] * n + [self._advance(s, t) for s, t in zip(new, nxt)])
 
 # %% ../nbs/60_serve.ipynb #36829b58
 @patch
@@ -317,12 +354,13 @@ def _decode(self: BatchEngine):
     "One decoding step: every row's newest token through the model at the write column."
     if self.col >= self.max_len: self._realign(self.col - int(self.starts.min()))
     col = self.col
+    if self._view is None: self._view = self._rows_cache(0, len(self.rows))
     if self.fast:
         positions, bias = self._padding()
-        logits = decode_step(self.model, self.last[:, None], self.cache, col, positions=positions, attn_bias=bias)
+        logits = decode_step(self.model, self.last[:, None], self._view, col, positions=positions, attn_bias=bias)
     else:
         mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:, None]
-        logits = self.model(self.last[:, None], attn_mask=mask, kv_cache=self.cache, start_pos=col)[:, -1]
+        logits = self.model(self.last[:, None], attn_mask=mask, kv_cache=self._view, start_pos=col)[:, -1]
     self.col += 1
     self.stats["steps"] += 1
     nxt = self._sample(self.rows, logits.float())
@@ -334,9 +372,7 @@ def _decode(self: BatchEngine):
 def step(self: BatchEngine) -> bool:
     "Drop cancelled rows, admit waiting sequences, decode one token per row; True while work remains."
     with torch.inference_mode():
-        if self.rows and any(r.cancelled for r in self.rows):
-            self.stats["cancelled"] += sum(r.cancelled for r in self.rows)
-            self._keep([not r.cancelled for r in self.rows])
+        if self.rows and any(r.cancelled for r in self.rows): self._keep(self._uncancelled(self.rows))
         self._admit()
         self._notify()
         if self.rows: self._decode()
@@ -372,7 +408,7 @@ log = logging.getLogger("gradient_garden.serve")
 def _fail_all(self: BatchEngine, message: str):
     "Report `message` to every running and waiting sequence and forget them."
     with self._cv: dropped, self.waiting = self.rows + list(self.waiting), deque()
-    self.rows, self.cache, self.starts, self.last, self.col = [], None, None, None, 0
+    self.rows, self.cache, self._view, self.starts, self.last, self.col = [], None, None, None, None, 0
     for s in dropped: s.emit("error", message)
     self._notify()
 
@@ -498,8 +534,8 @@ class StreamInterval:
 # %% ../nbs/60_serve.ipynb #a47436cf
 @dataclass
 class Served:
-    "The model behind the API: its engine, the name clients use, whether it was trained to chat, how often streams send."
-    engine: BatchEngine
+    "The model behind the API: its engine (or `EngineClient`), the name clients use, whether it chats, how often streams send."
+    engine: BatchEngine | EngineClient
     model_id: str
     chat: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
@@ -520,7 +556,7 @@ def chat_prompt(served: Served, req: ChatCompletionRequest) -> list[int]:
 
 def completion_prompts(served: Served, req: CompletionRequest) -> list[list[int]]:
     "Token ids of each prompt of a completion request (text gets BOS; token-id prompts are taken as they are)."
-    p, vocab = req.prompt, served.engine.model.cfg.vocab_size
+    p, vocab = req.prompt, served.engine.vocab_size
     if isinstance(p, str): p = [p]
     elif p and all(isinstance(t, int) for t in p): p = [p]
     if not p: raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -621,7 +657,7 @@ class RequestRun:
         self._urgent = True                  # events still queued go out at the next step: the waker forgets this run
 
     async def batches(self):
-        "Lists of `(choice, kind, payload)` as they arrive, until every sequence is done; engine errors become a 500."
+        "Lists of `(choice, kind, payload)` as they arrive, until every sequence is done or cancelled; engine errors: a 500."
         left = len(self.seqs)
         while left:
             await self.ready.wait()
@@ -629,7 +665,7 @@ class RequestRun:
             batch = [self.inbox.popleft() for _ in range(len(self.inbox))]
             for i, kind, payload in batch:
                 if kind == "error": raise APIError(500, payload, type="server_error")
-                left -= kind == "done"
+                left -= kind in ("done", "cancelled")
             if batch: yield batch
 
 # %% ../nbs/60_serve.ipynb #81a8371c
@@ -676,7 +712,7 @@ async def collect_run(request, run: RequestRun) -> tuple[list[str], list[str], i
         async for batch in run.batches():
             for i, kind, payload in batch:
                 if kind == "text": texts[i] += payload
-                else: reasons[i], tokens = payload["finish_reason"], tokens + payload["completion_tokens"]
+                elif kind == "done": reasons[i], tokens = payload["finish_reason"], tokens + payload["completion_tokens"]
     finally: watcher.cancel()
     return texts, reasons, tokens
 
@@ -707,6 +743,7 @@ async def _sse_events(run: RequestRun, chunk: dict, text_head: str, chat: bool, 
             out, texts = [], {}                 # the batch's text per choice, in one event each
             for i, kind, payload in batch:
                 if kind == "text": texts[i] = texts.get(i, "") + payload; continue
+                if kind == "cancelled": continue
                 if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
                 tokens += payload["completion_tokens"]
                 out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
@@ -790,9 +827,10 @@ def _add_info_routes(app, served: Served):
     @app.get("/health")
     async def health():
         e = served.engine
-        return dict(status="ok", model=served.model_id, running=len(e.rows), waiting=len(e.waiting),
-                    max_batch_size=e.max_batch_size, max_queue=e.max_queue,
-                    stream_interval=dict(tokens=served.stream_interval.tokens, ms=served.stream_interval.ms), **e.stats)
+        try: counts = await asyncio.to_thread(e.snapshot)      # an engine in another process is asked, off the loop
+        except EngineClosed as err: raise APIError(503, str(err), type="server_error", code="unavailable") from None
+        return dict(status="ok", model=served.model_id, max_batch_size=e.max_batch_size, max_queue=e.max_queue,
+                    stream_interval=dict(tokens=served.stream_interval.tokens, ms=served.stream_interval.ms), **counts)
 
     @app.get("/v1/models")
     async def models():
@@ -854,6 +892,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES),
                         help="bf16/fp16: on CPU the fp32 weights decode under autocast; on GPU the weights are cast")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 suits small models)")
+    parser.add_argument("--engine", default="process", choices=["process", "thread"],
+                        help="where decoding runs: its own process (default), or a thread of the web server's process")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most; beyond it requests get 429")
     parser.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL_TOKENS, metavar="N",
@@ -873,25 +913,250 @@ def _chat_template_in(folder) -> bool:
     cfg = folder/"tokenizer_config.json"
     return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
 
-def load_served(args) -> Served:
-    "Model, tokenizer and engine for the flags of `gg serve`."
-    StreamInterval(args.stream_interval, args.stream_interval_ms)        # bad values fail before the model loads
+def load_engine(args) -> tuple[BatchEngine, dict]:
+    "Model, tokenizer and engine for the flags of `gg serve`, and what the web server needs to know of them."
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
     precision = args.dtype if device.type == "cpu" else "fp32"     # CPU: fp32 weights, low-precision matmuls under autocast
     if device.type == "cpu": dtype = torch.float32
     if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
         model, cfg = load_model_from_checkpoint(args.checkpoint, device, dtype)
-        tokenizer, chat, name = init_tokenizer(cfg.tokenizer), cfg.training.stage != "pretraining", cfg.run.name
+        tok_cfg, chat, name = cfg.tokenizer, cfg.training.stage != "pretraining", cfg.run.name
     else:
         model, _ = load_hf(args.hf_checkpoint, device, dtype)
-        tokenizer = init_tokenizer(TokenizerConfig(backend="huggingface", path=str(args.hf_checkpoint)))
+        tok_cfg = TokenizerConfig(backend="huggingface", path=str(Path(args.hf_checkpoint).resolve()))
         chat, name = _chat_template_in(args.hf_checkpoint), Path(args.hf_checkpoint).resolve().name
+    tokenizer = init_tokenizer(tok_cfg)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
-    interval = StreamInterval(args.stream_interval, args.stream_interval_ms)
-    return Served(BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue, precision), args.model_name or name, chat,
-                  stream_interval=interval)
+    engine = BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue, precision)
+    return engine, dict(model_id=args.model_name or name, chat=chat, tokenizer=tok_cfg, max_len=engine.max_len,
+                        vocab_size=engine.vocab_size, max_batch_size=engine.max_batch_size, max_queue=engine.max_queue)
+
+# %% ../nbs/60_serve.ipynb #ff292744
+class EngineHost:
+    "The engine process's side of the pipes: sequences from the front end's messages, their events sent back as due."
+    def __init__(self, engine: BatchEngine, events, interval: StreamInterval | None = None):
+        self.engine, self.events, self.outbox, self.seqs, self.started = engine, events, [], {}, set()
+        iv = interval or StreamInterval()
+        self.every, self.every_s = iv.tokens, iv.ms / 1000
+        self._urgent, self._sent_step, self._last = False, 0, 0.0
+        self._send_lock = threading.Lock()
+        engine.after_step.append(self.flush)
+
+    def send(self, msg):
+        "Send one message to the front end (from the engine thread or the receiving thread); a vanished one is ignored."
+        with self._send_lock:
+            try: self.events.send(msg)
+            except OSError: pass
+
+    def _emitter(self, key: int) -> Callable:
+        "The `emit` of sequence `key` (engine thread): queue the event; a first text or an end makes the queue due."
+        def emit(kind, payload):
+            self.outbox.append((key, kind, payload))
+            if kind == "text" and key in self.started: return
+            self._urgent = True
+            if kind == "text": self.started.add(key)
+            else: self.seqs.pop(key, None); self.started.discard(key)
+        return emit
+
+    def flush(self):
+        "Engine thread, after a step: the queued events in one message once due (every `every` steps or `every_s`)."
+        if not self.outbox: return
+        step, now = self.engine.stats["steps"], time.perf_counter()
+        if not (self._urgent or step - self._sent_step >= self.every or now - self._last >= self.every_s): return
+        batch, self.outbox = self.outbox, []
+        self._urgent, self._sent_step, self._last = False, step, now
+        self.send(("events", batch))
+
+# %% ../nbs/60_serve.ipynb #fa6e24f3
+@patch
+def handle(self: EngineHost, msg: tuple) -> bool:
+    "Act on one message from the front end; False for `close`."
+    kind, body = msg
+    if kind == "submit":
+        seqs = [Sequence(prompt, params, emit=self._emitter(key)) for key, prompt, params in body]
+        self.seqs.update((key, s) for (key, _, _), s in zip(body, seqs))
+        try: self.engine.submit(seqs)
+        except (QueueFull, EngineClosed) as e:
+            for key, _, _ in body: self.seqs.pop(key, None)
+            self.send(("events", [(key, "error", str(e)) for key, _, _ in body]))
+    elif kind == "cancel":
+        if (s := self.seqs.get(body)) is not None: s.cancel()
+    elif kind == "snapshot": self.send(("snapshot", self.engine.snapshot() | dict(pid=os.getpid())))
+    return kind != "close"
+
+@patch
+def serve(self: EngineHost, requests, info: dict):
+    "Say the engine is ready, run it, and answer the front end's messages until it closes or goes away."
+    self.send(("ready", info))
+    self.engine.start()
+    try:
+        while True:
+            try: msg = requests.recv()
+            except (EOFError, OSError): break          # the front end is gone
+            if not self.handle(msg): break
+    finally:
+        self.engine.close()                            # what still runs gets its `error` event, then the pipe closes
+        self.events.close()
+
+# %% ../nbs/60_serve.ipynb #44116e89
+ENGINE_FLAGS = ("checkpoint", "hf_checkpoint", "device", "dtype", "threads", "max_batch_size", "max_queue", "model_name",
+                "stream_interval", "stream_interval_ms")
+
+def engine_args(args) -> argparse.Namespace:
+    "The flags the engine process loads its model with (the API key and the web server's flags stay in the front end)."
+    return argparse.Namespace(**{k: getattr(args, k, None) for k in ENGINE_FLAGS})
+
+def engine_process_main(args: argparse.Namespace, requests, events):
+    "The engine process: load the model, say it is ready (or why not), decode until the front end closes."
+    signal.signal(signal.SIGINT, signal.SIG_IGN)         # Ctrl-C reaches the front end too, which closes the engine
+    try: engine, info = load_engine(args)
+    except ConfigError as e: events.send(("failed", ("config", str(e)))); return
+    except Exception as e:
+        traceback.print_exc()
+        events.send(("failed", ("error", f"{type(e).__name__}: {e}"))); return
+    EngineHost(engine, events, StreamInterval(args.stream_interval, args.stream_interval_ms)).serve(requests, info)
+
+# %% ../nbs/60_serve.ipynb #2c2f1199
+ENGINE_START_TIMEOUT_S = 1800.0   # loading a large checkpoint from a slow disk can take minutes
+
+class EngineClient:
+    "The front end's handle on a `BatchEngine` behind pipes: `submit`, `pending`, `snapshot`, `after_step`, `close`."
+    def __init__(self, requests, events, process=None, tokenizer=None, timeout: float = ENGINE_START_TIMEOUT_S):
+        self.requests, self.events, self.process = requests, events, process
+        kind, body = self._first_message(timeout)
+        if kind == "failed": raise (ConfigError if body[0] == "config" else RuntimeError)(body[1])
+        self.info = body
+        self.tok = tokenizer if tokenizer is not None else init_tokenizer(body["tokenizer"])
+        self.max_len, self.vocab_size = body["max_len"], body["vocab_size"]
+        self.max_batch_size, self.max_queue = body["max_batch_size"], body["max_queue"]
+        self.seqs: dict[int, Sequence] = {}        # submitted and not yet done, by key
+        self.keys, self.after_step, self.rejected = itertools.count(), [], 0
+        self._lock, self._closed, self._reader, self._snapshots = threading.RLock(), False, None, queue.Queue()
+
+    def _first_message(self, timeout: float):
+        "Wait for `ready` or `failed`, noticing an engine process that died first."
+        t0 = time.monotonic()
+        while not self.events.poll(1.0):
+            if self.process is not None and not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited (code {self.process.exitcode}) before its model was loaded")
+            if time.monotonic() - t0 > timeout: raise RuntimeError(f"the engine was not ready after {timeout:g} s")
+        try: return self.events.recv()
+        except EOFError: raise RuntimeError("the engine process exited before its model was loaded") from None
+
+# %% ../nbs/60_serve.ipynb #186067e0
+@patch(cls_method=True)
+def spawn(cls: EngineClient, args) -> EngineClient:
+    "Start the engine process for the flags of `gg serve`; returns once its model is loaded."
+    ctx = multiprocessing.get_context("spawn")           # a fresh interpreter: no forked threads or CUDA state
+    req_in, req_out = ctx.Pipe(duplex=False)
+    ev_in, ev_out = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=engine_process_main, args=(engine_args(args), req_in, ev_out), name="gg-serve-engine",
+                          daemon=True)
+    process.start()
+    req_in.close(); ev_out.close()                       # the child's ends: when it exits, reading here sees the end
+    try: return cls(req_out, ev_in, process)
+    except BaseException:
+        process.kill(); process.join(5)
+        raise
+
+@patch
+def _send(self: EngineClient, msg: tuple):
+    "Send one message to the engine; `EngineClosed` once it has gone."
+    with self._lock:
+        if self._closed: raise EngineClosed("the server is shutting down")
+        try: self.requests.send(msg)
+        except OSError: raise EngineClosed("the engine process has exited") from None
+
+# %% ../nbs/60_serve.ipynb #848c8ae5
+@patch
+def submit(self: EngineClient, seqs: list[Sequence]):
+    "Send the sequences of one request, all or none; `QueueFull` / `EngineClosed` as `BatchEngine.submit` raises them."
+    with self._lock:
+        if self._closed: raise EngineClosed("the server is shutting down")
+        room = self.max_queue + self.max_batch_size - len(self.seqs)   # counted here: a 429 needs no round trip
+        if len(seqs) > room:
+            self.rejected += 1
+            raise QueueFull(f"{len(self.seqs)} sequences running or waiting; the queue is full")
+        batch = []
+        for s in seqs:
+            key = next(self.keys)
+            self.seqs[key], s.on_cancel = s, partial(self._cancel, key)
+            batch.append((key, s.prompt, s.params))
+        self._send(("submit", batch))
+
+@patch
+def _cancel(self: EngineClient, key: int):
+    "Pass a sequence's cancel on to the engine."
+    try: self._send(("cancel", key))
+    except EngineClosed: pass
+
+@patch
+def pending(self: EngineClient) -> int:
+    "Sequences submitted and not yet done."
+    return len(self.seqs)
+
+# %% ../nbs/60_serve.ipynb #af05cb54
+@patch
+def _read(self: EngineClient):
+    "Reader thread: hand each message's events to their sequences, then run the `after_step` listeners once."
+    while True:
+        try: kind, body = self.events.recv()
+        except (EOFError, OSError): break
+        if kind == "snapshot": self._snapshots.put(body); continue
+        for key, k, payload in body:
+            s = self.seqs.get(key) if k == "text" else self.seqs.pop(key, None)
+            if s is None: continue
+            if k == "done": s.finish_reason, s.out = payload["finish_reason"], payload["token_ids"]
+            s.emit(k, payload)
+        for f in list(self.after_step): f()
+    self._lost()
+
+@patch
+def _lost(self: EngineClient):
+    "The engine has gone: its sequences get an `error` event, new requests a 503."
+    with self._lock: self._closed, dropped, self.seqs = True, list(self.seqs.values()), {}
+    for s in dropped: s.emit("error", "the engine process exited")
+    for f in list(self.after_step): f()
+    self._snapshots.put(None)
+
+# %% ../nbs/60_serve.ipynb #9310dcaa
+@patch
+def start(self: EngineClient) -> EngineClient:
+    "Start the reader thread."
+    if self._reader is None:
+        self._reader = threading.Thread(target=self._read, name="gg-serve-engine-reader", daemon=True)
+        self._reader.start()
+    return self
+
+@patch
+def snapshot(self: EngineClient, timeout: float = 10.0) -> dict:
+    "The engine's `snapshot`, asked over the pipe (the front end's rejections added)."
+    self._send(("snapshot", None))
+    try: got = self._snapshots.get(timeout=timeout)
+    except queue.Empty: raise EngineClosed(f"the engine did not answer in {timeout:g} s") from None
+    if got is None: raise EngineClosed("the engine process has exited")
+    return got | dict(rejected=got["rejected"] + self.rejected)
+
+@patch
+def close(self: EngineClient, timeout: float = 30.0):
+    "Ask the engine to stop (what still runs gets an `error` event) and wait for it; new requests are refused."
+    try: self._send(("close", None))
+    except EngineClosed: pass
+    with self._lock: self._closed = True
+    if self.process is not None:
+        self.process.join(timeout)
+        if self.process.is_alive(): self.process.kill(); self.process.join(5)
+    if self._reader is not None: self._reader.join(timeout)
+
+# %% ../nbs/60_serve.ipynb #32826e34
+def load_served(args) -> Served:
+    "The model behind `gg serve`: its engine in a child process (`--engine process`) or on a thread of this one."
+    interval = StreamInterval(args.stream_interval, args.stream_interval_ms)   # bad values fail before the model loads
+    if getattr(args, "engine", "process") == "thread": engine, info = load_engine(args)
+    else: engine = EngineClient.spawn(args); info = engine.info
+    return Served(engine, info["model_id"], info["chat"], stream_interval=interval)
 
 # %% ../nbs/60_serve.ipynb #d37ed2bf
 def run_serve(args) -> int:

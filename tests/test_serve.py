@@ -290,9 +290,52 @@ def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
     from gradient_garden.serve import Sequence, SamplingParams, add_serve_args, load_served
     out = tiny["base"]/"hf"
     assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
-    served = load_served(add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu"]))
-    assert served.chat and served.model_id == "hf" and served.max_len == MAX_LEN
-    ids = chat_ids(tiny, [{"role": "user", "content": "def main():"}])
-    s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0))
-    served.engine.submit([s]); served.engine.run_until_idle()
-    assert s.out == generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=16)[0]
+    flags = add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu", "--threads", "1"])
+    served = load_served(flags)                                      # the engine in its own process, as gg serve runs it
+    try:
+        assert served.chat and served.model_id == "hf" and served.max_len == MAX_LEN
+        ids = chat_ids(tiny, [{"role": "user", "content": "def main():"}])
+        done = threading.Event()
+        s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0), emit=lambda kind, _: kind == "done" and done.set())
+        served.engine.start().submit([s])
+        assert done.wait(60)
+        assert s.out == generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=16)[0]
+        assert served.engine.snapshot()["pid"] == served.engine.process.pid != os.getpid()
+    finally: served.engine.close()
+    assert not served.engine.process.is_alive()
+
+def test_engine_process_errors_are_one_line(tmp_path):
+    "A checkpoint the engine process cannot load is a one-line error of `gg serve`, as it is in one process."
+    r = subprocess.run([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(tmp_path/"none.pt"),
+                        "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+def test_a_dead_engine_process_fails_requests_cleanly(tiny):
+    "When the engine process dies, a running stream ends with an error event and new requests get a 503."
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("GG_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(tiny["ckpt"]),
+                             "--port", str(port), "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        pid = httpx.get(f"{url}/health").json()["pid"]
+        assert pid != proc.pid
+        body = {"model": "tiny-instruct", "prompt": "def main(", "max_tokens": MAX_LEN - 8, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(pid, 9)
+            rest = [l for l in lines if l.startswith("data: ")]
+        assert "engine process exited" in json.loads(rest[-1][6:])["error"]["message"], rest[-3:]
+        assert _error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x"}), 503)["code"] == "unavailable"
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert proc.poll() is None                                   # the web server stays up and says why
+    finally:
+        proc.terminate()
+        try: proc.wait(timeout=20)
+        except subprocess.TimeoutExpired: proc.kill()
