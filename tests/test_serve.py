@@ -63,23 +63,31 @@ def tiny(tmp_path_factory):
     model, cfg = load_model_from_checkpoint(ckpt)
     return dict(base=base, tok_dir=tok_dir, ckpt=ckpt, model=model, tok=init_tokenizer(cfg.tokenizer))
 
-@pytest.fixture(scope="module")
-def server(tiny):
-    "`gg serve` in a subprocess on a free loopback port."
+def start_gg_serve(ckpt, *flags) -> tuple[subprocess.Popen, str]:
+    "`gg serve --checkpoint ckpt FLAGS` in a subprocess on a free loopback port, once it answers: (process, url)."
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("GG_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(tiny["ckpt"]),
-                             "--port", str(port), "--max-batch-size", "8", "--log-level", "warning"],
+    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(ckpt),
+                             "--port", str(port), "--log-level", "warning", *flags],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
-        yield dict(url=url, proc=proc, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
-    finally:
-        proc.terminate()
-        try: proc.wait(timeout=20)
-        except subprocess.TimeoutExpired: proc.kill()
+    try: wait_ready(url, proc)
+    except BaseException: stop(proc); raise
+    return proc, url
+
+def stop(proc: subprocess.Popen):
+    "Stop a `gg serve` subprocess (SIGTERM: a graceful shutdown), killing it if it takes too long."
+    proc.terminate()
+    try: proc.wait(timeout=20)
+    except subprocess.TimeoutExpired: proc.kill()
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    "`gg serve` in a subprocess on a free loopback port (the engine in its own process, as by default)."
+    proc, url = start_gg_serve(tiny["ckpt"], "--max-batch-size", "8")
+    try: yield dict(url=url, proc=proc, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
+    finally: stop(proc)
 
 def reference(tiny, prompt_ids, n):
     "What `generate` (the code behind `gg generate`) makes of one prompt alone, greedy."
@@ -314,14 +322,8 @@ def test_engine_process_errors_are_one_line(tmp_path):
 
 def test_a_dead_engine_process_fails_requests_cleanly(tiny):
     "When the engine process dies, a running stream ends with an error event and new requests get a 503."
-    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("GG_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(tiny["ckpt"]),
-                             "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_gg_serve(tiny["ckpt"])
     try:
-        wait_ready(url, proc)
         pid = httpx.get(f"{url}/health").json()["pid"]
         assert pid != proc.pid
         body = {"model": "tiny-instruct", "prompt": "def main(", "max_tokens": MAX_LEN - 8, "stream": True, "ignore_eos": True,
@@ -335,7 +337,20 @@ def test_a_dead_engine_process_fails_requests_cleanly(tiny):
         assert _error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x"}), 503)["code"] == "unavailable"
         assert httpx.get(f"{url}/health").status_code == 503
         assert proc.poll() is None                                   # the web server stays up and says why
-    finally:
-        proc.terminate()
-        try: proc.wait(timeout=20)
-        except subprocess.TimeoutExpired: proc.kill()
+    finally: stop(proc)
+
+def test_engine_process_queue_limit(tiny):
+    "With the engine in its own process the web server counts what is in flight: a full queue is a 429, then it drains."
+    proc, url = start_gg_serve(tiny["ckpt"], "--max-batch-size", "1", "--max-queue", "1")
+    try:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        def ask(_):
+            try: return c.completions.create(model="tiny-instruct", prompt="def f(", max_tokens=MAX_LEN - 8,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+            except openai.RateLimitError as e: return e.status_code
+        with ThreadPoolExecutor(6) as ex: res = list(ex.map(ask, range(6)))
+        assert res.count(429) >= 1 and res.count(MAX_LEN - 8) >= 2, res       # 1 running + 1 waiting; the rest refused
+        h = httpx.get(f"{url}/health").json()
+        assert (h["running"], h["waiting"], h["rejected"]) == (0, 0, res.count(429)), h
+        assert ask(0) == MAX_LEN - 8                                    # room again once they are done
+    finally: stop(proc)
