@@ -189,7 +189,7 @@ def bench_model(name: str, ckpt: str, args, engine: str = "process") -> dict:
     base = out[args.concurrency[0]]["tokens_per_s"]
     for c in out: out[c]["speedup"] = out[c]["tokens_per_s"] / base
     out["stream_interval"], out["engine"] = interval, engine
-    print(f"\n{name} ({ckpt}); engine: {engine}; stream interval {interval['tokens']} tokens or {interval['ms']:g} ms (all levels); engine: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
+    print(f"\n{name} ({ckpt}); --engine {engine}; stream interval {interval['tokens']} tokens or {interval['ms']:g} ms (all levels); engine: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
     print(f"{'clients':>8} {'tokens/s':>10} {'x one':>7} {'TTFT median':>12} {'TTFT p90':>9} {'server CPU/token':>17} "
           f"{'(engine process)':>17} {'client CPU/token':>17}")
     for c, r in ((c, r) for c, r in out.items() if isinstance(c, int)):

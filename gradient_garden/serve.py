@@ -38,8 +38,8 @@ __all__ = ['log', 'STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'LOOPBACK_NAME
            'TextPart', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'APIError', 'validation_error',
            'parse_body', 'StreamInterval', 'Served', 'chat_prompt', 'completion_prompts', 'check_request',
            'sampling_params', 'LoopWaker', 'loop_waker', 'RequestRun', 'collect_run', 'chat_page', 'create_app',
-           'is_loopback', 'add_serve_args', 'load_engine', 'EngineHost', 'engine_args', 'engine_process_main',
-           'EngineClient', 'load_served', 'run_serve']
+           'is_loopback', 'add_serve_args', 'engine_info', 'load_engine', 'EngineHost', 'engine_args',
+           'engine_process_main', 'EngineClient', 'load_served', 'run_serve']
 
 # %% ../nbs/60_serve.ipynb #da3336b8
 class TextStream:
@@ -913,6 +913,11 @@ def _chat_template_in(folder) -> bool:
     cfg = folder/"tokenizer_config.json"
     return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
 
+def engine_info(engine: BatchEngine, model_id: str, chat: bool, tokenizer: TokenizerConfig | None) -> dict:
+    "What the web server needs to know of an engine it does not hold: names, limits, the tokenizer to load."
+    return dict(model_id=model_id, chat=chat, tokenizer=tokenizer, max_len=engine.max_len, vocab_size=engine.vocab_size,
+                max_batch_size=engine.max_batch_size, max_queue=engine.max_queue)
+
 def load_engine(args) -> tuple[BatchEngine, dict]:
     "Model, tokenizer and engine for the flags of `gg serve`, and what the web server needs to know of them."
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
@@ -930,8 +935,7 @@ def load_engine(args) -> tuple[BatchEngine, dict]:
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
     engine = BatchEngine(model, tokenizer, args.max_batch_size, args.max_queue, precision)
-    return engine, dict(model_id=args.model_name or name, chat=chat, tokenizer=tok_cfg, max_len=engine.max_len,
-                        vocab_size=engine.vocab_size, max_batch_size=engine.max_batch_size, max_queue=engine.max_queue)
+    return engine, engine_info(engine, args.model_name or name, chat, tok_cfg)
 
 # %% ../nbs/60_serve.ipynb #ff292744
 class EngineHost:
