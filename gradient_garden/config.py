@@ -43,7 +43,7 @@ class RuntimeConfig:
     num_workers: int = 0        # background threads that prepare (and pin) the next batches
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 26_activation_checkpointing
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 42_activation_checkpointing
 
 # %% ../nbs/00_config.ipynb #117522bf
 @dataclass
