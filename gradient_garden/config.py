@@ -44,6 +44,9 @@ class RuntimeConfig:
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 42_activation_checkpointing
+    collective_timeout_s: float = 120.0        # a rank waiting longer in a collective ends the run (training steps)
+    long_collective_timeout_s: float = 1800.0  # the same for start-up, the first step, validation, evals, checkpoints
+    flight_recorder: int = 2000                # NCCL flight-recorder entries per rank, dumped on a timeout (0: off)
 
 # %% ../nbs/00_config.ipynb #117522bf
 @dataclass
@@ -406,7 +409,8 @@ def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
         for p in ["min_delta", "skip_steps"]: _in(f"training.early_stopping.{p}", getattr(es, p), 0)
     _check_optimizer_ranges(cfg.optimizers)
     _in("checkpointing.keep_last", cfg.checkpointing.keep_last, 1, note=" (the checkpoint just written is always kept)")
-    _in("runtime.num_workers", cfg.runtime.num_workers, 0)
+    _in("runtime.num_workers", cfg.runtime.num_workers, 0); _in("runtime.flight_recorder", cfg.runtime.flight_recorder, 0)
+    for p in ["collective_timeout_s", "long_collective_timeout_s"]: _in(f"runtime.{p}", getattr(cfg.runtime, p), 0, lo_open=True)
     g, ev = cfg.generation, cfg.evals
     _in("generation.every", g.every, 0); _in("generation.max_gen_len", g.max_gen_len, 1)
     _in("generation.temperature", g.temperature, 0); _in("generation.top_p", g.top_p, 0, 1, lo_open=True)

@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         else: time.sleep(1.0)  # torchrun ends the other workers once one exits: let rank 0 say it first
         return 2
     except RuntimeError as e:
+        if type(e).__name__ == "CollectiveTimeout":   # a rank stopped answering: one line, by the rank that saw it first
+            if e.first: print(f"error: {e}", file=sys.stderr)
+            tell_torchrun(1, "exit status 1: a collective timed out; the 'error:' line above names the rank that stopped answering")
+            sys.stdout.flush(); sys.stderr.flush(); os._exit(1)   # no teardown: it would wait for the missing rank
         if type(e).__name__ != "CheckpointWriteError": raise
         if rank == 0: print(f"error: {e}", file=sys.stderr)  # rank 0's reason, raised on every rank
         tell_torchrun(1, "exit status 1: a checkpoint was not written; the 'error:' line above says why and names the last intact one")

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
-from .distributed import barrier, is_fsdp
+from .distributed import DistEnv, agree, barrier, is_fsdp
 from ..models.tendril import unwrap_model
 
 # %% auto #0
@@ -208,14 +208,14 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
 class CheckpointManager:
     "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
     def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
-                 raise_failures: bool = False):
+                 raise_failures: bool = False, group=None):
         if keep_last < 1: raise ConfigError(f"checkpointing.keep_last: got {keep_last}; must be >= 1")
         self.dir, self.keep_last, self.keep_best, self.async_save = Path(ckpt_dir), keep_last, keep_best, async_save
         self._val_loss: dict[str, float | None] = {}
         self.pending = None       # the asynchronous save in flight: (future, tmp dir, final dir, meta)
         self.failures: list[str] = []  # one line per background write that failed
         self.raise_failures = raise_failures  # a failed background write raises `CheckpointWriteError` (else: a warning)
-        self._group = None
+        self._group = group   # the gloo group of background writes (`DistEnv.checkpoint_group`, made at start)
 
     def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
 
@@ -416,9 +416,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 @patch
 def _checkpoint_group(self: CheckpointManager):
-    "A gloo process group of its own for background saves (None in one process)."
+    "The gloo process group of background saves (None in one process); made here only if the caller gave none."
     if not (dist.is_initialized() and dist.get_world_size() > 1): return None
-    if self._group is None: self._group = dist.new_group(backend="gloo")
+    if self._group is None: self._group = dist.new_group(backend="gloo")   # every rank saves together, so every rank makes it
     return self._group
 
 @patch
@@ -487,9 +487,12 @@ def wait(self: CheckpointManager) -> Path | None:
     return final
 
 @patch
-def poll(self: CheckpointManager) -> Path | None:
-    "Commit the save in flight if its background write has finished; never blocks."
-    return self.wait() if self.pending is not None and self.pending[0].done() else None
+def poll(self: CheckpointManager, env: DistEnv | None = None) -> Path | None:
+    "Commit the save in flight once its background write has finished on every rank of `env` (agreed on the CPU group); never blocks."
+    if self.pending is None: return None
+    busy = not self.pending[0].done()
+    if env is not None: busy = bool(agree(env, [int(busy)])[0])   # every rank commits (or reports a failure) at the same step
+    return None if busy else self.wait()
 
 # %% ../../nbs/44_checkpoints.ipynb #e3a5c389
 def consolidate_checkpoint(src, dst) -> Path:

@@ -5,7 +5,8 @@ parallelism to a model from the outside: DDP, or FSDP2's `fully_shard` per block
 
 # %% ../../nbs/43_distributed.ipynb #9e8e7ef7
 from __future__ import annotations
-import contextlib, datetime, os
+import contextlib, datetime, os, threading, time, traceback
+from pathlib import Path
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -22,8 +23,10 @@ try: from torch.distributed.tensor import DTensor
 except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
-__all__ = ['DistEnv', 'init_distributed', 'destroy_distributed', 'mesh_shape', 'build_mesh', 'apply_fsdp', 'parallelize',
-           'grad_sync', 'grad_norm', 'clip_grad_norm_', 'memory_footprint']
+__all__ = ['HANG_KEY', 'DistEnv', 'flight_recorder_env', 'init_distributed', 'destroy_distributed', 'set_collective_timeout',
+           'agree', 'CollectiveTimeout', 'is_collective_timeout', 'collective_of', 'stuck_ranks_line',
+           'watch_collectives', 'mesh_shape', 'build_mesh', 'apply_fsdp', 'parallelize', 'grad_sync', 'grad_norm',
+           'clip_grad_norm_', 'memory_footprint']
 
 # %% ../../nbs/43_distributed.ipynb #6d8b29ce
 @dataclass
@@ -35,6 +38,8 @@ class DistEnv:
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
+    cpu_group: object = None         # gloo: the host-side agreements of every step (stop requests, finished saves)
+    checkpoint_group: object = None  # gloo: background checkpoint writes, apart from the training loop's collectives
 
     @property
     def is_main(self) -> bool: return self.rank == 0
@@ -42,8 +47,18 @@ class DistEnv:
     def distributed(self) -> bool: return self.world_size > 1
 
 # %% ../../nbs/43_distributed.ipynb #da30f5fd
-def init_distributed(runtime: RuntimeConfig | None = None) -> DistEnv:
-    "Initialise the process group from torchrun's environment (NCCL on CUDA, gloo on CPU), or run as one process."
+def flight_recorder_env(runtime: RuntimeConfig, dump_dir) -> dict:
+    "NCCL's flight recorder: the last `runtime.flight_recorder` collectives of each rank, dumped to `dump_dir/rank_<N>` on a timeout."
+    n = runtime.flight_recorder
+    if not n or dump_dir is None: return {}
+    prefix = str(Path(dump_dir)/"rank_")   # torch appends the rank
+    return {"TORCH_FR_BUFFER_SIZE": str(n), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(n), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+_GROUPS: dict = {}   # the default group's id -> (cpu group, checkpoint group): made once per process group
+
+def init_distributed(runtime: RuntimeConfig | None = None, run_dir=None) -> DistEnv:
+    "Initialise the process group from torchrun's environment (NCCL on CUDA, gloo on CPU) and every group the run needs, or run as one process."
     runtime = runtime or RuntimeConfig()
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -52,16 +67,124 @@ def init_distributed(runtime: RuntimeConfig | None = None) -> DistEnv:
     backend = runtime.backend if runtime.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda": torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30),
+        fr = flight_recorder_env(runtime, None if run_dir is None else Path(run_dir)/"flight_recorder")
+        if fr: Path(fr["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+        for k, v in fr.items(): os.environ.setdefault(k, v)   # the user's own settings win
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=runtime.long_collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _GROUPS:   # made now, on every rank together, not at the first save or signal
+        _GROUPS[key] = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world)
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world, *_GROUPS[key])
 
 def destroy_distributed():
     "Tear down the process group if there is one, after every rank has arrived (no rank exits mid-collective)."
     if dist.is_initialized():
         dist.barrier()
+        _GROUPS.pop(id(dist.distributed_c10d._get_default_group()), None)
         dist.destroy_process_group()
+
+
+# %% ../../nbs/43_distributed.ipynb #6370359e
+_TIMEOUT_S = [None]   # the collective timeout in force, for the message of a rank that waited it out
+
+def set_collective_timeout(env: DistEnv, seconds: float):
+    "Collectives on every process group of the run except the checkpoint group fail after `seconds` (a no-op alone)."
+    if not (env.distributed and dist.is_initialized()) or _TIMEOUT_S[0] == seconds: return
+    for g in list(dist.distributed_c10d._world.pg_map):
+        if g is not env.checkpoint_group: dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), g)
+    _TIMEOUT_S[0] = seconds
+
+# %% ../../nbs/43_distributed.ipynb #0d998b40
+def agree(env: DistEnv, flags: list[int]) -> list[int]:
+    "Each integer flag's largest value over all ranks, through the CPU group (host memory only: it never waits for the device)."
+    if not env.distributed: return list(flags)
+    t = torch.tensor(flags, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=env.cpu_group)
+    return t.tolist()
+
+# %% ../../nbs/43_distributed.ipynb #ee0275d7
+class CollectiveTimeout(RuntimeError):
+    "A collective timed out; the message names the ranks that stopped answering (`first`: this rank says it)."
+    def __init__(self, msg: str, first: bool = True):
+        super().__init__(msg); self.first = first
+
+HANG_KEY = "gradient_garden/hang"
+
+def is_collective_timeout(e: BaseException) -> bool:
+    "True for the error of a collective that waited out its timeout (gloo's or NCCL's)."
+    s = str(e)
+    return isinstance(e, RuntimeError) and ("Timed out waiting" in s or "Watchdog caught collective operation timeout" in s
+                                            or "timed out" in s.lower() and "collective" in s.lower())
+
+def _ranks(rs: list[int]) -> str:
+    "`rank 3`, `ranks 3, 5` or `12 ranks (3, 5, 6, 7, ...)`."
+    if len(rs) == 1: return f"rank {rs[0]}"
+    if len(rs) <= 4: return "ranks " + ", ".join(map(str, rs))
+    return f"{len(rs)} ranks ({', '.join(map(str, rs[:4]))}, ...)"
+
+def collective_of(e: BaseException) -> str:
+    "The collective an error came from and the function of ours that called it, e.g. `all_reduce in train_step`."
+    frames = traceback.extract_tb(e.__traceback__)
+    torch_f = [f for f in frames if f"{os.sep}torch{os.sep}" in f.filename]
+    ours = [f for f in frames if "gradient_garden" in f.filename]
+    what = next((f.name for f in reversed(torch_f) if f"{os.sep}distributed{os.sep}" in f.filename), None)
+    what = what or (torch_f[-1].name if torch_f else "a collective")
+    return what + (f" in {ours[-1].name}" if ours else "")
+
+# %% ../../nbs/43_distributed.ipynb #5dd6ffa2
+def stuck_ranks_line(store, env: DistEnv, where: str, grace_s: float = 3.0) -> tuple[str, bool]:
+    "Publish where this rank waited, wait `grace_s` for the others; (the run's one line, whether this rank published it)."
+    keys = [f"{HANG_KEY}/{r}" for r in range(env.world_size)]
+    store.set(keys[env.rank], where)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not store.check(keys): time.sleep(0.05)
+    waited = [r for r in range(env.world_size) if store.check([keys[r]])]
+    stuck = [r for r in range(env.world_size) if r not in waited]
+    t = f"{_TIMEOUT_S[0]:g} s" if _TIMEOUT_S[0] else "the timeout"
+    line = (f"{_ranks(stuck) if stuck else 'no rank'} stopped answering: {_ranks(waited)} waited {t} in {where} "
+            f"(runtime.collective_timeout_s)")
+    got = store.compare_set(f"{HANG_KEY}/line", "", line)
+    got = got.decode() if isinstance(got, bytes) else got
+    return got, got == line
+
+# %% ../../nbs/43_distributed.ipynb #07d37d7b
+@contextlib.contextmanager
+def watch_collectives(env: DistEnv, step: callable = lambda: None, poll_s: float = 1.0, grace_s: float = 3.0):
+    "Inside: a timed-out collective becomes `CollectiveTimeout` naming the stuck ranks; a stuck rank exits when told."
+    if not (env.distributed and dist.is_initialized()): yield; return
+    store, done, reporting = dist.distributed_c10d._get_default_store(), threading.Event(), threading.Event()
+    def watcher():   # a rank outside any collective learns here that the others gave up on it
+        while not done.wait(poll_s):
+            try: told = store.check([f"{HANG_KEY}/line"])
+            except Exception: told = True   # the store (rank 0's agent) is gone: so is the run
+            if told and not reporting.is_set():
+                os.write(2, f"rank {env.rank}: ending: the other ranks timed out waiting for it\n".encode()); os._exit(1)
+    threading.Thread(target=watcher, daemon=True, name="gg-collective-watch").start()
+    try: yield
+    except RuntimeError as e:
+        told = _told(store)
+        if not (is_collective_timeout(e) or told): raise
+        reporting.set()
+        if told and not is_collective_timeout(e): raise CollectiveTimeout(told, first=False) from None  # a peer said it
+        s = step()
+        line, first = stuck_ranks_line(store, env, collective_of(e) + (f" at step {s}" if s is not None else ""), grace_s)
+        _dump_flight_recorder(env)
+        raise CollectiveTimeout(line, first) from None
+    finally: done.set()
+
+def _told(store) -> str | None:
+    "The run's hang line if a rank has published it."
+    try: return store.get(f"{HANG_KEY}/line").decode() if store.check([f"{HANG_KEY}/line"]) else None
+    except Exception: return None
+
+def _dump_flight_recorder(env: DistEnv):
+    "Write NCCL's flight-recorder buffer where `TORCH_FR_DUMP_TEMP_FILE` says (NCCL runs; best effort)."
+    dump, prefix = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None), os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if env.backend != "nccl" or dump is None or not prefix: return
+    try: Path(f"{prefix}{env.rank}").write_bytes(dump())
+    except Exception: pass
 
 # %% ../../nbs/43_distributed.ipynb #b7861247
 def mesh_shape(runtime: RuntimeConfig, world_size: int, local_world_size: int | None = None) -> tuple[int, int]:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
-from .distributed import DistEnv, init_distributed, parallelize, barrier, broadcast_object, all_reduce
+from .distributed import (DistEnv, agree, init_distributed, parallelize, barrier, broadcast_object,
+                                                watch_collectives)
 from ..runtime import resolve_precision, write_text_atomic
 from .trainer import Trainer, write_snapshot, seed_everything, estimate_workload
 from .plan import check_fit
@@ -76,12 +77,12 @@ class StopRequest:
         for s, h in self._old.items(): signal.signal(s, h)
         self._old = {}
 
-    def agreed(self, device=torch.device("cpu")) -> bool:
-        "True on every rank when any rank has been asked to stop (a collective: call it on all ranks)."
-        if not (dist.is_available() and dist.is_initialized()): return self.signum is not None  # no device read alone
-        flag = all_reduce(torch.tensor(float(self.signum or 0), device=device), "max")
-        if flag.item() and self.signum is None: self.signum = int(flag.item())  # a peer rank was signalled
-        return bool(flag.item())
+    def agreed(self, env: DistEnv | None = None) -> bool:
+        "True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of them)."
+        if env is None or not env.distributed: return self.signum is not None
+        flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
+        if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
+        return bool(flag)
 
 # %% ../../nbs/47_run.ipynb #5776a0ab
 def _pid_running(pid: int) -> bool:
@@ -240,7 +241,7 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
                  reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
     "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."
     load_dotenv()
-    env = init_distributed(cfg.runtime)
+    env = init_distributed(cfg.runtime, cfg.run_dir)   # the flight recorder dumps under the run directory
     requested = cfg.runtime.precision
     cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
     if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
@@ -277,6 +278,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
                                                        precision=precision,
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()
-    with StopRequest() as stop:
+    # a rank that stops answering ends the run within the collective timeout, with one line naming it
+    with StopRequest() as stop, watch_collectives(env, step=lambda: f"{trainer.state.step + 1}"):
         trainer.stop_request = stop
         return trainer.fit() | dict(run_dir=str(trainer.run_dir))

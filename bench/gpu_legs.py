@@ -1,0 +1,222 @@
+"""The legs of `bench/gpu.sh`, one per call: each writes one JSON object to the path it is given. `--smoke` runs the same
+code on the CPU at tiny shapes (gloo instead of NCCL, no torch.compile), so CI keeps the script from rotting.
+
+    python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke]   # each leg writes OUTDIR/LEG.json (legs: see LEGS)
+    python bench/gpu_legs.py summary OUTDIR [--smoke]         # one JSON line: every leg, MFU computed one way
+
+`bench/gpu.sh` runs each leg in a process of its own on a GPU; the CPU smoke run takes several in one process (one
+import of torch and the package instead of five).
+
+Every leg that trains or decodes reports `tokens_per_s`, `flops_per_token` and `ranks`; `summary` turns them into MFU
+against both the measured matmul peak and the datasheet, the same way for every leg.
+"""
+from __future__ import annotations
+import json, os, statistics, subprocess, sys, time
+from pathlib import Path
+import torch
+
+SMOKE = "--smoke" in sys.argv
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024",
+        "model.max_seq_len=64", "model.multiple_of=32", "training.seq_len=64", "training.micro_batch_size=2"]
+
+
+def device() -> torch.device: return torch.device("cpu" if SMOKE else "cuda")
+def sync(): torch.cuda.synchronize() if not SMOKE else None
+def dtype(): return torch.float32 if SMOKE else torch.bfloat16
+
+
+def config(recipe: str, extra=()):
+    "The recipe's config, shrunk to the smoke shapes on CPU."
+    from gradient_garden.config import load_config
+    over = [f"runtime.device={device().type}"] + ([*TINY, "runtime.compile=false", "runtime.precision=fp32"] if SMOKE else [])
+    return load_config(recipe=str(ROOT/recipe), overrides=over + list(extra))[0]
+
+
+def leg_peak() -> dict:
+    "The best bf16 matmul rate this device reaches (8192^2, or 512^2 fp32 in smoke mode) and its datasheet peak."
+    from gradient_garden.hardware import gpu_datasheet_flops, measure_matmul_peak
+    n = 512 if SMOKE else 8192
+    measured = measure_matmul_peak(device(), n, reps=3 if SMOKE else 20, dtype=dtype())
+    name = "cpu" if SMOKE else torch.cuda.get_device_name(0)
+    return dict(device=name, matmul_n=n, dtype=str(dtype()).split(".")[1], measured_peak_flops=measured,
+                datasheet_peak_flops=None if SMOKE else gpu_datasheet_flops(name, "bf16"))
+
+
+def leg_step(recipe: str, micro: int) -> dict:
+    "Timed training steps (forward, backward, optimizers) of RECIPE's model on random tokens; FSDP2 under torchrun."
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from gradient_garden.engine.distributed import apply_fsdp, grad_sync
+    from gradient_garden.engine.optim import build_optimizers
+    from gradient_garden.models.tendril import build_model, count_parameters, flops_per_token
+    cfg = config(recipe, [] if SMOKE else ["runtime.compile=true"])
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    fsdp = "LOCAL_RANK" in os.environ   # started by torchrun: FSDP2 over every rank, even one (NCCL all-gathers for real)
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if not SMOKE else device()
+    if not SMOKE: torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).to(dev)
+    if cfg.runtime.compile:
+        for block in model.layers: block.compile()
+    if fsdp:
+        dist.init_process_group("gloo" if SMOKE else "nccl", device_id=None if SMOKE else dev)
+        model = apply_fsdp(model, "fp32" if SMOKE else "bf16", init_device_mesh(dev.type, (world,)))
+    opts = build_optimizers(model, cfg.optimizers, dev.type)
+    T = cfg.training.seq_len
+    toks = torch.randint(0, cfg.model.vocab_size, (micro, T + 1), device=dev)
+    accum = 2 if SMOKE else max(1, min(8, cfg.training.total_batch_size // (micro * T * world)))
+    def step():
+        for i in range(accum):
+            with grad_sync(model, sync=i == accum - 1), torch.autocast(dev.type, dtype=dtype(), enabled=not SMOKE):
+                loss = model(toks[:, :-1], labels=toks[:, 1:]) / (micro * T * accum)
+            loss.backward()
+        for o in opts: o.step(); o.zero_grad(set_to_none=True)
+    step(); step(); sync()                       # compile and warm-up
+    if not SMOKE: torch.cuda.reset_peak_memory_stats()
+    n = 1 if SMOKE else 5
+    t0 = time.perf_counter()
+    for _ in range(n): step()
+    sync(); dt = time.perf_counter() - t0
+    res = dict(recipe=recipe, params=count_parameters(model), ranks=world, fsdp2=fsdp,
+               backend=(dist.get_backend() if fsdp else None), micro_batch=micro, seq_len=T, grad_accum=accum,
+               compiled=cfg.runtime.compile, tokens_per_s=n * accum * micro * T * world / dt,
+               flops_per_token=flops_per_token(cfg.model, T),
+               peak_mem_gib=None if SMOKE else round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    if fsdp: dist.destroy_process_group()
+    return res if rank == 0 else {}
+
+
+def synthetic_data(root: Path, vocab: int, n_tokens: int) -> dict:
+    "A small BPE and random-token train/val shards in `gg prepare`'s layout: `gg train` reads them as it reads real ones."
+    import numpy as np
+    from gradient_garden.data.prepare import SHARD_FORMAT, SHARD_VERSION
+    from gradient_garden.tokenizer import init_tokenizer, train_bpe
+    from gradient_garden.config import TokenizerConfig
+    text = [(ROOT/"README.md").read_text()] * 4 + [p.read_text() for p in sorted((ROOT/"gradient_garden").rglob("*.py"))]
+    train_bpe(text, vocab, root/"tokenizer")
+    tok = init_tokenizer(TokenizerConfig(path=str(root/"tokenizer")))
+    rng, d, splits = np.random.default_rng(0), root/"datasets"/"pretraining", {}
+    for split, n in (("train", n_tokens), ("val", n_tokens // 8)):
+        (d/split).mkdir(parents=True, exist_ok=True)
+        rng.integers(0, tok.vocab_size, n, dtype=np.uint16).tofile(d/split/"shard_00000.bin")
+        splits[split] = {"n_tokens": n, "documents": 1, "shards": [{"file": f"{split}/shard_00000.bin", "n_tokens": n}]}
+    (d/"meta.json").write_text(json.dumps({"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": "pretraining",
+                                           "dtype": "uint16", "tokenizer": {"identity": tok.identity, "name": "synthetic"},
+                                           "documents_begin_with_bos": False, "splits": splits}))
+    return dict(tokenizer=root/"tokenizer", datasets=root/"datasets")
+
+
+def leg_train(recipe: str, out_dir: Path) -> dict:
+    "A short `gg train` of RECIPE on synthetic shards: loader, accumulation, clipping, logging, validation, a checkpoint."
+    from gradient_garden.models.tendril import flops_per_token
+    steps = 6 if SMOKE else 30
+    data = synthetic_data(out_dir/"synthetic", 1024, 200_000 if SMOKE else 40_000_000)
+    sets = [f"tokenizer.path={data['tokenizer']}", f"paths.datasets={data['datasets']}", f"paths.runs={out_dir/'runs'}",
+            f"training.max_steps={steps}", "training.log_every=1", "evals.every=0", "generation.every=0",
+            f"validation.every={steps}", "validation.steps=2", f"checkpointing.every={steps}",
+            f"runtime.device={device().type}"]
+    sets += [*TINY, "runtime.compile=false", "runtime.precision=fp32", "training.total_batch_size=256"] if SMOKE else \
+            ["training.total_batch_size=131072"]          # 8 micro-batches of 16 x 1024 a step
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "gradient_garden.cli", "train", "--recipe", str(ROOT/recipe), "--set", *sets],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0: raise RuntimeError(f"gg train failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+    from gradient_garden.config import load_config
+    cfg, _ = load_config(recipe=str(ROOT/recipe), overrides=sets)
+    rows = [json.loads(l) for l in (cfg.run_dir/"metrics.jsonl").read_text().splitlines()]
+    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2]   # after compilation and warm-up
+    return dict(recipe=recipe, steps=steps, ranks=1, grad_accum=cfg.training.total_batch_size // (cfg.training.micro_batch_size * cfg.training.seq_len),
+                tokens_per_s=statistics.median(tps), flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len),
+                final_loss=rows[-1].get("loss"), val_loss=next((r["val_loss"] for r in rows if "val_loss" in r), None),
+                checkpoint=any((cfg.run_dir/"checkpoints").iterdir()), wall_s=round(wall, 1))
+
+
+def leg_decode() -> dict:
+    "Greedy decoding with the KV cache after a 128-token prompt (124M shape, bf16): tokens/s at batch 1 and 32."
+    from gradient_garden.models.tendril import build_model, flops_per_token
+    cfg = config("recipes/pretraining/tendril-124m.yaml")
+    model = build_model(cfg.model).to(device(), dtype()).eval()
+    prompt_len, new = (16, 8) if SMOKE else (128, 256)
+    res = dict(prompt_len=prompt_len, new_tokens=new, ranks=1)
+    for b in ((1, 4) if SMOKE else (1, 32)):
+        prompt = torch.randint(0, cfg.model.vocab_size, (b, prompt_len), device=device())
+        @torch.no_grad()
+        def run():
+            c = model.new_kv_cache(b, prompt_len + new)
+            tok = model(prompt, kv_cache=c, start_pos=0)[:, -1].argmax(-1, keepdim=True)
+            for i in range(new - 1): tok = model(tok, kv_cache=c, start_pos=prompt_len + i)[:, -1].argmax(-1, keepdim=True)
+        run(); sync()
+        t0 = time.perf_counter(); run(); sync()
+        res[f"batch{b}_tokens_per_s"] = b * new / (time.perf_counter() - t0)
+    res["tokens_per_s"] = res[f"batch{b}_tokens_per_s"]                      # the larger batch carries the MFU
+    res["flops_per_token"] = flops_per_token(cfg.model, prompt_len + new // 2) / 3   # a forward only: a third of training's
+    return res
+
+
+def leg_attention() -> dict:
+    "Causal SDPA (the Flash kernel on CUDA) forward + backward at the 124M attention shape; flex vs SDPA for packed documents."
+    B, H, T, D = (2, 4, 64, 16) if SMOKE else (16, 12, 1024, 64)
+    q, k, v = (torch.randn(B, H, T, D, device=device(), dtype=dtype(), requires_grad=True) for _ in range(3))
+    def run():
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True); o.sum().backward()
+    for _ in range(3): run()
+    sync(); n = 3 if SMOKE else 20
+    t0 = time.perf_counter()
+    for _ in range(n): run()
+    sync(); dt = (time.perf_counter() - t0) / n
+    res = dict(shape=[B, H, T, D], ranks=1, tokens_per_s=B * T / dt,
+               flops_per_token=3.5 * 2 * 2 * H * D * T / 2)   # QK^T and PV, causal half; backward 2.5x the forward
+    if SMOKE: res["flex_vs_sdpa"] = "skipped: torch has no flex_attention backward on CPU"
+    else:
+        r = subprocess.run([sys.executable, str(ROOT/"bench/flex_attention.py"), "--device", "cuda", "--dtype", "bf16",
+                            "--batch-size", "16", "--seq-len", "2048", "--dim", "768", "--n-layers", "12", "--doc-len", "300"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        res["flex_vs_sdpa"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else \
+            {"error": (r.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    return res
+
+
+LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention"]
+
+def summary(out_dir: Path) -> dict:
+    "Every leg's JSON (or its error) in one object; MFU = tokens/s x FLOPs/token / (peak x ranks), for both peaks."
+    res = {"smoke": SMOKE, "torch": torch.__version__, "install": (out_dir/"install.txt").read_text().strip()
+           if (out_dir/"install.txt").exists() else None}
+    for leg in LEGS:
+        p = out_dir/f"{leg}.json"
+        try: res[leg] = json.loads(p.read_text())
+        except Exception: res[leg] = {"error": "no result"}
+        log = next((p for p in (out_dir/f"{leg}.log", out_dir/"single.log") if p.exists()), None)
+        if "error" in res[leg] and log is not None: res[leg]["log_tail"] = log.read_text().strip().splitlines()[-3:]
+    peak = res["peak"]
+    for leg in LEGS[1:]:
+        r = res[leg]
+        if "tokens_per_s" in r and "flops_per_token" in r:
+            achieved = r["tokens_per_s"] * r["flops_per_token"] / r.get("ranks", 1)
+            for key, name in (("measured_peak_flops", "mfu_measured_peak"), ("datasheet_peak_flops", "mfu_datasheet")):
+                r[name] = round(achieved / peak[key], 4) if peak.get(key) else None
+    return res
+
+
+def run_leg(leg: str, out: Path) -> dict:
+    "Run one leg by its name in `LEGS` (the step legs take their recipe from the name); its result or its error."
+    try:
+        if leg == "peak": return leg_peak()
+        if leg in ("train_124m", "train_400m", "fsdp2_124m"):
+            return leg_step(f"recipes/pretraining/tendril-{leg.split('_')[-1]}.yaml", 16)
+        if leg == "gg_train_124m": return leg_train("recipes/pretraining/tendril-124m.yaml", out.parent)
+        return {"decode": leg_decode, "attention": leg_attention}[leg]()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--smoke"]
+    if args[0] == "summary": print(json.dumps(summary(Path(args[1])))); sys.exit(0)
+    out_dir, legs = Path(args[0]), args[1:]   # several legs in one process: one import of torch and the package
+    for leg in legs:
+        t0 = time.perf_counter()
+        res = run_leg(leg, out_dir/f"{leg}.json")
+        if res: (out_dir/f"{leg}.json").write_text(json.dumps(res | {"leg_s": round(time.perf_counter() - t0, 1)}))
