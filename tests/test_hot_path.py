@@ -396,25 +396,6 @@ def test_training_step_on_fake_cuda_has_no_device_mismatch():
     assert res["dense:fp32:host"].startswith("FakeTensorDeviceMismatchError"), res["dense:fp32:host"]
 
 
-# -- bench/gpu.sh: its training-step script runs (CPU smoke mode) -------------------------------------------------
-def test_gpu_bench_step_script_runs_on_cpu(tmp_path):
-    "The step script inside bench/gpu.sh, run on CPU without compile: accumulates as the recipe does, writes its JSON."
-    import re
-    root = Path(__file__).resolve().parent.parent
-    script = re.search(r"cat > \"\$OUT/step.py\" <<'PY'\n(.*?)\nPY\n", (root / "bench/gpu.sh").read_text(), re.S).group(1)
-    (tmp_path / "step.py").write_text(script)
-    for loss in ("auto", "eager"):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GG_BENCH_DEVICE": "cpu", "GG_BENCH_COMPILE": "0", "GG_LOSS_IMPL": loss}
-        r = subprocess.run([sys.executable, str(tmp_path / "step.py"), "recipes/pretraining/debug.yaml", str(tmp_path / f"{loss}.json"), "2"],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        res = json.loads((tmp_path / f"{loss}.json").read_text())
-        assert res["loss_impl"] == "eager" and res["tokens_per_s"] > 0 and 0 < res["mfu"] < 1, res
-        from gradient_garden.config import load_recipe
-        t = load_recipe(root / "recipes/pretraining/debug.yaml").config.training
-        assert res["grad_accum"] == max(1, t.total_batch_size // (2 * t.seq_len)), res    # the recipe's accumulation
-
-
 # -- packed documents on flex_attention ---------------------------------------------------------------------------------
 def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
     "`model.attention_backend: flex`: the BlockMask goes through compiled blocks, and the logits equal SDPA's dense mask."

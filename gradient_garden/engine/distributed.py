@@ -128,7 +128,7 @@ def collective_of(e: BaseException) -> str:
     "The collective an error came from and the function of ours that called it, e.g. `all_reduce in train_step`."
     frames = traceback.extract_tb(e.__traceback__)
     torch_f = [f for f in frames if f"{os.sep}torch{os.sep}" in f.filename]
-    ours = [f for f in frames if "gradient_garden" in f.filename]
+    ours = [f for f in frames if "gradient_garden" in f.filename and not f.filename.endswith(("runtime.py", "distributed.py"))]
     what = next((f.name for f in reversed(torch_f) if f"{os.sep}distributed{os.sep}" in f.filename), None)
     what = what or (torch_f[-1].name if torch_f else "a collective")
     return what + (f" in {ours[-1].name}" if ours else "")
@@ -159,8 +159,7 @@ def watch_collectives(env: DistEnv, step: callable = lambda: None, poll_s: float
         while not done.wait(poll_s):
             try: told = store.check([f"{HANG_KEY}/line"])
             except Exception: told = True   # the store (rank 0's agent) is gone: so is the run
-            if told and not reporting.is_set():
-                os.write(2, f"rank {env.rank}: ending: the other ranks timed out waiting for it\n".encode()); os._exit(1)
+            if told and not reporting.is_set(): os._exit(1)   # the line is said once, by a rank that waited
     threading.Thread(target=watcher, daemon=True, name="gg-collective-watch").start()
     try: yield
     except RuntimeError as e:

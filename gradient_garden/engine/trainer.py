@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ..config import GlobalConfig, grad_accum_steps
 from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precision
 from ..hardware import peak_flops
-from .distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object,
+from .distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object, set_collective_timeout,
                                                 clip_grad_norm_, all_gather_objects)
 from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state, CheckpointWriteError, write_failure_line)
@@ -118,6 +118,7 @@ class Trainer:
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
+        self._warm = False   # this session's first step is done: collectives get the short timeout
 
 # %% ../../nbs/47_trainer.ipynb #034012a4
 @patch
@@ -160,10 +161,11 @@ def _reads_host_after(self: Trainer, step: int) -> bool:
 # %% ../../nbs/47_trainer.ipynb #61f9a472
 @patch
 def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    "Forward and backward every micro-batch (gradients synchronised on the last); the summed loss and task metrics."
+    "Copy each host micro-batch to the device just before its forward and backward (gradients synchronised on the last); the summed loss and task metrics."
     loss_total = torch.zeros((), device=self.env.device, dtype=torch.float64)
     metric_sums: dict = {}
-    for i, batch in enumerate(batches):
+    for i, host in enumerate(batches):
+        batch = self._to_device(host)   # one micro-batch on the device at a time, copied without blocking the host
         with grad_sync(self.model, sync=i == len(batches) - 1):
             loss_sum, metrics, aux = self._forward_loss(batch)
             loss = loss_sum / count * self.env.world_size
@@ -188,13 +190,13 @@ def _optimizer_step(self: Trainer) -> torch.Tensor | None:
 # %% ../../nbs/47_trainer.ipynb #7f566551
 @patch
 def train_step(self: Trainer) -> dict:
-    "Read `grad_accum` micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
+    "Take `grad_accum` host micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
     cfg, dev = self.cfg, self.env.device
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
-    batches = [self._to_device(self.train_loader.next_batch()) for _ in range(self.grad_accum)]
-    local = torch.stack([sum(device_scalar(self.task.count(b), dev) for b in batches),
-                         device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
+    batches = [self.train_loader.next_batch() for _ in range(self.grad_accum)]   # host memory (pinned by a prefetching loader)
+    units = torch.stack([self.task.count(b) for b in batches]).double().sum()   # counted on the host, before any forward
+    local = torch.stack([device_scalar(units, dev), device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
     count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
     loss_total, metric_sums = self._micro_steps(batches, count)
     grad_norm = self._optimizer_step()
@@ -258,7 +260,7 @@ def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None
     c = self.cfg.checkpointing
     if self.ckpt_manager is None:
         self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
-                                              async_save=c.async_save, raise_failures=True)
+                                              async_save=c.async_save, raise_failures=True, group=self.env.checkpoint_group)
     if c.format == "sharded":  # every rank writes; dcp reports a failure on any rank to all of them
         app_state, meta = sharded_state(self.model, self.optimizers), self.checkpoint_meta()
         try: return self.ckpt_manager.save_sharded(self.state.step, app_state, meta, val_loss=val_loss)
@@ -343,11 +345,20 @@ def _flops_per_token(self: Trainer) -> float:
 @patch
 @contextlib.contextmanager
 def _untimed(self: Trainer):
-    "Leave the time spent inside (validation, evals, samples, checkpoints) out of the logged throughput and MFU."
+    "Leave the time spent inside (validation, evals, samples, checkpoints) out of the logged throughput and MFU; its collectives get the long timeout."
     sync = torch.cuda.synchronize if self.env.device.type == "cuda" else (lambda: None)
     sync(); t0 = time.perf_counter()           # the queued training work is billed to training, not to this
+    set_collective_timeout(self.env, self.cfg.runtime.long_collective_timeout_s)
     try: yield
-    finally: sync(); self._untimed_s += time.perf_counter() - t0
+    finally:
+        sync(); self._untimed_s += time.perf_counter() - t0
+        set_collective_timeout(self.env, self._step_timeout())
+
+@patch
+def _step_timeout(self: Trainer) -> float:
+    "The collective timeout of training steps: the long one until this session's first step is done (compilation, warm-up)."
+    rt = self.cfg.runtime
+    return rt.collective_timeout_s if self._warm else rt.long_collective_timeout_s
 
 @patch
 def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: float) -> dict:
@@ -365,6 +376,12 @@ def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, d
     self.state.val_history.append([step, val_loss])
     self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
     return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics
+
+@patch
+def _evals_due(self: Trainer, step: int, last: bool) -> bool:
+    "Whether `_evaluate_into` has work at `step`: the final evaluation, or scheduled evals."
+    e = self.cfg.evals
+    return (last and self.final_evaluate is not None) or bool(e.every and step % e.every == 0 and self.tokenizer is not None)
 
 @patch
 def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
@@ -426,6 +443,7 @@ def fit(self: Trainer) -> dict:
         with (prof if prof is not None else contextlib.nullcontext()):
             while self.state.step < t.max_steps:
                 out = self.train_step()
+                if not self._warm: self._warm = True; set_collective_timeout(env, cfg.runtime.collective_timeout_s)
                 if prof is not None: prof.step()
                 step, rec, val_loss = self.state.step, None, None
                 if step % t.log_every == 0 or step == t.max_steps or step == 1:
@@ -440,19 +458,21 @@ def fit(self: Trainer) -> dict:
                     progress.write(f"step {step}: val_loss {val_loss:.4f}")
                     if self.early and self.early.update(step, val_loss): stopped_early = True
                 last = step == t.max_steps or stopped_early
-                with self._untimed():
-                    rec = self._evaluate_into(step, last, rec)
-                    if g.every and step % g.every == 0 and self.tokenizer is not None: self._write_samples()
+                sample = bool(g.every and step % g.every == 0 and self.tokenizer is not None)
+                if self._evals_due(step, last) or sample:   # no device wait on the steps that do neither
+                    with self._untimed():
+                        rec = self._evaluate_into(step, last, rec)
+                        if sample: self._write_samples()
                 if rec is not None: logger.log(rec); latest.update(rec)
                 for cb in self.callbacks: cb(self, rec)
-                # one process reads its own flag; ranks agree (a collective, so a host read) where the loop reads anyway
-                if stop is not None and (not env.distributed or self._reads_host_after(step)) and stop.agreed(env.device):
+                # every step: one process reads its own flag; ranks agree through the CPU group, never waiting for the device
+                if stop is not None and stop.agreed(env):
                     stopped_by = stop.name
                     with self._untimed(): self.save_checkpoint(val_loss)
                     break
                 if c.every and (step % c.every == 0 or (last and c.save_final)):
                     with self._untimed(): self.save_checkpoint(val_loss)
-                elif self.ckpt_manager is not None: self.ckpt_manager.poll()  # commit a finished background save
+                elif self.ckpt_manager is not None: self.ckpt_manager.poll(env)  # commit a save finished on every rank
                 if stopped_early:
                     progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
                     break
