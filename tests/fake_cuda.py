@@ -138,12 +138,56 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
                 fused_adamw=all(g.get("fused") for o in tr.optimizers for g in o.param_groups if "fused" in g))
 
 
+def run_fit(precision: str) -> dict:
+    """A whole `fit()` of the dense model on fake CUDA: 8 steps, logging every 4, validation at 3 and 8, a checkpoint at 6.
+    Per step: `torch.cuda.synchronize` calls and host reads of a device value (`.item()`, `float()`, ...)."""
+    import torch
+    from unittest import mock
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from gradient_garden.engine import trainer as trainer_module
+    from gradient_garden.engine.checkpoints import CheckpointManager
+    from gradient_garden.engine.distributed import DistEnv
+    from gradient_garden.engine.trainer import Trainer
+    from test_hot_path import make_parts
+    from gradient_garden.models import tendril
+    tendril.LOSS_IMPL, tendril.LOSS_COMPILE_BACKEND = "compiled", "aot_eager"
+    cfg, model, task, loader, val_loader = make_parts("dense", max_steps=8, log_every=4)
+    cfg.runtime.device, cfg.runtime.precision = "cuda", precision
+    cfg.validation.enabled, cfg.validation.every, cfg.checkpointing.every, cfg.checkpointing.save_final = True, 3, 6, False
+    mode = FakeTensorMode()
+    to_fake_cuda(model, mode)
+    for ld in (loader, val_loader): ld.batches = [{k: mode.from_tensor(v) for k, v in b.items()} for b in ld.batches]
+    step, syncs, reads = [0], {}, {}
+    def read(fake_mode, func, arg):    # a host read of a device value: counted, answered with a number
+        reads[step[0]] = reads.get(step[0], 0) + 1
+        return 1.0 if arg.dtype.is_floating_point else 1
+    real_step = Trainer.train_step
+    def train_step(self):
+        step[0] = self.state.step + 1; out = real_step(self); return out
+    saved = []
+    with mode, mock.patch("torch.cuda.get_device_name", return_value="NVIDIA H100 80GB HBM3"), \
+            mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
+            mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False), \
+            mock.patch("torch.cuda.synchronize", side_effect=lambda *a: syncs.__setitem__(step[0], syncs.get(step[0], 0) + 1)), \
+            mock.patch.dict(fake_impls.op_implementations_dict, {torch.ops.aten._local_scalar_dense.default: read,
+                                                                  torch.ops.aten.item.default: read}), \
+            mock.patch.object(Trainer, "train_step", train_step), \
+            mock.patch.object(trainer_module, "rng_state", lambda: {}), \
+            mock.patch.object(trainer_module, "full_state", lambda m, o: ({}, {})), \
+            mock.patch.object(CheckpointManager, "save", lambda self, s, state, val_loss=None: saved.append(s) or self.path(s)):
+        tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)), log_to_console=False)
+        res = tr.fit()
+    return dict(steps=res["step"], saved=saved, synchronize=syncs, host_reads=reads)
+
+
 def main(cases: list[str]) -> dict:
     "Run each `kind:precision[:host]` case; its result, or the error it raised as 'ErrorType: message'."
     results = {}
     for case in cases:
         kind, precision, *bug = case.split(":")
-        try: results[case] = run_step(kind, precision, host_tensor_in_loss=bool(bug))
+        try: results[case] = run_fit(precision) if kind == "fit" else run_step(kind, precision, host_tensor_in_loss=bool(bug))
         except Exception as e: results[case] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return results
 

@@ -414,3 +414,21 @@ def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
     assert len(calls) == 2                                          # one per layer: flex, not SDPA
     with pytest.raises(NotImplementedError, match="cannot train on CPU"): flex(tokens, doc_ids=doc, labels=tokens)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="builds a small C++ library that fakes CUDA for autograd")
+def test_fit_on_fake_cuda_waits_on_the_device_only_when_asked():
+    """A whole `fit()` on fake CUDA (8 steps; logging at 1, 4, 8; validation at 3, 8; a checkpoint at 6): no
+    `torch.cuda.synchronize` and no host read of a device value on any other step (2, 5, 7)."""
+    from fake_cuda import build_library
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("fake_cuda.py")), str(build_library()), "fit:fp32", "fit:bf16"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for case, got in json.loads(r.stdout.strip().splitlines()[-1]).items():
+        assert isinstance(got, dict), f"{case}: {got}"
+        assert got["steps"] == 8 and got["saved"] == [6], got
+        busy = {1, 3, 4, 6, 8}
+        for what in ("synchronize", "host_reads"):
+            quiet = {int(s): n for s, n in got[what].items() if int(s) not in busy}
+            assert quiet == {}, (case, what, got[what])
+        assert set(map(int, got["host_reads"])) <= busy and got["host_reads"], got
