@@ -3,6 +3,7 @@ exit within the collective timeout plus a few seconds, with one line naming it a
 in, and the previous checkpoint stays intact; the process groups a run needs exist from its start."""
 import json, os, subprocess, sys, time
 from pathlib import Path
+import psutil
 import pytest
 from conftest import ROOT
 
@@ -38,15 +39,30 @@ def test_a_rank_that_hangs_ends_the_run_with_one_line(prepared, tmp_path):
     script, mark = tmp_path/"hang.py", tmp_path/"hung_at"
     script.write_text(HANG_RANK_1)
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-                        str(mark), "train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    ended = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+                             str(mark), "train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers, exited = {}, {}
+    while proc.poll() is None and time.time() - t0 < 300:   # when each rank's process ends
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if c.pid not in workers and "train" in c.cmdline(): workers[c.pid] = c
+            except psutil.Error: pass
+        for pid, c in workers.items():
+            if pid in exited: continue
+            try: gone = c.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess: gone = True
+            if gone: exited[pid] = time.time()
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=60)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    ended = max(exited.values(), default=time.time())
     hung = float(mark.read_text())
     lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert r.returncode != 0 and len(lines) == 1, r.stderr[-4000:]
     assert lines[0] == (f"error: rank 1 stopped answering: rank 0 waited {TIMEOUT_S} s in all_reduce in train_step at step 7 "
                         f"(runtime.collective_timeout_s)"), lines
+    assert len(workers) == 2 and len(exited) == 2, (workers, exited)
     assert ended - hung < TIMEOUT_S + 10, f"every rank exited {ended - hung:.1f} s after rank 1 hung"
     ck = tmp_path/"runs"/"pretraining"/"debug"/"checkpoints"
     assert [p.name for p in list_checkpoints(ck)] == ["step_0000004"]

@@ -151,7 +151,7 @@ def stuck_ranks_line(store, env: DistEnv, where: str, grace_s: float = 3.0) -> t
 
 # %% ../../nbs/43_distributed.ipynb #07d37d7b
 @contextlib.contextmanager
-def watch_collectives(env: DistEnv, step: callable = lambda: None, poll_s: float = 1.0, grace_s: float = 3.0):
+def watch_collectives(env: DistEnv, step: callable = lambda: None, poll_s: float = 0.5, grace_s: float = 2.0):
     "Inside: a timed-out collective becomes `CollectiveTimeout` naming the stuck ranks; a stuck rank exits when told."
     if not (env.distributed and dist.is_initialized()): yield; return
     store, done, reporting = dist.distributed_c10d._get_default_store(), threading.Event(), threading.Event()
