@@ -15,7 +15,7 @@ from .schedules import learning_rate
 
 # %% auto #0
 __all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
-           'part_shapes', 'declared_splits', 'muon_lr', 'gathered_orthogonalise', 'Muon', 'ns_flops', 'orthogonalise',
+           'part_shapes', 'declared_splits', 'orthogonalise', 'muon_lr', 'gathered_orthogonalise', 'Muon', 'ns_flops',
            'orthogonalise_batched', 'assign_owners', 'muon_layout', 'exchange', 'distributed_orthogonalise',
            'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
 
@@ -78,10 +78,38 @@ def declared_splits(module: nn.Module, name: str):
     elif name != "weight": s = None
     return tuple(s) if s is not None else None
 
-# %% ../../nbs/41_optim.ipynb #5bf09247
+# %% ../../nbs/41_optim.ipynb #5cb09bf1
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-#| export
+def _ns(G: Tensor, group: dict) -> Tensor:
+    "Newton-Schulz of `G` with the group's settings."
+    return zeropower_via_newtonschulz(G, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                      NS_DTYPES[group.get("ns_dtype", "bf16")])
+
+def orthogonalise(G: Tensor, group: dict, split=None) -> Tensor:
+    "Newton-Schulz of the whole matrix `G`, or of each of its row blocks of sizes `split`, joined again."
+    if split is None: return _ns(G, group)
+    return torch.cat([_ns(b, group) for b in G.split(split, dim=-2)], dim=-2)
+
+# %% ../../nbs/41_optim.ipynb #41358efd
+def _local(t: Tensor) -> Tensor:
+    "This rank's part of `t`: the local shard of a DTensor, `t` itself otherwise."
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+def _sharded_dim(p: Tensor):
+    "`(tensor dim, mesh dim)` along which DTensor `p` is split over more than one rank, or None."
+    if DTensor is None or not isinstance(p, DTensor): return None
+    dims = [(pl.dim % p.ndim, i) for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1]
+    return dims[0] if dims else None
+
+def _row_offset(p: Tensor) -> int:
+    "Index of the first row (dim -2) of `p` that this rank holds: FSDP2 gives rank i the i-th `torch.chunk` of dim 0."
+    sd = _sharded_dim(p)
+    if sd is None or sd[0] != p.ndim - 2: return 0
+    d, i = sd
+    return p.device_mesh.get_local_rank(i) * -(-p.shape[d] // p.device_mesh.size(i))
+
+# %% ../../nbs/41_optim.ipynb #5bf09247
 def muon_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     "Muon's shape-dependent learning rate for an A x B weight (torch.optim.Muon's `adjust_lr_fn`)."
     A, B = shape[-2:]
@@ -148,16 +176,6 @@ def ns_flops(shape, steps: int = 5) -> int:
     return math.prod(batch) * steps * (4 * m * m * n + 2 * m ** 3)
 
 # %% ../../nbs/41_optim.ipynb #16435ec5
-def _ns(G: Tensor, group: dict) -> Tensor:
-    "Newton-Schulz of `G` with the group's settings."
-    return zeropower_via_newtonschulz(G, group["ns_steps"], group["ns_coefficients"], group["eps"],
-                                      NS_DTYPES[group.get("ns_dtype", "bf16")])
-
-def orthogonalise(G: Tensor, group: dict, split=None) -> Tensor:
-    "Newton-Schulz of the whole matrix `G`, or of each of its row blocks of sizes `split`, joined again."
-    if split is None: return _ns(G, group)
-    return torch.cat([_ns(b, group) for b in G.split(split, dim=-2)], dim=-2)
-
 def orthogonalise_batched(mats: list[Tensor], group: dict, splits) -> list[Tensor]:
     "`orthogonalise` of each matrix, with all blocks of one shape stacked into one Newton-Schulz call."
     blocks = [list(m.split(sp, dim=-2)) if sp is not None else [m] for m, sp in zip(mats, splits)]
@@ -215,23 +233,6 @@ def exchange(send: list[list[Tensor]], recv_shapes: list[list[tuple]], pg, dtype
     return [_unflat(b, ss) for b, ss in zip(out.split(out_sizes), recv_shapes)]
 
 # %% ../../nbs/41_optim.ipynb #60968240
-def _local(t: Tensor) -> Tensor:
-    "This rank's part of `t`: the local shard of a DTensor, `t` itself otherwise."
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
-
-def _sharded_dim(p: Tensor):
-    "`(tensor dim, mesh dim)` along which DTensor `p` is split over more than one rank, or None."
-    if DTensor is None or not isinstance(p, DTensor): return None
-    dims = [(pl.dim % p.ndim, i) for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1]
-    return dims[0] if dims else None
-
-def _row_offset(p: Tensor) -> int:
-    "Index of the first row (dim -2) of `p` that this rank holds: FSDP2 gives rank i the i-th `torch.chunk` of dim 0."
-    sd = _sharded_dim(p)
-    if sd is None or sd[0] != p.ndim - 2: return 0
-    d, i = sd
-    return p.device_mesh.get_local_rank(i) * -(-p.shape[d] // p.device_mesh.size(i))
-
 def _pad(t: Tensor, dim: int, size: int) -> Tensor:
     "`t` zero-padded along `dim` to `size`."
     if t.size(dim) == size: return t
@@ -297,6 +298,18 @@ def step(self: Muon, closure=None):
             _apply_update(p, O, group, sp)
     return loss
 
+# %% ../../nbs/41_optim.ipynb #46739fa3
+def _replica_group(model: nn.Module):
+    "The process group of a DDP-wrapped `model` (its ranks hold the same gradients), else None."
+    inner = getattr(model, "_orig_mod", model)
+    return inner.process_group if isinstance(inner, nn.parallel.DistributedDataParallel) else None
+
+def _declared_splits(model: nn.Module, names: list[str]) -> list:
+    "`declared_splits` of each named parameter of `model`."
+    found = {f"{mn}.{pn}" if mn else pn: declared_splits(m, pn) for mn, m in model.named_modules()
+             for pn, _ in m.named_parameters(recurse=False)}
+    return [found.get(n) for n in names]
+
 # %% ../../nbs/41_optim.ipynb #9fe77a63
 def _adamw_impl(fused: str, device_type: str) -> dict:
     "AdamW's implementation switch: fused on CUDA for `auto`, else foreach."
@@ -308,17 +321,6 @@ def muon_ns_dtype(setting: str, device_type: str) -> str:
     "`optimizers.muon.ns_dtype` resolved for the device: `auto` is bf16 on CUDA, fp32 elsewhere."
     if setting == "auto": return "bf16" if device_type == "cuda" else "fp32"
     return setting
-
-def _replica_group(model: nn.Module):
-    "The process group of a DDP-wrapped `model` (its ranks hold the same gradients), else None."
-    inner = getattr(model, "_orig_mod", model)
-    return inner.process_group if isinstance(inner, nn.parallel.DistributedDataParallel) else None
-
-def _declared_splits(model: nn.Module, names: list[str]) -> list:
-    "`declared_splits` of each named parameter of `model`."
-    found = {f"{mn}.{pn}" if mn else pn: declared_splits(m, pn) for mn, m in model.named_modules()
-             for pn, _ in m.named_parameters(recurse=False)}
-    return [found.get(n) for n in names]
 
 def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig, device_type: str = "cpu") -> list[torch.optim.Optimizer]:
     "AdamW for embeddings, output, vectors and adapters (and matrices unless Muon is on); Muon for hidden matrices."
