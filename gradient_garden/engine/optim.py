@@ -17,7 +17,7 @@ from .schedules import learning_rate
 __all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
            'part_shapes', 'declared_splits', 'orthogonalise', 'muon_lr', 'gathered_orthogonalise', 'Muon', 'ns_flops',
            'orthogonalise_batched', 'assign_owners', 'muon_layout', 'exchange', 'distributed_orthogonalise',
-           'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
+           'muon_rank_costs', 'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
 
 # %% ../../nbs/41_optim.ipynb #5e273563
 try: from torch.distributed.tensor import DTensor, Replicate
@@ -277,6 +277,21 @@ def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], split
         for q, ks in enumerate(per):
             if q != i_r: res.update(zip(ks, _unflat(outs[q][:sizes[q]], [local[k].shape for k in ks])))
     return [res[k] for k in range(n)]
+
+# %% ../../nbs/41_optim.ipynb #f13106cf
+def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5, ns_bytes: int = 2) -> dict:
+    "Busiest rank's Newton-Schulz FLOPs per step and the step's buffers beyond the shards, gathered and distributed."
+    splits = splits or [None] * len(shapes)
+    costs = [sum(ns_flops(q, ns_steps) for q in part_shapes(s, sp)) for s, sp in zip(shapes, splits)]
+    numel, world = [math.prod(s) for s in shapes], shard * replicate
+    gathered = {"ns_flops": sum(costs), "bytes": (4 * (shard > 1) + ns_bytes) * max(numel)}
+    if world == 1: return {"gathered": gathered, "distributed": dict(gathered)}
+    owner = assign_owners(costs, world)
+    busiest = lambda v: max(sum(x for x, o in zip(v, owner) if o == g) for g in range(world))
+    share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
+    per_rep = [sum(x for x, o in zip(share, owner) if o // shard == q) for q in range(replicate)]
+    buffers = 2 * busiest(numel) + (2 * max(per_rep) if shard > 1 else 0) + (replicate * max(per_rep) if replicate > 1 else 0)
+    return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs), "bytes": ns_bytes * buffers}}
 
 # %% ../../nbs/41_optim.ipynb #d3c01f5d
 @patch
