@@ -9,7 +9,7 @@ Newton-Schulz call under torch's `FlopCounterMode` (matmul FLOPs only). Newton-S
 `ns_dtype: auto` does on CPU. The machine may be shared: medians are reported.
 
     python bench/muon.py                    # 1, 2 and 4 ranks, about 2-4 minutes on 2 busy cores
-    python bench/muon.py --dim 512 --rounds 9
+    python bench/muon.py --dim 384 --rounds 9       # larger matrices
 
 The last line of stdout is one JSON object: `ns_flops_per_rank_ratio` (busiest rank / one process, for 2 and 4 ranks,
 distributed) and `step_time_ratio` (2 ranks FSDP2, distributed / gathered median step time), with the details.
@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--dim", type=int, default=192)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     return p.parse_args(argv)
 
