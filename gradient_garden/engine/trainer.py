@@ -277,6 +277,7 @@ class Trainer:
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
+        self._fetch_s, self.val_metrics = 0.0, {}           # seconds spent reading batches (rollouts); a task's validation metrics
 
 # %% ../../nbs/45_trainer.ipynb #034012a4
 @patch
@@ -351,7 +352,9 @@ def train_step(self: Trainer) -> dict:
     cfg, dev = self.cfg, self.env.device
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
+    t0 = time.perf_counter()
     batches = [self._to_device(self.train_loader.next_batch()) for _ in range(self.grad_accum)]
+    self._fetch_s += time.perf_counter() - t0   # an RL stage's rollouts: its update tokens/s leaves them out
     local = torch.stack([sum(device_scalar(self.task.count(b), dev) for b in batches),
                          device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
     count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
@@ -377,16 +380,21 @@ def validate(self: Trainer) -> float:
     dev, model = self.env.device, trainable(self.model)
     model.reset_router_stats()  # count validation routing only
     sums = torch.zeros(2, device=dev, dtype=torch.float64)   # loss, count: kept on the device, read once at the end
+    metric_sums: dict = {}   # kept only for tasks that report validation metrics (the RL stage's exact match)
     try:
         for b in self._val_batches:
             b = self._to_device(b)
             self._mark_supervised(b)
-            with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
+            with autocast_context(dev, self.cfg.runtime.precision): loss_sum, metrics = self.task.loss(self.model, b)
             sums = sums + torch.stack([loss_sum.double(), device_scalar(self.task.count(b), dev)])
+            if getattr(self.task, "reports_val_metrics", False):
+                for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + device_scalar(v, dev)
     finally: self.model.train()
     stats = model.router_stats()   # this rank's sums and counts: the engine adds them over ranks, the model never does
     self.router_metrics = model.router_metrics(None if stats is None else all_reduce(stats))
-    sums = all_reduce(sums)
+    keys = sorted(metric_sums)     # every rank reports the same keys
+    sums = all_reduce(torch.cat([sums, torch.stack([metric_sums[k] for k in keys])]) if keys else sums)
+    self.val_metrics = {f"val_{k}": (sums[2 + i] / sums[1]).item() for i, k in enumerate(keys)}
     return (sums[0] / sums[1]).item()
 
 # %% ../../nbs/45_trainer.ipynb #e8beebd6
@@ -514,9 +522,12 @@ def _untimed(self: Trainer):
 def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: float) -> dict:
     "The metrics row of a logged step: loss, learning rates, tokens/s and MFU over the interval, the step's other metrics."
     tps = tokens / seconds
-    return dict(step=self.state.step, loss=float(out["loss"]), tokens_per_s=tps,
-                mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
-                **{k: float(x) for k, x in out.items() if k not in ("loss", "n_units", "n_tokens")})
+    rec = dict(step=self.state.step, loss=float(out["loss"]), tokens_per_s=tps,
+               mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
+               **{k: float(x) for k, x in out.items() if k not in ("loss", "n_units", "n_tokens")})
+    if getattr(self.task, "rollouts", False): rec["update_tokens_per_s"] = tokens / max(seconds - self._fetch_s, 1e-9)
+    self._fetch_s = 0.0
+    return rec
 
 # %% ../../nbs/45_trainer.ipynb #77e0ebb3
 @patch
@@ -525,7 +536,7 @@ def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, d
     val_loss = self.validate()
     self.state.val_history.append([step, val_loss])
     self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
-    return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics
+    return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics | self.val_metrics
 
 @patch
 def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
@@ -567,8 +578,13 @@ class Progress:
         "One plain progress line for logged step `step`."
         done = (step - self.initial) / max(1e-9, time.perf_counter() - self.t0)
         eta = _duration((self.total - step) / done) if done > 0 else "?"
+        rl = "" if "reward_mean" not in rec else (
+            f" | reward {rec['reward_mean']:.3f} +- {rec['reward_std']:.3f} | zero-var {rec['zero_std_groups']:.0%} "
+            f"| len {rec['completion_len']:.1f} | clip {rec['clip_fraction']:.1%} | entropy {rec['entropy']:.2f}"
+            + (f" | kl {rec['kl']:.4f}" if "kl" in rec else "")
+            + f" | rollout {rec['rollout_tokens_per_s']:,.0f} tok/s | update {rec.get('update_tokens_per_s', 0):,.0f} tok/s")
         return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} | lr {rec.get('lr', 0):.2e} "
-                f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%} | ETA {eta}")
+                f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%}{rl} | ETA {eta}")
 
     def update(self, step: int, rec: dict | None = None):
         "Advance by one step; `rec` is the step's logged record, if it was logged."
