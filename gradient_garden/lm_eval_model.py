@@ -53,7 +53,7 @@ class GardenLM(TemplateLM):
         self.add_bos = _flag(add_bos)
         self.lead = default_prefix(tokenizer) if self.add_bos is None else [prefix_token_id(tokenizer)] * self.add_bos
         self.bos_text = tokenizer.decode([tokenizer.bos_id])
-        self.specials = set(tokenizer.special_ids.values())
+        self.specials = set(tokenizer.markup_tokens.values())
         if dist.is_available() and dist.is_initialized(): self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     @property

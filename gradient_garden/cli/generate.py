@@ -146,6 +146,8 @@ def export_tokenizer(cfg, tok_src) -> tuple:
 def run_export(args) -> int:
     "Run `gg export`: checkpoint -> Hugging Face Llama folder."
     out, dtype = Path(args.out), parse_dtype(args.dtype, "--dtype")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} is a file, not a folder; name a new or empty folder for the Hugging Face files")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"--out: {out} exists and is not empty; pass --force to write into it")
     model, cfg = load_model_from_checkpoint(args.checkpoint, "cpu", torch.float32, merge_lora=not args.lora_adapter)

@@ -5,7 +5,7 @@ flags, config resolution, the choice of data section, and the lines it prints.""
 
 # %% ../../nbs/51_cli_prepare.ipynb #32201581
 from __future__ import annotations
-import argparse, importlib, resource, sys
+import argparse, contextlib, fcntl, importlib, os, resource, socket, sys
 from pathlib import Path
 from ..config import ConfigError, GlobalConfig, apply_overrides, load_config
 from ..tokenizer import ensure_tokenizer
@@ -19,7 +19,7 @@ from ..tasks.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
 __all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
            'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_stage_hook',
            'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_pretraining_stage',
-           'run_prepare']
+           'run_prepare', 'prepare_lock']
 
 # %% ../../nbs/51_cli_prepare.ipynb #3b7a6eba
 def add_prepare_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -158,5 +158,22 @@ def run_prepare(args: argparse.Namespace) -> int:
         if not (args.recipe or args.config or args.stage or args.mix_file): return 0
     if getattr(args, "estimate_token_target", False): data_overrides = data_overrides + [estimate_token_target(cfg)]
     data = stage_data(args, recipe)
-    if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
-    return prepare_pretraining_stage(args, cfg, data, data_overrides)
+    with prepare_lock(cfg.paths.datasets):
+        if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
+        return prepare_pretraining_stage(args, cfg, data, data_overrides)
+
+# %% ../../nbs/51_cli_prepare.ipynb #210d0148
+@contextlib.contextmanager
+def prepare_lock(datasets_dir):
+    "Hold `<datasets_dir>/.prepare.lock` (an exclusive flock) while preparing; one line if another process holds it."
+    path = Path(datasets_dir)/".prepare.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"{path.parent}: another gg prepare is writing here ({f.read().strip() or 'pid unknown'}); "
+                              "wait for it to finish, or set another paths.datasets") from None
+        f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}"); f.flush()
+        try: yield path
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
