@@ -18,9 +18,11 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.engine.plan`: `plan(cfg, gpu=..., gpus_per_node=..., nodes=...)` answers before anything is allocated: per-rank memory for parameters, gradients, optimizer state and activations (with and without activation checkpointing) under one process, DDP, FSDP2 and HSDP; FLOPs per token; the token budget against Chinchilla; steps; and wall time at a stated or measured MFU. `gg plan` prints it and `gg train` runs the same fit check first.
 - `gradient_garden.engine.run`: From a resolved config to a finished run: process group, tokenizer, model (from scratch or a checkpoint), LoRA, parallelism, the stage's task and loaders, the trainer, and the run directory's files.
 - `gradient_garden.engine.schedules`: Pure functions from the step number to a learning rate: linear warmup, then cosine decay, or warmup-stable-decay with a linear, cosine or 1-sqrt cool-down.
-- `gradient_garden.engine.trainer`: One loop for every stage: gradient accumulation from a token budget, an exact mean over supervised tokens, mixed precision, clipping, validation on fixed batches, early stopping, generation and evals during training, metrics, W&B, the profiler, and checkpoints that resume exactly.
+- `gradient_garden.engine.telemetry`: What a run records and shows: the snapshot of what ran, metrics as JSON lines and W&B, the profiler, the progress line and the end-of-stage summary table.
+- `gradient_garden.engine.trainer`: One loop for every stage: gradient accumulation from a token budget, an exact mean over supervised tokens, mixed precision, clipping, validation on fixed batches, early stopping, generation and evals during training, and checkpoints that resume exactly.
 - `gradient_garden.evals`: HellaSwag, WinoGrande and ARC-Challenge scored the way lm-evaluation-harness scores them, in batches, split across ranks; plus `gg prepare` for the data and `gg evaluate` for a checkpoint.
 - `gradient_garden.generation`: Greedy, temperature, top-k and top-p sampling with a repetition penalty; batches of prompts of different lengths decoded together with left padding and a preallocated KV cache; stop tokens; a lean one-token decoding step for CPU; and `gg generate`.
+- `gradient_garden.hardware`: What a device can do: the dense datasheet peak of known GPUs, a measured matmul peak elsewhere, and the precision the matmuls actually run in.
 - `gradient_garden.lm_eval_model`: The platform's model registered with lm-evaluation-harness: `loglikelihood`, `loglikelihood_rolling` and `generate_until` on a native checkpoint, batched, with the platform's KV-cache generation.
 - `gradient_garden.models.attention`: Rotary position embeddings from precomputed tables, grouped-query attention on PyTorch's fused SDPA kernels (without copying the shared K/V heads where the kernel allows), causal / padding / packed-document masks, and a preallocated KV cache for decoding.
 - `gradient_garden.models.hf`: Export a Tendril as a Hugging Face Llama folder (`config.json`, safetensors weights, tokenizer files) that `transformers` loads as is, and import such a folder back into a Tendril; refuse what has no Llama equivalent.
@@ -34,6 +36,10 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.tasks.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the `pretraining` stage.
 - `gradient_garden.tasks.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document masking (or padding), a resumable loader, the `instruct` stage, and exact-match evaluation on held-out tasks.
 - `gradient_garden.tasks.stages`: `StageParts`: the task, the loaders and the final evaluation that a training stage (pretraining, instruct, DPO, or a plugin's) hands to the engine.
-- `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` — with the Llama 3 chat/control tokens, a chat renderer that says which tokens to train on, and a small BPE trained locally that both backends read."""
+- `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` — with the Llama 3 chat/control tokens, a chat renderer that says which tokens to train on, and a small BPE trained locally that both backends read.
+
+Modules:
+
+- `gradient_garden.engine.trainer`: One loop for every stage: gradient accumulation from a token budget, an exact mean over supervised tokens, mixed precision, clipping, validation on fixed batches, early stopping, generation and evals during training, and checkpoints that resume exactly. What a run records and shows (metrics, W&B, the profiler, the progress line, the summary table) is `45_telemetry`; the peaks MFU is quoted against are `06_hardware`."""
 
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_f
 from ..evals import TASKS, eval_source, prepare_evals
 from ..tasks.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
 from ..tasks.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
+from ..engine.plan import estimate_workload   # no trainer: the plan's arithmetic adds ~0.1 s to start-up
 
 # %% auto #0
 __all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
@@ -117,7 +118,6 @@ def prepare_other_stage(args, cfg: GlobalConfig, data: dict | None, data_overrid
 # %% ../../nbs/51_cli_prepare.ipynb #1f0cae22
 def estimate_token_target(cfg: GlobalConfig) -> str:
     "The `data.target_tokens` override of the Chinchilla budget (20 tokens per parameter) of `cfg`'s model, printed."
-    from gradient_garden.engine.trainer import estimate_workload  # lazy: the trainer adds ~75% to `gg prepare`'s import time (measured), for one flag
     est = estimate_workload(cfg)
     print(f"{est['parameters']:,} parameters -> Chinchilla target {est['chinchilla_tokens']:,} tokens "
           f"({est['chinchilla_steps']:,} steps of {cfg.training.total_batch_size:,} tokens)")
