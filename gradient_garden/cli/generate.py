@@ -16,7 +16,7 @@ from ..models.lora import lora_modules
 from ..engine.checkpoints import load_model_from_checkpoint
 
 # %% auto #0
-__all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'write_generations', 'prompt_format',
+__all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'prompt_format', 'write_generations',
            'run_generate', 'add_export_args', 'export_tokenizer', 'run_export']
 
 # %% ../../nbs/52_cli_generate.ipynb #62f81f33
@@ -78,6 +78,14 @@ def check_generate_args(args):
     if args.repetition_penalty <= 0: raise ConfigError(f"--repetition-penalty: got {args.repetition_penalty}; must be > 0")
     if args.batch_size <= 0: raise ConfigError(f"--batch-size: got {args.batch_size}; must be > 0")
 
+# %% ../../nbs/52_cli_generate.ipynb #c766f4e7
+def prompt_format(args, stage: str) -> tuple[bool, str]:
+    "(chat format?, why) for `gg generate`: the flags, else the checkpoint's stage (pretraining = plain text)."
+    if args.instruct: return True, "--instruct"
+    if args.raw: return False, "--raw"
+    if stage == "pretraining": return False, "a pretraining checkpoint; --instruct for the chat format"
+    return True, f"the checkpoint's stage is {stage}; --raw for plain text"
+
 # %% ../../nbs/52_cli_generate.ipynb #860de5be
 def write_generations(args, results: list[dict]) -> Path:
     "Write the flags and the (prompt, completion) pairs to `--output-file-name` as JSON, atomically."
@@ -85,13 +93,6 @@ def write_generations(args, results: list[dict]) -> Path:
     out = write_text_atomic(args.output_file_name, json.dumps(dict(settings=settings, results=results), indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {out}")
     return out
-
-def prompt_format(args, stage: str) -> tuple[bool, str]:
-    "(chat format?, why) for `gg generate`: the flags, else the checkpoint's stage (pretraining = plain text)."
-    if args.instruct: return True, "--instruct"
-    if args.raw: return False, "--raw"
-    if stage == "pretraining": return False, "a pretraining checkpoint; --instruct for the chat format"
-    return True, f"the checkpoint's stage is {stage}; --raw for plain text"
 
 def run_generate(args) -> int:
     "Run `gg generate`: load a checkpoint and its tokenizer, complete the prompts, print and save the results."
