@@ -14,12 +14,13 @@ from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_f
 from ..evals import TASKS, eval_source, prepare_evals
 from ..tasks.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
 from ..tasks.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
+from ..tasks.rl import DEFAULT_RL_SOURCES, prepare_rl
 from ..engine.plan import estimate_workload   # no trainer: the plan's arithmetic adds ~0.1 s to start-up
 
 # %% auto #0
 __all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
-           'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_stage_hook',
-           'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_lock',
+           'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_prepare_rl',
+           'run_stage_hook', 'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_lock',
            'prepare_pretraining_stage', 'run_prepare']
 
 # %% ../../nbs/51_cli_prepare.ipynb #3b7a6eba
@@ -91,9 +92,16 @@ def run_prepare_dpo(cfg: GlobalConfig, data: dict | None, args) -> int:
                                            getattr(args, "overwrite", False), getattr(args, "progress", True))))
     return 0
 
+def run_prepare_rl(cfg: GlobalConfig, data: dict | None, args) -> int:
+    "`gg prepare` hook of the rl stage: the recipe's prompts and held-out prompts into `paths.datasets/rl`."
+    print(stage_dir_line(prepare_stage_dir(cfg, data, "rl", prepare_rl, DEFAULT_RL_SOURCES,
+                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
+    return 0
+
 # %% ../../nbs/51_cli_prepare.ipynb #df7e5173
 STAGE_HOOKS = {"instruct": "gradient_garden.cli.prepare:run_prepare_instruct",
-               "dpo": "gradient_garden.cli.prepare:run_prepare_dpo"}
+               "dpo": "gradient_garden.cli.prepare:run_prepare_dpo",
+               "rl": "gradient_garden.cli.prepare:run_prepare_rl"}
 
 def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> int:
     "Hand preparation of a non-pretraining stage to the function named in `STAGE_HOOKS`."

@@ -162,7 +162,7 @@ def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool
     return ckpt
 
 # %% ../../nbs/44_checkpoints.ipynb #b2d76044
-STAGE_ORDER = ("pretraining", "instruct", "dpo")  # a later stage may start from an earlier one
+STAGE_ORDER = ("pretraining", "instruct", "dpo", "rl")  # a later stage may start from an earlier one
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
                 "tie_embeddings")
 MOE_SHAPE_FIELDS = ("n_experts", "n_shared_experts")

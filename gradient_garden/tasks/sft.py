@@ -233,7 +233,7 @@ def prepare_stage_dir(cfg: GlobalConfig, data: Optional[dict], stage: str, prepa
     if not overwrite and prepared_matches(out, _sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
         return done | dict(up_to_date=True)
     metas = prepare(data, cfg, out, tokenizer=tokenizer, progress=progress)
-    n = lambda m: m.get("n_conversations", m.get("n_pairs"))
+    n = lambda m: m.get("n_conversations", m.get("n_pairs", m.get("n_prompts")))
     return done | dict(up_to_date=False, train=n(metas["train"]), val=n(metas["val"]),
                        dropped=metas["train"]["dropped"] + metas["val"]["dropped"])
 
