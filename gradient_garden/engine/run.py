@@ -28,6 +28,7 @@ from ..tasks.stages import StageParts
 from ..tasks.pretraining import build_pretraining
 from ..tasks.sft import build_instruct
 from ..tasks.dpo import build_dpo
+from ..tasks.rl import build_rl, check_rl_start
 from ..tasks.distillation import wrap_with_distillation
 
 # %% auto #0
@@ -35,7 +36,7 @@ __all__ = ['STAGES', 'STOP_SIGNALS', 'RUN_RECORDS', 'register_stage', 'build_sta
            'run_contents', 'prepare_run_dir', 'build_run_model', 'run_training']
 
 # %% ../../nbs/48_run.ipynb #9b9b7322
-STAGES: dict[str, Callable] = {"pretraining": build_pretraining, "instruct": build_instruct, "dpo": build_dpo}
+STAGES: dict[str, Callable] = {"pretraining": build_pretraining, "instruct": build_instruct, "dpo": build_dpo, "rl": build_rl}
 
 def register_stage(name: str):
     "Decorator: register a stage builder `f(cfg, tokenizer, env, model) -> StageParts` under `name` (a plugin's stage)."
@@ -54,7 +55,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class StopRequest:
     "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
-    def __init__(self, signals=STOP_SIGNALS, debounce_s: float = 1.0):
+    def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None):
+        if debounce_s is None: debounce_s = 1.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # torchrun's echo of a keypress
         self.signals, self.debounce_s = signals, debounce_s
         self.signum, self.at, self._old = None, 0.0, {}
 
@@ -235,6 +237,7 @@ def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> 
         if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
             ckpt = load_checkpoint(checkpoint, optimizers=False)
     _check_start(cfg, start_step, ckpt)
+    if cfg.training.stage == "rl": check_rl_start(cfg, ckpt)   # a chat model, or plain prompts said so
     check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
     return tokenizer, ckpt
 

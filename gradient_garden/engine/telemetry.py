@@ -126,8 +126,13 @@ class Progress:
         "One plain progress line for logged step `step`."
         done = (step - self.initial) / max(1e-9, time.perf_counter() - self.t0)
         eta = format_duration((self.total - step) / done) if done > 0 else "?"
+        rl = "" if "reward_mean" not in rec else (   # the rl stage's figures
+            f" | reward {rec['reward_mean']:.3f} +- {rec['reward_std']:.3f} | zero-var {rec['zero_std_groups']:.0%} "
+            f"| len {rec['completion_len']:.1f} | clip {rec['clip_fraction']:.1%} | entropy {rec['entropy']:.2f}"
+            + (f" | kl {rec['kl']:.4f}" if "kl" in rec else "")
+            + f" | rollout {rec['rollout_tokens_per_s']:,.0f} tok/s | update {rec.get('update_tokens_per_s', 0):,.0f} tok/s")
         return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} | lr {rec.get('lr', 0):.2e} "
-                f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%} | ETA {eta}")
+                f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%}{rl} | ETA {eta}")
 
     def update(self, step: int, rec: dict | None = None):
         "Advance by one step; `rec` is the step's logged record, if it was logged."

@@ -119,6 +119,7 @@ class Trainer:
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
         self._warm = False   # this session's first step is done: collectives get the short timeout
+        self._fetch_s, self.val_metrics = 0.0, {}           # seconds spent reading batches (rollouts); a task's validation metrics
 
 # %% ../../nbs/47_trainer.ipynb #034012a4
 @patch
@@ -194,8 +195,10 @@ def train_step(self: Trainer) -> dict:
     cfg, dev = self.cfg, self.env.device
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
+    t0 = time.perf_counter()
     batches = [self.train_loader.next_batch() for _ in range(self.grad_accum)]   # host memory (pinned by a prefetching loader)
-    units = torch.stack([self.task.count(b) for b in batches]).double().sum()   # counted on the host, before any forward
+    self._fetch_s += time.perf_counter() - t0   # an RL stage's rollouts: its update tokens/s leaves them out
+    units = torch.stack([self.task.count(b) for b in batches]).double().sum()   # counted where the batches are, before any forward
     local = torch.stack([device_scalar(units, dev), device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
     count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
     loss_total, metric_sums = self._micro_steps(batches, count)
@@ -220,16 +223,21 @@ def validate(self: Trainer) -> float:
     dev, model = self.env.device, trainable(self.model)
     model.reset_router_stats()  # count validation routing only
     sums = torch.zeros(2, device=dev, dtype=torch.float64)   # loss, count: kept on the device, read once at the end
+    metric_sums: dict = {}
     try:
         for b in self._val_batches:
             b = self._to_device(b)
             self._mark_supervised(b)
-            with autocast_context(dev, self.cfg.runtime.precision): loss_sum, _ = self.task.loss(self.model, b)
+            with autocast_context(dev, self.cfg.runtime.precision): loss_sum, metrics = self.task.loss(self.model, b)
             sums = sums + torch.stack([loss_sum.double(), device_scalar(self.task.count(b), dev)])
+            if getattr(self.task, "reports_val_metrics", False):   # the RL stage's held-out exact match and pass@k
+                for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + device_scalar(v, dev)
     finally: self.model.train()
     stats = model.router_stats()   # this rank's sums and counts: the engine adds them over ranks, the model never does
     self.router_metrics = model.router_metrics(None if stats is None else all_reduce(stats))
-    sums = all_reduce(sums)
+    keys = sorted(metric_sums)     # every rank reports the same keys
+    sums = all_reduce(torch.cat([sums, torch.stack([metric_sums[k] for k in keys])]) if keys else sums)
+    self.val_metrics = {f"val_{k}": (sums[2 + i] / sums[1]).item() for i, k in enumerate(keys)}
     return (sums[0] / sums[1]).item()
 
 # %% ../../nbs/47_trainer.ipynb #e8beebd6
@@ -364,9 +372,12 @@ def _step_timeout(self: Trainer) -> float:
 def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: float) -> dict:
     "The metrics row of a logged step: loss, learning rates, tokens/s and MFU over the interval, the step's other metrics."
     tps = tokens / seconds
-    return dict(step=self.state.step, loss=float(out["loss"]), tokens_per_s=tps,
-                mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
-                **{k: float(x) for k, x in out.items() if k not in ("loss", "n_units", "n_tokens")})
+    rec = dict(step=self.state.step, loss=float(out["loss"]), tokens_per_s=tps,
+               mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
+               **{k: float(x) for k, x in out.items() if k not in ("loss", "n_units", "n_tokens")})
+    if getattr(self.task, "rollouts", False): rec["update_tokens_per_s"] = tokens / max(seconds - self._fetch_s, 1e-9)
+    self._fetch_s = 0.0   # rollouts happen while reading batches: update tokens/s leaves them out
+    return rec
 
 # %% ../../nbs/47_trainer.ipynb #77e0ebb3
 @patch
@@ -375,7 +386,7 @@ def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, d
     val_loss = self.validate()
     self.state.val_history.append([step, val_loss])
     self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
-    return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics
+    return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics | self.val_metrics
 
 @patch
 def _evals_due(self: Trainer, step: int, last: bool) -> bool:
