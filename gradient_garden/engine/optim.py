@@ -10,6 +10,7 @@ import torch
 from torch import nn, Tensor
 from ..config import OptimizersConfig, ConfigError
 from .schedules import learning_rate
+from ..models.attention import fused_splits
 
 # %% auto #0
 __all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
@@ -69,12 +70,14 @@ def muon_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     if adjust_lr_fn == "match_rms_adamw": return lr * 0.2 * math.sqrt(max(A, B))
     raise ConfigError(f"adjust_lr_fn: got {adjust_lr_fn!r}; expected one of None, 'original', 'match_rms_adamw'")
 
-def _orthogonalised(update: Tensor, p: Tensor, group: dict) -> Tensor:
-    "NS of `update` on the full matrix; for a DTensor parameter, gather it and return this rank's shard."
+def _orthogonalised(update: Tensor, p: Tensor, group: dict, split: tuple[int, ...] | None = None) -> Tensor:
+    "NS of `update` on the full matrix (each row block of `split` on its own, scaled by its shape's lr factor); for a DTensor parameter, gather it and return this rank's shard."
     is_dt = DTensor is not None and isinstance(update, DTensor)
     full = update.full_tensor() if is_dt else update
     dtype = NS_DTYPES[group.get("ns_dtype", "bf16")]
-    O = zeropower_via_newtonschulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"], dtype)
+    ns = lambda x: zeropower_via_newtonschulz(x, group["ns_steps"], group["ns_coefficients"], group["eps"], dtype)
+    if split is None: O = ns(full)
+    else: O = torch.cat([ns(x) * muon_lr(1.0, x.shape, group["adjust_lr_fn"]) for x in full.split(list(split), dim=-2)], dim=-2)
     if not is_dt: return O
     mesh = p.device_mesh
     return DTensor.from_local(O, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, p.placements)
@@ -103,16 +106,16 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
             lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
+            for p, split in zip(group["params"], group.get("splits") or [None] * len(group["params"])):
                 if p.grad is None: continue
                 state = self.state[p]
                 if "momentum_buffer" not in state: state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mom)
                 update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
-                O = _orthogonalised(update, p, group)
+                O = _orthogonalised(update, p, group, split)       # a fused wqkv / w13: per projection, lr factor inside
                 p.mul_(1 - lr * wd)
-                p.add_(O, alpha=-muon_lr(lr, p.shape, group["adjust_lr_fn"]))
+                p.add_(O, alpha=-(lr if split else muon_lr(lr, p.shape, group["adjust_lr_fn"])))
         return loss
 
 # %% ../../nbs/41_optim.ipynb #9fe77a63
@@ -143,7 +146,10 @@ def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig, device_type: s
         opts.append(torch.optim.AdamW(adamw_groups, lr=a.max_lr, betas=tuple(a.betas), eps=a.eps,
                                       **_adamw_impl(a.fused, device_type)))
     if m.enabled and groups["matrices"]:
-        opts.append(Muon([group("matrices", m.weight_decay, "muon")], lr=m.max_lr, momentum=m.momentum,
+        splits = {n.replace("_orig_mod.", "").replace("module.", ""): s for n, s in fused_splits(model).items()}
+        mats = group("matrices", m.weight_decay, "muon")
+        mats["splits"] = [splits.get(n.replace("_orig_mod.", "").replace("module.", "")) for n in mats["param_names"]]
+        opts.append(Muon([mats], lr=m.max_lr, momentum=m.momentum,
                          nesterov=m.nesterov, ns_steps=m.ns_steps, ns_dtype=muon_ns_dtype(m.ns_dtype, device_type)))
     return opts
 
