@@ -345,6 +345,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(dim, q + 2 * kv, bias=False)             # rows: wq, wk, wv
         self.wo = nn.Linear(q, dim, bias=False)
         self.fused_projections = {"wqkv": {"wq": q, "wk": kv, "wv": kv}}
+        self.wqkv.split_sizes = (q, kv, kv)                              # Muon orthogonalises each block on its own
 
 # %% ../../nbs/10_attention.ipynb #ee0d1215
 @patch

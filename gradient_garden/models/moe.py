@@ -121,6 +121,7 @@ class GroupedExperts(nn.Module):
         self.w13 = StackedLinear(n_experts, dim, 2 * hidden_dim)        # rows of each expert: w1 (gate), w3 (up)
         self.w2 = StackedLinear(n_experts, hidden_dim, dim)
         self.fused_projections = {"w13": {"w1": hidden_dim, "w3": hidden_dim}}
+        self.w13.split_sizes = (hidden_dim, hidden_dim)                  # Muon orthogonalises each block on its own
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
         "Rows `x [M, dim]` sorted by expert with group ends `offs [E]` (int32), or `x [E, C, dim]` padded per expert."

@@ -108,6 +108,7 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)           # rows: w1 (gate), w3 (up)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.fused_projections = {"w13": {"w1": hidden_dim, "w3": hidden_dim}}
+        self.w13.split_sizes = (hidden_dim, hidden_dim)                  # Muon orthogonalises each block on its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return inference_linear(swiglu(inference_linear(x, self.w13)), self.w2)
