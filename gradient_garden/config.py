@@ -120,6 +120,7 @@ class MuonConfig:
     nesterov: bool = True
     ns_steps: int = 5
     ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"   # Newton-Schulz precision; auto: bf16 on CUDA, fp32 elsewhere
+    distributed: bool = True   # several ranks: each orthogonalises its share of the matrices (false: all of them)
     weight_decay: float = 0.0
 
 @dataclass
