@@ -148,3 +148,19 @@ def test_gsm8k_schema_rows_from_a_local_file(tmp_path):
     bad = tmp_path/"bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "no final"}) + "\n")
     with pytest.raises(ConfigError, match=r"row 0 answer does not end in '#### <number>'"): load_prompts([{"type": "gsm8k", "path": str(bad)}])
+
+
+def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
+    "The real-scale recipe validates, and its prompts prepare from local files in GSM8K's exact schema (no hub)."
+    import json
+    from gradient_garden.config import load_config
+    from gradient_garden.tasks.rl import heldout_examples_for, numeric_match
+    cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
+    assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
+    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                         "How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"}]
+    for split in ("train", "test"): (tmp_path/f"{split}.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    src = dict(rec.data["sources"][0], path=str(tmp_path/"train.jsonl"), val_split=str(tmp_path/"test.jsonl"))
+    train, val = load_prompts([src]), heldout_examples_for([src])
+    assert len(train) == 1 and len(val) == 1 and numeric_match("They sold 72 clips.", val[0].answer)
