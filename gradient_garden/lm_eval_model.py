@@ -20,10 +20,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 import lm_eval
 from .config import ConfigError
 from .runtime import parse_dtype
-from .evals import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id, text_encoder
+from .evals import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id
 from .generation import generate
 from .engine.checkpoints import load_model_from_checkpoint
-from .tokenizer import init_tokenizer
+from .tokenizer import LLAMA3_CHAT_TEMPLATE, init_tokenizer
 
 # %% auto #0
 __all__ = ['GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
@@ -51,9 +51,9 @@ class GardenLM(TemplateLM):
         self.batch_size, self._max_gen_toks = int(batch_size), int(max_gen_toks)
         self._max_length = int(max_length) if max_length else model.cfg.max_seq_len
         self.add_bos = _flag(add_bos)
-        self._encode, bos = text_encoder(tokenizer), prefix_token_id(tokenizer)
-        self.lead = default_prefix(tokenizer) if self.add_bos is None else [bos] * self.add_bos
-        self.specials = set(tokenizer.special_ids.values())
+        self.lead = default_prefix(tokenizer) if self.add_bos is None else [prefix_token_id(tokenizer)] * self.add_bos
+        self.bos_text = tokenizer.decode([tokenizer.bos_id])
+        self.specials = set(tokenizer.markup_tokens.values())
         if dist.is_available() and dist.is_initialized(): self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     @property
@@ -74,8 +74,9 @@ GardenLM.__abstractmethods__ = frozenset()   # the three request methods are add
 # %% ../nbs/49_lm_eval.ipynb #b78123a1
 @patch
 def tok_encode(self: GardenLM, string: str, add_special_tokens: Optional[bool] = None, **kw) -> list[int]:
-    "Token ids of `string`, after the tokenizer's default special tokens unless `add_special_tokens=False`."
-    return (self.lead if add_special_tokens is not False else []) + self._encode(string)
+    "Token ids of `string` as `HFLM` encodes it: special-token text read as markup, the default prefix unless it starts with BOS."
+    lead = add_special_tokens if add_special_tokens is not None else not string.startswith(self.bos_text)
+    return (self.lead if lead else []) + self.tokenizer.encode_markup(string)
 
 @patch
 def tok_decode(self: GardenLM, ids) -> str:
@@ -149,6 +150,19 @@ def generate_until(self: GardenLM, requests, disable_tqdm: bool = False) -> list
             self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
     return out
 
+# %% ../nbs/49_lm_eval.ipynb #4d8d268d
+@patch
+def apply_chat_template(self: GardenLM, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+    "The platform's chat text of `chat_history`: open for the assistant, or continuing its last message."
+    ids, _ = self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
+    if not add_generation_prompt and chat_history and ids[-1] == self.tokenizer.eot_id: ids = ids[:-1]
+    return self.tokenizer.decode(ids)
+
+@patch
+def chat_template(self: GardenLM, chat_template: bool | str = False) -> Optional[str]:
+    "The Jinja form of the chat format (what an export's tokenizer carries), or None when templates are off."
+    return LLAMA3_CHAT_TEMPLATE if chat_template else None
+
 # %% ../nbs/49_lm_eval.ipynb #39e219ca
 @patch
 def all_gather(self: GardenLM, tensor: torch.Tensor) -> torch.Tensor:
@@ -212,12 +226,13 @@ def lm_eval_task_manager(tasks: list[str], include_path=None):
 
 def run_lm_eval_tasks(model, tokenizer, tasks: list[str], *, batch_size: int = 16, add_bos=None, include_path=None,
                       limit: Optional[int] = None, num_fewshot: Optional[int] = None, samples: Optional[dict] = None,
-                      task_manager=None) -> dict[str, dict]:
+                      task_manager=None, apply_chat_template: bool = False, fewshot_as_multiturn: bool = False) -> dict[str, dict]:
     "Run lm-eval `tasks` on a platform model; scores per task (on rank 0; {} elsewhere)."
     tm = task_manager or lm_eval_task_manager(tasks, include_path)
     lm = GardenLM(model, tokenizer, batch_size=batch_size, add_bos=add_bos)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                                  log_samples=samples is not None)
+                                  log_samples=samples is not None, apply_chat_template=apply_chat_template,
+                                  fewshot_as_multiturn=fewshot_as_multiturn)
     if out is None: return {}                                            # ranks other than 0
     if samples is not None:
         for task, recs in out.get("samples", {}).items(): samples[task] = recs

@@ -5,7 +5,7 @@ flags, config resolution, the choice of data section, and the lines it prints.""
 
 # %% ../../nbs/51_cli_prepare.ipynb #32201581
 from __future__ import annotations
-import argparse, importlib, resource, sys
+import argparse, contextlib, fcntl, importlib, os, resource, socket, sys
 from pathlib import Path
 from ..config import ConfigError, GlobalConfig, apply_overrides, load_config
 from ..tokenizer import ensure_tokenizer
@@ -20,7 +20,7 @@ from ..engine.plan import estimate_workload   # no trainer: the plan's arithmeti
 # %% auto #0
 __all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
            'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_prepare_rl',
-           'run_stage_hook', 'prepare_other_stage', 'estimate_token_target', 'report_prepared',
+           'run_stage_hook', 'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_lock',
            'prepare_pretraining_stage', 'run_prepare']
 
 # %% ../../nbs/51_cli_prepare.ipynb #3b7a6eba
@@ -144,6 +144,22 @@ def report_prepared(out_dir: Path, meta: dict, spec, tokenizer) -> None:
         print(f"note: every source ran out at {meta['n_tokens']:,} tokens, below data.target_tokens = {spec.target_tokens:,}",
               file=sys.stderr)
 
+# %% ../../nbs/51_cli_prepare.ipynb #210d0148
+@contextlib.contextmanager
+def prepare_lock(datasets_dir):
+    "Hold `<datasets_dir>/.prepare.lock` (an exclusive flock) while preparing; one line if another process holds it."
+    path = Path(datasets_dir)/".prepare.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"{path.parent}: another gg prepare is writing here ({f.read().strip() or 'pid unknown'}); "
+                              "wait for it to finish, or set another paths.datasets") from None
+        f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}"); f.flush()
+        try: yield path
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
 # %% ../../nbs/51_cli_prepare.ipynb #e8a8adc2
 def prepare_pretraining_stage(args, cfg: GlobalConfig, data: dict | None, data_overrides: list) -> int:
     "`gg prepare --pretraining`: the mix, the tokenizer (trained on the mix when missing), then the shards."
@@ -166,5 +182,6 @@ def run_prepare(args: argparse.Namespace) -> int:
         if not (args.recipe or args.config or args.stage or args.mix_file): return 0
     if getattr(args, "estimate_token_target", False): data_overrides = data_overrides + [estimate_token_target(cfg)]
     data = stage_data(args, recipe)
-    if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
-    return prepare_pretraining_stage(args, cfg, data, data_overrides)
+    with prepare_lock(cfg.paths.datasets):
+        if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
+        return prepare_pretraining_stage(args, cfg, data, data_overrides)

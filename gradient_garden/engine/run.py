@@ -54,7 +54,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class StopRequest:
     "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
-    def __init__(self, signals=STOP_SIGNALS, debounce_s: float = 1.0):
+    def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None):
+        if debounce_s is None: debounce_s = 1.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # torchrun's echo of a keypress
         self.signals, self.debounce_s = signals, debounce_s
         self.signum, self.at, self._old = None, 0.0, {}
 
