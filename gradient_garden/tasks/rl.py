@@ -267,7 +267,7 @@ def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return lp.masked_fill(~mask, 0.0), ent.masked_fill(~mask, 0.0)
 
 # %% ../../nbs/35_rl.ipynb #5630412c
-from .sft import stream_positions
+from .stages import stream_positions
 from ..runtime import autocast_context
 
 def _plain_module(model):
