@@ -25,13 +25,13 @@ from ..models.tendril import unwrap_model
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
-           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'find_unsafe', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
-           'check_compatible', 'CheckpointManager', 'MetadataUnpickler', 'SafeReader', 'SafeLoadPlanner',
-           'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'fuse_optimizer_state',
-           'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded', 'commit_sharded',
-           'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line', 'consolidate_checkpoint',
-           'base_weights', 'load_model_from_checkpoint']
+           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'ONE_PROCESS_NOTE', 'find_unsafe',
+           'rng_state', 'set_rng_state', 'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints',
+           'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'MetadataUnpickler',
+           'SafeReader', 'SafeLoadPlanner', 'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state',
+           'fuse_optimizer_state', 'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded',
+           'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line',
+           'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -455,6 +455,10 @@ def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #18229268
+ONE_PROCESS_NOTE = r"torch\.distributed is .*assuming the intent is to save in a single process"
+# dcp says so on every save without a process group, from the background thread too; one process saving alone is what we mean
+warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE, module=r"torch\.distributed\.checkpoint")
+
 def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     "Every rank: write its shards of `app_state` (`sharded_state`) and rank 0's `meta` as directory `path`, atomically."
     final, meta = Path(path), sharded_meta(meta)
