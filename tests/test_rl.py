@@ -148,3 +148,84 @@ def test_gsm8k_schema_rows_from_a_local_file(tmp_path):
     bad = tmp_path/"bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "no final"}) + "\n")
     with pytest.raises(ConfigError, match=r"row 0 answer does not end in '#### <number>'"): load_prompts([{"type": "gsm8k", "path": str(bad)}])
+
+
+def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
+    "The real-scale recipe validates, and its prompts prepare from local files in GSM8K's exact schema (no hub)."
+    import json
+    from gradient_garden.config import load_config
+    from gradient_garden.tasks.rl import heldout_examples_for, numeric_match
+    cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
+    assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
+    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                         "How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"}]
+    for split in ("train", "test"): (tmp_path/f"{split}.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    src = dict(rec.data["sources"][0], path=str(tmp_path/"train.jsonl"), val_split=str(tmp_path/"test.jsonl"))
+    train, val = load_prompts([src]), heldout_examples_for([src])
+    assert len(train) == 1 and len(val) == 1 and numeric_match("They sold 72 clips.", val[0].answer)
+
+
+# -- ranks: a fixed set of rollouts gives one process's loss and gradient ------------------------------------------------
+def _fixed_loader(rank, world, seed=0):
+    "A rollout loader over 8 prompts (G 4, 32 rows per step) whose completions and rewards are fixed functions of the prompt."
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.rl import RolloutLoader
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
+    tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
+                          render_chat=lambda msgs, add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
+    exs = [RLExample("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
+    rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8)
+    loader = RolloutLoader(model, tok, exs, rl, None, 32, 32 // world // 2, 2, rank, world, seed=3)
+    def sample(idx):
+        outs = [[10 + (i * 7 + g * 3) % 50] * (1 + (i + g) % 5) + [2] for i in idx for g in range(4)]
+        return outs, [True] * len(outs), 0.0
+    loader._sample = sample
+    loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0), "total": float(len(text) % 3 == 0)}
+    return model, loader, RLTask(rl)
+
+
+def _step_sums(model, loader, task):
+    "Summed loss, count and gradient of one step's micro-batches on this rank."
+    total, count = 0.0, 0.0
+    for _ in range(2):
+        b = loader.next_batch()
+        s, _ = task.loss(model, b)
+        s.backward()
+        total, count = total + s.item(), count + float(task.count(b))
+    return torch.tensor([total, count]), model.output.weight.grad.clone()
+
+
+def _rl_ranks_worker(rank, world, out_dir):
+    import os
+    import torch.distributed as dist
+    model, loader, task = _fixed_loader(rank, world)
+    sums, grad = _step_sums(model, loader, task)
+    dist.all_reduce(sums); dist.all_reduce(grad)
+    torch.save({"loss": sums[0] / sums[1], "grad": grad / sums[1]}, os.path.join(out_dir, f"r{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_fixed_rollouts_on_two_gloo_ranks_match_one_process(tmp_path):
+    import torch.distributed as dist
+    if not dist.is_available(): pytest.skip("torch without distributed")
+    from gloo_ranks import run_ranks
+    run_ranks(_rl_ranks_worker, 2, tmp_path/"pg", str(tmp_path))
+    r = [torch.load(tmp_path/f"r{i}.pt") for i in range(2)]
+    model, loader, task = _fixed_loader(0, 1)
+    sums, grad = _step_sums(model, loader, task)
+    assert abs(r[0]["loss"].item() - (sums[0] / sums[1]).item()) < 1e-5
+    assert (r[0]["grad"] - grad / sums[1]).abs().max().item() < 1e-5 and grad.abs().sum() > 0
+
+
+def test_gg_evaluate_generative_flags():
+    "gg evaluate accepts --exact-match / --gsm8k as something to evaluate, and refuses them on a Hugging Face folder."
+    import argparse
+    from gradient_garden.cli.evaluate import add_evaluate_args, evaluation_plan, generative_exact_match, generative_sets
+    p = add_evaluate_args(argparse.ArgumentParser())
+    args = p.parse_args(["--checkpoint", "c.pt", "--exact-match", "--gsm8k", "g.jsonl", "--pass-k", "8"])
+    assert generative_sets(args) == ["exact_match", "gsm8k"] and evaluation_plan(args) == ([], [])
+    hf = p.parse_args(["--hf-checkpoint", "d", "--exact-match"])
+    with pytest.raises(ConfigError, match="need --checkpoint"): generative_exact_match(hf, None, None, GlobalConfig(), None)

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
 from ..hardware import gpu_datasheet_flops, measure_matmul_peak
 from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS, flops_per_token
-from .optim import classify_parameters
+from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declared_splits
 from ..models.lora import apply_lora
 from .activation_checkpointing import SAVE_OPS
 from ..runtime import resolve_precision
@@ -25,7 +25,7 @@ from ..runtime import resolve_precision
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM',
            'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes',
-           'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan',
+           'muon_plan', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan',
            'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory', 'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
@@ -130,6 +130,22 @@ def activation_bytes(cfg: GlobalConfig, mode: str, device_type: str = "cuda", bl
     recompute = 0 if mode == "none" else block["none"]
     return saved + head + max(loss_chunk_bytes(cfg, device_type), recompute)
 
+# %% ../../nbs/46_plan.ipynb #d254dd7a
+def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard_size: int | None = None,
+              device_type: str = "cuda") -> dict:
+    "Muon's busiest-rank Newton-Schulz FLOPs per step and step buffers, `gathered` and `distributed`, for `cfg`'s model."
+    m = cfg.optimizers.muon
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+        if cfg.lora.enabled: apply_lora(model, cfg.lora)
+    mats = classify_parameters(model)["matrices"] if m.enabled else []
+    if not mats: return {a: {"ns_flops": 0, "bytes": 0} for a in ("gathered", "distributed")}
+    shard = {"single": 1, "ddp": 1, "fsdp2": world, "hsdp": shard_size or world}[parallel]
+    replicate = 1 if parallel == "single" else world // shard
+    ns_bytes = 2 if muon_ns_dtype(m.ns_dtype, device_type) == "bf16" else 4
+    return muon_rank_costs([tuple(p.shape) for _, p in mats], _declared_splits(model, [n for n, _ in mats]),
+                           shard, replicate, m.ns_steps, ns_bytes)
+
 # %% ../../nbs/46_plan.ipynb #98728560
 def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard_size: int | None = None,
                 device_type: str = "cuda") -> dict:
@@ -142,10 +158,13 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
                optimizer=(8 * c["adamw"] + 4 * c["muon"]) / shard,
                ddp_buckets=4 * c["trainable"] if parallel == "ddp" and world > 1 else 0,
                fsdp_unsharded=(compute * c["outside_blocks"] + 2 * c["block"] * (compute + 4)) if shard > 1 else 0)
+    muon = muon_plan(cfg, parallel, world, shard_size, device_type)
+    out["muon_buffers"] = muon["distributed" if cfg.optimizers.muon.distributed else "gathered"]["bytes"]
     block = trace_block(cfg.model, t.micro_batch_size, t.seq_len, cfg.runtime.precision)
     out["activations"] = {mode: activation_bytes(cfg, mode, device_type, block) for mode in ("none", "selective", "full")}
-    static = sum(v for k, v in out.items() if k != "activations")
-    out["total"] = {mode: static + a for mode, a in out["activations"].items()}
+    static = sum(v for k, v in out.items() if k not in ("activations", "muon_buffers"))
+    # Muon's step buffers exist only in the optimizer step, after backward has freed the activations
+    out["total"] = {mode: static + max(a, out["muon_buffers"]) for mode, a in out["activations"].items()}
     return out
 
 # %% ../../nbs/46_plan.ipynb #50f81bac
@@ -312,11 +331,16 @@ def format_plan(p: Plan) -> str:
              f"micro batch {t.micro_batch_size} x {t.seq_len}, grad accumulation {grad_accum_steps(p.cfg, p.world)}",
              "", "GiB per rank   params   grads   optim  buffers | act none  select    full | total none  select    full"]
     for name, m in p.memory.items():
-        buffers = m["ddp_buckets"] + m["fsdp_unsharded"]
+        buffers = m["ddp_buckets"] + m["fsdp_unsharded"] + m.get("muon_buffers", 0)
         mark = lambda mode: "*" if name == p.layout and mode == p.mode else " "
         acts = "".join(f"{g(m['activations'][k])}{mark(k)}" for k in ("none", "selective", "full"))
         tots = "".join(f"{g(m['total'][k])}{mark(k)}" for k in ("none", "selective", "full"))
         lines.append(f"{name:12s} {g(m['parameters'])} {g(m['gradients'])} {g(m['optimizer'])} {g(buffers)} |{acts}|{tots}")
+    mu = muon_plan(p.cfg, p.layout if p.world > 1 else "single", p.world, None, "cpu" if p.device.name == "cpu" else "cuda")
+    if mu["gathered"]["ns_flops"]:
+        lines += ["", f"Muon per rank ({p.layout}): Newton-Schulz {mu['distributed']['ns_flops'] / 1e9:,.0f} GFLOP per step "
+                      f"({mu['gathered']['ns_flops'] / 1e9:,.0f} gathered), step buffers {mu['distributed']['bytes'] / GiB:.2f} GiB "
+                      f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
     lines += ["", f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
                   f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "
