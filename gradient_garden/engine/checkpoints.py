@@ -22,16 +22,26 @@ from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
 from .distributed import barrier, is_fsdp
 from ..models.tendril import unwrap_model
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
+from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
-           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'find_unsafe', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
-           'check_compatible', 'CheckpointManager', 'MetadataUnpickler', 'SafeReader', 'SafeLoadPlanner',
-           'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'fuse_optimizer_state',
-           'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded', 'commit_sharded',
-           'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line', 'consolidate_checkpoint',
-           'base_weights', 'load_model_from_checkpoint']
+           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'ONE_PROCESS_NOTE', 'find_unsafe',
+           'rng_state', 'set_rng_state', 'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints',
+           'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'MetadataUnpickler',
+           'SafeReader', 'SafeLoadPlanner', 'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state',
+           'fuse_optimizer_state', 'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded',
+           'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line',
+           'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -269,10 +279,6 @@ def prune(self: CheckpointManager) -> list[Path]:
     return gone
 
 # %% ../../nbs/44_checkpoints.ipynb #1e0eb487
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
-
 _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
     "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
@@ -309,11 +315,6 @@ class SafeFullLoadPlanner(_EmptyStateDictLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 # %% ../../nbs/44_checkpoints.ipynb #9e74ac2e
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-
 DCP_ERRORS = (Exception, CheckpointException)  # dcp reports a failure on any rank as a BaseException
 
 def dcp_error(e: BaseException) -> str:
@@ -350,10 +351,11 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
-# %% ../../nbs/44_checkpoints.ipynb #f05e4402
-from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
-from torch.distributed.checkpoint.state_dict import set_state_dict
+# %% ../../nbs/44_checkpoints.ipynb #0b31143a
+ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"   # the start of dcp's one-process warning
+warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
 
+# %% ../../nbs/44_checkpoints.ipynb #f05e4402
 _SAID_FUSED: set = set()
 
 def _fused_name(fqn: str) -> tuple[str, str | None]:
@@ -455,6 +457,10 @@ def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #18229268
+ONE_PROCESS_NOTE = r"torch\.distributed is .*assuming the intent is to save in a single process"
+# dcp says so on every save without a process group, from the background thread too; one process saving alone is what we mean
+warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE, module=r"torch\.distributed\.checkpoint")
+
 def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     "Every rank: write its shards of `app_state` (`sharded_state`) and rank 0's `meta` as directory `path`, atomically."
     final, meta = Path(path), sharded_meta(meta)
@@ -468,8 +474,6 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #4c97838a
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
 @patch
 def _checkpoint_group(self: CheckpointManager):
     "A gloo process group of its own for background saves (None in one process)."
@@ -530,7 +534,6 @@ def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> 
     intact = list_checkpoints(ckpt_dir)
     last = f"the last intact checkpoint is {intact[-1]}" if intact else "no earlier checkpoint exists"
     return f"checkpoint of step {step} not written{how}: {cause}; {last}"
-
 
 # %% ../../nbs/44_checkpoints.ipynb #847b6e38
 @patch
