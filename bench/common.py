@@ -3,7 +3,7 @@ matmul peak that MFU is quoted against."""
 from __future__ import annotations
 import argparse
 import torch
-from gradient_garden.engine.trainer import measure_matmul_peak
+from gradient_garden.hardware import measure_matmul_peak
 
 
 def bench_parser(doc: str, rounds: int = 8, steps_per_round: int = 2, warmup: int = 2, batch_size: int = 8,

@@ -25,7 +25,7 @@ The last line of stdout is one JSON object with the figures.
 from __future__ import annotations
 import argparse, copy, json, statistics, time
 import torch
-from gradient_garden.engine.trainer import gpu_datasheet_flops
+from gradient_garden.hardware import gpu_datasheet_flops
 from common import matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig

@@ -24,7 +24,7 @@ from gradient_garden.models import tendril
 from gradient_garden.models.tendril import build_model, count_parameters, flops_per_token
 from gradient_garden.engine.distributed import init_distributed, parallelize, all_reduce, grad_sync
 from gradient_garden.engine.optim import build_optimizers
-from gradient_garden.engine.trainer import peak_flops
+from gradient_garden.hardware import peak_flops
 recipe, out, micro = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dev_type = os.environ.get("GG_BENCH_DEVICE", "cuda")
 tendril.LOSS_IMPL = os.environ.get("GG_LOSS_IMPL", "auto")

@@ -23,7 +23,7 @@ The last line of stdout is one JSON object with the figures.
 from __future__ import annotations
 import argparse, copy, gc, json, os, statistics, subprocess, sys, time
 import torch
-from gradient_garden.engine.trainer import gpu_datasheet_flops
+from gradient_garden.hardware import gpu_datasheet_flops
 from common import bench_parser, matmul_peak_flops, setup, sync
 import torch.nn.functional as F
 

@@ -13,9 +13,9 @@ lean (asyncio streams; they read every byte but parse only the first text event 
 share the CPU with the server. After a warm-up level (not counted), the levels run in rotated order over `--rounds`
 rounds with the same settings; figures are medians. Models: the debug pretraining and SFT checkpoints when given (or
 found under `runs/`), otherwise a randomly initialised model of the debug shape with a locally trained 4k BPE (same
-cost per token). `--engine process thread` measures each model with the engine in its own process (gg serve's default)
+cost per token). `--decoder process thread` measures each model with the decoder in its own process (gg serve's default)
 and on a thread of the web server's process, one server after the other. Besides wall-clock figures, the CPU time the
-server (both its processes, and the engine process's share on its own) and the clients spend per output token is
+server (both its processes, and the decoder process's share on its own) and the clients spend per output token is
 reported, and the load average before and after, because on a shared machine the wall clock mostly says how much of
 the CPU the benchmark got.
 
@@ -49,8 +49,8 @@ def parse_args(argv=None):
                    help="the server's --stream-interval (tokens per SSE chunk at most; default: gg serve's)")
     p.add_argument("--stream-interval-ms", type=float, default=None, metavar="T",
                    help="the server's --stream-interval-ms (default: gg serve's); the same for every level")
-    p.add_argument("--engine", nargs="+", default=["process"], choices=["process", "thread"],
-                   help="gg serve --engine: decoding in its own process (the default) or on a thread of the web server's; "
+    p.add_argument("--decoder", nargs="+", default=["process"], choices=["process", "thread"],
+                   help="gg serve --decoder: decoding in its own process (the default) or on a thread of the web server's; "
                         "several: each model is measured with each, one after the other")
     p.add_argument("--out", default=str(ROOT/"bench/results/serve.json"), help="where the JSON goes")
     return p.parse_args(argv)
@@ -85,13 +85,13 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-def start_server(ckpt: str, args, engine: str = "process") -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: str, args, decoder: str = "process") -> tuple[subprocess.Popen, str]:
     "`gg serve` on a free port; returns (process, base url) once it answers."
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", ckpt, "--port", str(port),
                              "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--threads", str(args.threads),
-                             "--engine", engine, "--log-level", "warning"]
+                             "--decoder", decoder, "--log-level", "warning"]
                             + (["--stream-interval", str(args.stream_interval)] if args.stream_interval is not None else [])
                             + (["--stream-interval-ms", str(args.stream_interval_ms)] if args.stream_interval_ms is not None else []),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -136,7 +136,7 @@ class Connection:
             raise SystemExit(f"stream did not end with a usage chunk and [DONE]: {tail[-300:]!r}")
         return first, events[-1]["usage"]["completion_tokens"]
 
-async def level(url: str, model: str, clients: int, args, server_pid: int | None = None, engine_pid: int | None = None) -> dict:
+async def level(url: str, model: str, clients: int, args, server_pid: int | None = None, decoder_pid: int | None = None) -> dict:
     "`clients` closed-loop clients, `requests_per_client` requests each, one connection each: tokens/s and TTFT."
     async def client_loop(i, conn):
         out = []
@@ -149,7 +149,7 @@ async def level(url: str, model: str, clients: int, args, server_pid: int | None
     for c in conns: await c.__aenter__()
     try:
         cpus = lambda: (cpu_seconds(server_pid) if server_pid else 0.0, time.process_time(),
-                        cpu_seconds(engine_pid) if engine_pid and engine_pid != server_pid else 0.0)
+                        cpu_seconds(decoder_pid) if decoder_pid and decoder_pid != server_pid else 0.0)
         cpu0 = cpus()
         t = time.perf_counter()
         res = await asyncio.gather(*(client_loop(i, c) for i, c in enumerate(conns)))
@@ -162,39 +162,39 @@ async def level(url: str, model: str, clients: int, args, server_pid: int | None
     ttft, tokens = sorted(f for f, _ in flat), sum(n for _, n in flat)
     return dict(tokens_per_s=tokens / wall, ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))],
                 tokens=tokens, server_cpu_ms_per_token=1000 * (cpu1[0] - cpu0[0] + cpu1[2] - cpu0[2]) / tokens,
-                engine_cpu_ms_per_token=1000 * (cpu1[2] - cpu0[2]) / tokens,
+                decoder_cpu_ms_per_token=1000 * (cpu1[2] - cpu0[2]) / tokens,
                 client_cpu_ms_per_token=1000 * (cpu1[1] - cpu0[1]) / tokens)
 
-def bench_model(name: str, ckpt: str, args, engine: str = "process") -> dict:
+def bench_model(name: str, ckpt: str, args, decoder: str = "process") -> dict:
     "All concurrency levels, rotated over rounds, against one server."
-    proc, url = start_server(ckpt, args, engine)
+    proc, url = start_server(ckpt, args, decoder)
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         health = httpx.get(f"{url}/health").json()
-        interval, engine_pid = health["stream_interval"], health.get("pid")     # what the server really uses; where it decodes
+        interval, decoder_pid = health["stream_interval"], health.get("pid")     # what the server really uses; where it decodes
         asyncio.run(level(url, model, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1})))   # warm-up
         runs = {c: [] for c in args.concurrency}
         for r in range(args.rounds):
             order = args.concurrency[r % len(args.concurrency):] + args.concurrency[:r % len(args.concurrency)]
-            for c in order: runs[c].append(asyncio.run(level(url, model, c, args, proc.pid, engine_pid)))
+            for c in order: runs[c].append(asyncio.run(level(url, model, c, args, proc.pid, decoder_pid)))
         health = httpx.get(f"{url}/health").json()
     finally:
         proc.terminate(); proc.wait(timeout=30)
     out = {}
     for c, rs in runs.items():
         out[c] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_median_s", "ttft_p90_s",
-                                                                   "server_cpu_ms_per_token", "engine_cpu_ms_per_token",
+                                                                   "server_cpu_ms_per_token", "decoder_cpu_ms_per_token",
                                                                    "client_cpu_ms_per_token")}
         out[c]["tokens_per_round"] = rs[0]["tokens"]
     base = out[args.concurrency[0]]["tokens_per_s"]
     for c in out: out[c]["speedup"] = out[c]["tokens_per_s"] / base
-    out["stream_interval"], out["engine"] = interval, engine
-    print(f"\n{name} ({ckpt}); --engine {engine}; stream interval {interval['tokens']} tokens or {interval['ms']:g} ms (all levels); engine: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
+    out["stream_interval"], out["decoder"] = interval, decoder
+    print(f"\n{name} ({ckpt}); --decoder {decoder}; stream interval {interval['tokens']} tokens or {interval['ms']:g} ms (all levels); decoder: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
     print(f"{'clients':>8} {'tokens/s':>10} {'x one':>7} {'TTFT median':>12} {'TTFT p90':>9} {'server CPU/token':>17} "
-          f"{'(engine process)':>17} {'client CPU/token':>17}")
+          f"{'(decoder process)':>17} {'client CPU/token':>17}")
     for c, r in ((c, r) for c, r in out.items() if isinstance(c, int)):
         print(f"{c:>8} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x {r['ttft_median_s'] * 1000:>10.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms"
-              f" {r['server_cpu_ms_per_token']:>15.3f}ms {r['engine_cpu_ms_per_token']:>15.3f}ms {r['client_cpu_ms_per_token']:>15.3f}ms")
+              f" {r['server_cpu_ms_per_token']:>15.3f}ms {r['decoder_cpu_ms_per_token']:>15.3f}ms {r['client_cpu_ms_per_token']:>15.3f}ms")
     return out
 
 def main(argv=None):
@@ -205,8 +205,8 @@ def main(argv=None):
     print(f"concurrency {args.concurrency}, {args.requests_per_client} requests per client x {args.max_tokens} tokens, "
           f"max batch {args.max_batch_size}, server threads {args.threads}, {args.rounds} rounds (medians); "
           f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
-    results = {(name if len(args.engine) == 1 else f"{name}/{engine}"): bench_model(name, ck, args, engine)
-               for name, ck in ckpts.items() for engine in args.engine}
+    results = {(name if len(args.decoder) == 1 else f"{name}/{decoder}"): bench_model(name, ck, args, decoder)
+               for name, ck in ckpts.items() for decoder in args.decoder}
     target = {n: r[8]["speedup"] >= 4 for n, r in results.items() if 8 in r and 1 in r}
     load1 = os.getloadavg()
     print(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")

@@ -15,10 +15,10 @@ import yaml
 __all__ = ['RECIPE_KEYS', 'STAGE_FLAGS', 'SECRET_KEYS', 'ConfigError', 'RunConfig', 'RuntimeConfig', 'ModelConfig',
            'EarlyStoppingConfig', 'TrainingConfig', 'AdamWConfig', 'MuonConfig', 'OptimizersConfig', 'PathsConfig',
            'ValidationConfig', 'EvalsConfig', 'GenerationConfig', 'CheckpointingConfig', 'TokenizerConfig',
-           'LoraConfig', 'DistillationConfig', 'DPOConfig', 'WandbConfig', 'TorchProfilerConfig', 'GlobalConfig',
-           'from_plain', 'to_plain', 'grad_accum_steps', 'check_ranges', 'notice', 'clamp_warmup', 'validate',
-           'parse_override', 'apply_overrides', 'Recipe', 'syntax_error_line', 'read_data_file', 'read_yaml',
-           'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
+           'LoraConfig', 'DistillationConfig', 'DPOConfig', 'RLConfig', 'WandbConfig', 'TorchProfilerConfig',
+           'GlobalConfig', 'from_plain', 'to_plain', 'grad_accum_steps', 'check_ranges', 'notice', 'clamp_warmup',
+           'validate', 'parse_override', 'apply_overrides', 'Recipe', 'syntax_error_line', 'read_data_file',
+           'read_yaml', 'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
 
 # %% ../nbs/00_config.ipynb #b3a413df
 class ConfigError(ValueError):
@@ -87,7 +87,7 @@ class EarlyStoppingConfig:
 @dataclass
 class TrainingConfig:
     "The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps (`packing`: SFT rows hold several chats)."
-    stage: Literal["pretraining", "instruct", "dpo"] = "pretraining"
+    stage: Literal["pretraining", "instruct", "dpo", "rl"] = "pretraining"
     seed: int = 1337
     total_batch_size: int = 8192
     micro_batch_size: int = 8
@@ -121,6 +121,7 @@ class MuonConfig:
     nesterov: bool = True
     ns_steps: int = 5
     ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"   # Newton-Schulz precision; auto: bf16 on CUDA, fp32 elsewhere
+    distributed: bool = True   # several ranks: each orthogonalises its share of the matrices (false: all of them)
     weight_decay: float = 0.0
 
 @dataclass
@@ -215,6 +216,28 @@ class DPOConfig:
     label_smoothing: float = 0.0
     reference: Literal["copy", "precomputed"] = "precomputed"
 
+@dataclass
+class RLConfig:
+    "Reinforcement learning with verifiable rewards (GRPO family; TRL's names and defaults where they exist)."
+    group_size: int = 8                      # G completions per prompt
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"   # z-score in the group / the batch, or mean only (Dr. GRPO)
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0                        # k3 KL to the starting model
+    num_iterations: int = 1                  # optimizer steps per batch of rollouts (mu)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)   # stop strings (their first token) besides eot/eos
+    mask_truncated: bool = False             # completions cut at max_new_tokens leave the loss
+    format_reward: float = 0.0               # weight of the well-formed-answer reward
+    reward_functions: list[str] = field(default_factory=list)   # "module:function", called with prompt, completion, fields
+    plain_prompts: bool = False              # BOS + text prompts for a model without a chat format
+    eval_k: int = 4                          # pass@k of the held-out evaluation
+    eval_per_task: int = 20                  # held-out prompts per embedded task
+
 # %% ../nbs/00_config.ipynb #ef3da4c6
 @dataclass
 class WandbConfig:
@@ -255,6 +278,7 @@ class GlobalConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     torch_profiler: TorchProfilerConfig = field(default_factory=TorchProfilerConfig)
 
@@ -495,8 +519,32 @@ def _check_stages(cfg: GlobalConfig, world_size: int):
     if not 0 <= cfg.dpo.label_smoothing < 0.5:
         raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
     _positive("dpo.beta", cfg.dpo.beta)
+    _check_rl(cfg, world_size)
     for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
     _positive("checkpointing.every", c.every, allow_zero=True)
+
+def _check_rl(cfg: GlobalConfig, world_size: int):
+    "Group size, clipping, passes, sampling and the batch in whole groups per rank, for the rl stage."
+    rl = cfg.rl
+    if rl.group_size < 2:
+        raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of one prompt)")
+    for k in ("epsilon_low", "epsilon_high", "beta"):
+        if getattr(rl, k) < 0: raise ConfigError(f"rl.{k}: got {getattr(rl, k)}; must be >= 0")
+    for k in ("num_iterations", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
+    _positive("rl.eval_k", rl.eval_k, allow_zero=True)
+    if rl.temperature < 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be >= 0")
+    if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")
+    if cfg.training.stage != "rl": return
+    t = cfg.training
+    if cfg.runtime.num_workers:
+        raise ConfigError(f"runtime.num_workers: got {cfg.runtime.num_workers}; the rl stage samples from the current weights, so no batch can be prepared ahead (use 0)")
+    rows = t.total_batch_size // t.seq_len
+    if t.total_batch_size % t.seq_len or rows % (rl.group_size * world_size):
+        raise ConfigError(f"training.total_batch_size: got {t.total_batch_size}; the rl stage needs total_batch_size / seq_len "
+                          f"rows per step in whole groups on every rank: a multiple of seq_len x rl.group_size x world size = "
+                          f"{t.seq_len} x {rl.group_size} x {world_size}")
+    if rl.max_new_tokens >= t.seq_len:
+        raise ConfigError(f"rl.max_new_tokens: got {rl.max_new_tokens}; must be < training.seq_len = {t.seq_len} (prompt + completion fit a row)")
 
 def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     "Check the combinations of keys that no single type hint can express; return `cfg`."

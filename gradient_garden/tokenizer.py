@@ -309,6 +309,26 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_fr
         "".join(f"{base64.b64encode(bytes(to_byte[c] for c in t)).decode()} {i}\n" for t, i in ranked))
     return out
 
+# %% ../nbs/02_tokenizer.ipynb #52345dfb
+@patch(as_prop=True)
+def markup_tokens(self: Tokenizer) -> dict[str, int]:
+    "The token texts a Hugging Face tokenizer splits out before BPE (its added tokens; tiktoken: the special tokens)."
+    hf = getattr(self, "hf", None)
+    return {t.content: i for i, t in hf.added_tokens_decoder.items()} if hf is not None else dict(self.special_ids)
+
+@patch
+def encode_markup(self: Tokenizer, text: str) -> list[int]:
+    "Token ids of `text` with special-token text (`<|eot_id|>`) read as the special token, as Hugging Face encodes it."
+    if "_markup" not in self.__dict__:
+        toks = self.markup_tokens
+        self._markup = re.compile("|".join(map(re.escape, sorted(toks, key=len, reverse=True)))), toks
+    pattern, toks = self._markup
+    ids, at = [], 0
+    for m in pattern.finditer(text):
+        ids += self._encode_one(text[at:m.start()]) + [toks[m.group()]]
+        at = m.end()
+    return ids + self._encode_one(text[at:])
+
 # %% ../nbs/02_tokenizer.ipynb #4318f0ec
 from fastcore.basics import patch
 

@@ -296,7 +296,7 @@ def test_compiled_loss_chunks_match_eager():
 # -- MFU: the datasheet, and time outside training left out --------------------------------------------------------
 def test_gpu_datasheet_matches_exact_names():
     "L40 is not an L4, H100 PCIe / NVL are not the SXM part, the A10G is unknown; fp32 with TF32 uses the TF32 figure."
-    from gradient_garden.engine.trainer import gpu_datasheet_flops, peak_flops
+    from gradient_garden.hardware import gpu_datasheet_flops, peak_flops
     tf = lambda name, p="bf16": gpu_datasheet_flops(name, p) / 1e12
     assert [tf("NVIDIA L4"), tf("NVIDIA L40"), tf("NVIDIA L40S")] == [121, 181, 362]
     assert [tf("NVIDIA H100 80GB HBM3"), tf("NVIDIA H100 PCIe"), tf("NVIDIA H100 NVL")] == [989, 756, 835]
@@ -311,7 +311,7 @@ def test_logged_throughput_leaves_out_validation(monkeypatch):
     "A slow validation inside a logging interval does not lower the logged tokens/s (nor the MFU)."
     import time, types
     from gradient_garden.engine import trainer as trainer_module
-    from gradient_garden.engine.trainer import read_metrics
+    from gradient_garden.engine.telemetry import read_metrics
     skipped = [0.0]  # a clock that jumps 100 s forward during each validation: what a slow validation looks like
     clock = types.SimpleNamespace(**{k: getattr(time, k) for k in ("time", "sleep", "monotonic")},
                                   perf_counter=lambda: time.perf_counter() + skipped[0])
@@ -335,7 +335,7 @@ def test_final_evaluation_runs_under_the_run_autocast():
     tr.cfg.runtime.precision = "bf16"
     tr.final_evaluate = lambda m: {"autocast_dtype": str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off"}
     tr.fit()
-    from gradient_garden.engine.trainer import read_metrics
+    from gradient_garden.engine.telemetry import read_metrics
     assert read_metrics(tr.run_dir)[-1]["autocast_dtype"] == "torch.bfloat16"
 
 

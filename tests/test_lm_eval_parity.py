@@ -216,3 +216,78 @@ def test_lm_eval_tasks_under_torchrun_equal_one_process(setup, tmp_path):
     for name in ("fx_arc_challenge", "fx_winogrande"):
         assert two[name]["n"] == one[name]["n"] == 40
         assert abs(two[name]["acc"] - one[name]["acc"]) < 1e-12, (name, one[name], two[name])
+
+
+TURN = "<|start_header_id|>user<|end_header_id|>\\n\\n{{question}}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n"
+
+
+@pytest.fixture(scope="module")
+def chat_tasks(setup):
+    "A multiple-choice and a generation task in plain text (`c_arc`, `c_qa`), and the same with chat markup in the prompt."
+    d = setup["d"]/"chat_tasks"
+    d.mkdir()
+    arc = E.read_jsonl(E.FIXTURES_DIR/"arc_challenge.jsonl")[:10]
+    (d/"arc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arc))
+    (d/"qa.jsonl").write_text("".join(json.dumps({"question": r["question"], "answer": r["choices"]["text"][0]}) + "\n" for r in arc))
+    common = lambda f: f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d/f}\ntest_split: test\n"
+    (d/"c_arc.yaml").write_text("task: c_arc\n" + common("arc.jsonl") + textwrap.dedent("""\
+        output_type: multiple_choice
+        doc_to_text: "Question: {{question}}\\nAnswer:"
+        doc_to_target: "{{choices.label.index(answerKey)}}"
+        doc_to_choice: "{{choices.text}}"
+        metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]
+        """))
+    (d/"c_qa.yaml").write_text("task: c_qa\n" + common("qa.jsonl") + textwrap.dedent("""\
+        output_type: generate_until
+        doc_to_text: "{{question}}"
+        doc_to_target: "{{answer}}"
+        generation_kwargs: {until: ["\\n\\n"], max_gen_toks: 12, do_sample: false}
+        metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]
+        """))
+    for kind in ("arc", "qa"):
+        (d/f"m_{kind}.yaml").write_text(f'include: {d/f"c_{kind}.yaml"}\ntask: m_{kind}\ndoc_to_text: "{TURN}"\n')
+    return d, TaskManager(include_path=str(d), include_defaults=False)
+
+
+CHAT_RUNS = {"markup": (["m_arc", "m_qa"], {}),
+             "template": (["c_arc", "c_qa"], dict(apply_chat_template=True, fewshot_as_multiturn=True, num_fewshot=2))}
+
+
+@pytest.fixture(scope="module")
+def hf_chat_runs(setup, chat_tasks):
+    "lm-eval's HF model on the export: the markup tasks, and the plain ones through the chat template with two shots as turns."
+    return {how: lm_eval.simple_evaluate(model=setup["hf"], tasks=tasks, task_manager=chat_tasks[1], log_samples=True, **kw)
+            for how, (tasks, kw) in CHAT_RUNS.items()}
+
+
+def _by_doc(run, task, field):
+    return [s[field] for s in sorted(run["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.mark.parametrize("how", list(CHAT_RUNS))
+def test_chat_format_equals_lm_eval_hf(how, setup, chat_tasks, hf_chat_runs):
+    "Markup in prompts and apply_chat_template: same prompts, same ids, log-likelihoods within 1e-4, identical greedy answers."
+    from gradient_garden.lm_eval_model import GardenLM
+    (arc, qa), kw = CHAT_RUNS[how]
+    lm = GardenLM(setup["model"], setup["tok"], batch_size=8)
+    ours, theirs = lm_eval.simple_evaluate(model=lm, tasks=[arc, qa], task_manager=chat_tasks[1], log_samples=True, **kw), hf_chat_runs[how]
+    for task in (arc, qa): assert _by_doc(ours, task, "arguments") == _by_doc(theirs, task, "arguments"), task
+    prompt = _by_doc(ours, qa, "arguments")[0][0][0]
+    assert prompt.count("<|eot_id|>") == (5 if how == "template" else 1)                  # 2 shots x 2 turns + the question
+    assert lm.tok_encode(prompt) == setup["hf"].tok_encode(prompt) and setup["tok"].eot_id in lm.tok_encode(prompt)
+    ll = lambda run: [l for r in _by_doc(run, arc, "resps") for (l, _), in r]
+    np.testing.assert_allclose(ll(ours), ll(theirs), atol=1e-4, rtol=0)
+    gens = _by_doc(ours, qa, "resps")
+    assert gens == _by_doc(theirs, qa, "resps") and any(g[0] for g in gens)
+    assert ours["results"][arc]["acc,none"] == theirs["results"][arc]["acc,none"]
+
+
+def test_gg_evaluate_apply_chat_template(setup, chat_tasks, hf_chat_runs):
+    "gg evaluate --apply-chat-template --fewshot-as-multiturn scores what lm-eval's HF model scores on the export."
+    res_file = setup["d"]/"chat_res.json"
+    assert gg(["evaluate", "--checkpoint", str(setup["ckpt"]), "--lm-eval-tasks", "c_arc,c_qa", "--lm-eval-include", str(chat_tasks[0]),
+               "--apply-chat-template", "--fewshot-as-multiturn", "--num-fewshot", "2", "--device", "cpu", "--batch-size", "8",
+               "--output-file-name", str(res_file)]) == 0
+    res, ref = json.loads(res_file.read_text()), hf_chat_runs["template"]["results"]
+    assert res["chat_template"] is True
+    assert res["tasks"]["c_arc"]["acc"] == ref["c_arc"]["acc,none"] and res["tasks"]["c_qa"]["exact_match"] == ref["c_qa"]["exact_match,none"]

@@ -1,5 +1,6 @@
-"Optimizers beyond the notebook: Muon on FSDP2-sharded (DTensor) parameters across 2 gloo ranks, LoRA-only groups."
-import copy, os
+"""Optimizers beyond the notebook: Muon on 2 and 4 gloo ranks (FSDP2, HSDP 2 x 2, DDP; gathered and distributed Newton-Schulz)
+equal to one process, LoRA-only groups."""
+import copy, json, os
 import pytest
 import torch
 from torch import nn
@@ -8,7 +9,8 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 
 from gradient_garden.config import GlobalConfig
-from gradient_garden.engine.optim import Muon, build_optimizers, classify_parameters, set_learning_rates
+from gradient_garden.engine.optim import (Muon, build_optimizers, classify_parameters, set_learning_rates, ns_flops,
+                                         part_shapes, _replica_group)
 
 
 def _model():
@@ -47,6 +49,97 @@ def test_muon_fsdp2_matches_single_process(tmp_path):
         diff, moved = map(float, (tmp_path / f"rank{r}.txt").read_text().split())
         assert moved > 1e-3, "parameters did not move"
         assert diff <= 1e-6, f"rank {r}: FSDP2 Muon differs from single-process Muon by {diff}"
+
+
+class _Net(nn.Module):
+    "Uneven rows for every world size, three 7 x 7 matrices (one shape batch), and a fused q/k/v-style weight."
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(6, 7, bias=False), nn.Linear(7, 7, bias=False), nn.Linear(7, 7, bias=False)
+        self.d = nn.Linear(7, 7, bias=False)
+        self.qkv = nn.Linear(7, 13, bias=False)
+        self.qkv.split_sizes = (7, 3, 3)
+        self.e = nn.Linear(13, 5, bias=False)
+    def forward(self, x):
+        for m in (self.a, self.b, self.c, self.d, self.qkv, self.e): x = torch.tanh(m(x))
+        return x
+
+LINEARS = ("a", "b", "c", "d", "qkv", "e")
+SPLITS = [None, None, None, None, (7, 3, 3), None]
+
+
+def _muon(params, **kw):
+    return Muon([{"params": list(params), "splits": SPLITS}], lr=0.05, weight_decay=0.1, ns_dtype="fp32", **kw)
+
+
+def _ns_counter(counts):
+    "Wrap the optimizer module's Newton-Schulz so every call adds its matmul FLOPs (FlopCounterMode) to `counts`."
+    from torch.utils.flop_counter import FlopCounterMode
+    import gradient_garden.engine.optim as optim
+    inner = optim.zeropower_via_newtonschulz
+    def counted(*a, **k):
+        with FlopCounterMode(display=False) as fc: out = inner(*a, **k)
+        counts.append(fc.get_total_flops())
+        return out
+    optim.zeropower_via_newtonschulz = counted
+
+
+def _run(layout, world, distributed, counts):
+    "10 Muon steps on `_Net` wrapped for `layout` and on a plain copy; max |difference|, max |change|, NS FLOPs here."
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ref = _Net()
+    model = copy.deepcopy(ref)
+    if layout == "ddp":
+        wrapped = DDP(model)
+        opt = _muon(model.parameters(), distributed=distributed, process_group=_replica_group(wrapped))
+    else:
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if layout == "hsdp"
+                else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+        for n in LINEARS: fully_shard(getattr(model, n), mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+        opt = _muon(model.parameters(), distributed=distributed)
+    ref_opt = _muon(ref.parameters())
+    g, init = torch.Generator().manual_seed(123), [p.detach().clone() for p in ref.parameters()]
+    for _ in range(10):
+        x = torch.randn(8, 6, generator=g)  # the same batch on every rank: the averaged grads equal the reference's
+        wrapped(x).pow(2).mean().backward(); ref(x).pow(2).mean().backward()
+        n0 = len(counts); opt.step(); flops = sum(counts[n0:]); ref_opt.step()   # flops: the last step's
+        opt.zero_grad(set_to_none=True); ref_opt.zero_grad(set_to_none=True)
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p
+    diff = max((full(p) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), init))
+    return dict(diff=diff, moved=moved, flops=flops)
+
+
+def _muon_worker(rank, world, out_dir):
+    "Every layout this world allows, distributed and gathered; one JSON file per rank."
+    counts = []
+    _ns_counter(counts)
+    layouts = ["fsdp2", "ddp"] + (["hsdp"] if world == 4 else [])
+    res = {f"{lay}/{alg}": _run(lay, world, alg == "distributed", counts) for lay in layouts for alg in ("distributed", "gathered")}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f: json.dump(res, f)
+    print(rank, json.dumps(res))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_muon_matches_one_process(tmp_path, world):
+    run_ranks(_muon_worker, world, tmp_path / "pg_init", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    one = sum(ns_flops(q) for m, sp in zip([(7, 6), (7, 7), (7, 7), (7, 7), (13, 7), (5, 13)], SPLITS)
+              for q in part_shapes(m, sp))
+    for case in ranks[0]:
+        for r, res in enumerate(ranks):
+            got = res[case]
+            assert got["moved"] > 1e-2, f"{case}: parameters did not move"
+            assert got["diff"] <= 1e-5, f"rank {r} {case}: differs from one process by {got['diff']}"
+            if case.endswith("gathered"): assert got["flops"] == one, (case, got["flops"])
+        if case.endswith("distributed"):   # every matrix orthogonalised exactly once, split over the ranks
+            assert sum(res[case]["flops"] for res in ranks) == one
+            assert max(res[case]["flops"] for res in ranks) < one * (0.6 if world == 2 else 0.45), case
 
 
 class _LoraLinear(nn.Module):

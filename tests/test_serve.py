@@ -84,7 +84,7 @@ def stop(proc: subprocess.Popen):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    "`gg serve` in a subprocess on a free loopback port (the engine in its own process, as by default)."
+    "`gg serve` in a subprocess on a free loopback port (the decoder in its own process, as by default)."
     proc, url = start_gg_serve(tiny["ckpt"], "--max-batch-size", "8")
     try: yield dict(url=url, proc=proc, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
     finally: stop(proc)
@@ -101,7 +101,7 @@ def test_models_and_health(server):
     assert [m.id for m in models.data] == ["tiny-instruct"]
     h = httpx.get(f"{server['url']}/health").json()
     assert h["status"] == "ok" and h["max_batch_size"] == 8
-    from gradient_garden.serve import STREAM_INTERVAL_MS, STREAM_INTERVAL_TOKENS
+    from gradient_garden.serve.api import STREAM_INTERVAL_MS, STREAM_INTERVAL_TOKENS
     assert h["stream_interval"] == {"tokens": STREAM_INTERVAL_TOKENS, "ms": STREAM_INTERVAL_MS}      # gg serve's defaults
 
 def test_chat_plain_and_streamed(server, tiny):
@@ -227,9 +227,11 @@ def test_cli_refuses_public_address_without_key(tiny, capsys):
 def small_server(tiny):
     "A real uvicorn server in this process (one decoding row, one waiting place, an API key, a plain checkpoint)."
     import uvicorn
-    from gradient_garden.serve import BatchEngine, Served, create_app
+    from gradient_garden.serve.api import Served
+    from gradient_garden.serve.app import create_app
+    from gradient_garden.serve.decoder import BatchDecoder
     model, cfg = load_model_from_checkpoint(make_checkpoint(tiny["base"], "pretraining", tiny["tok_dir"]))
-    served = Served(BatchEngine(model, init_tokenizer(cfg.tokenizer), max_batch_size=1, max_queue=1), "tiny-plain", chat=False)
+    served = Served(BatchDecoder(model, init_tokenizer(cfg.tokenizer), max_batch_size=1, max_queue=1), "tiny-plain", chat=False)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(served, api_key="sekrit"), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -259,9 +261,11 @@ def test_api_key_queue_limit_and_plain_checkpoint(small_server):
 def coalescing_server(tiny):
     "A real uvicorn server in this process whose streams send 8 tokens per chunk (no time limit)."
     import uvicorn
-    from gradient_garden.serve import BatchEngine, Served, StreamInterval, create_app
-    model, _ = load_model_from_checkpoint(tiny["ckpt"])             # its own copy: the engine owns its model while it runs
-    served = Served(BatchEngine(model, tiny["tok"], max_batch_size=4), "tiny-instruct",
+    from gradient_garden.serve.api import Served, StreamInterval
+    from gradient_garden.serve.app import create_app
+    from gradient_garden.serve.decoder import BatchDecoder
+    model, _ = load_model_from_checkpoint(tiny["ckpt"])             # its own copy: the decoder owns its model while it runs
+    served = Served(BatchDecoder(model, tiny["tok"], max_batch_size=4), "tiny-instruct",
                     stream_interval=StreamInterval(8, ms=60_000))
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
@@ -295,33 +299,35 @@ def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
     "`--hf-checkpoint` on the `gg export` folder of the checkpoint: same chat flag, same greedy tokens."
     import argparse
     from gradient_garden.cli.generate import add_export_args, run_export
-    from gradient_garden.serve import Sequence, SamplingParams, add_serve_args, load_served
+    from gradient_garden.cli.serve import add_serve_args
+    from gradient_garden.serve.decoder import Sequence, SamplingParams
+    from gradient_garden.serve.process import load_served
     out = tiny["base"]/"hf"
     assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
     flags = add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu", "--threads", "1"])
-    served = load_served(flags)                                      # the engine in its own process, as gg serve runs it
+    served = load_served(flags)                                      # the decoder in its own process, as gg serve runs it
     try:
         assert served.chat and served.model_id == "hf" and served.max_len == MAX_LEN
         ids = chat_ids(tiny, [{"role": "user", "content": "def main():"}])
         done = threading.Event()
         s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0), emit=lambda kind, _: kind == "done" and done.set())
-        served.engine.start().submit([s])
+        served.decoder.start().submit([s])
         assert done.wait(60)
         assert s.out == generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=16)[0]
-        assert served.engine.snapshot()["pid"] == served.engine.process.pid != os.getpid()
-    finally: served.engine.close()
-    assert not served.engine.process.is_alive()
+        assert served.decoder.snapshot()["pid"] == served.decoder.process.pid != os.getpid()
+    finally: served.decoder.close()
+    assert not served.decoder.process.is_alive()
 
-def test_engine_process_errors_are_one_line(tmp_path):
-    "A checkpoint the engine process cannot load is a one-line error of `gg serve`, as it is in one process."
+def test_decoder_process_errors_are_one_line(tmp_path):
+    "A checkpoint the decoder process cannot load is a one-line error of `gg serve`, as it is in one process."
     r = subprocess.run([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", str(tmp_path/"none.pt"),
                         "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
-def test_a_dead_engine_process_fails_requests_cleanly(tiny):
-    "When the engine process dies, a running stream ends with an error event and new requests get a 503."
+def test_a_dead_decoder_process_fails_requests_cleanly(tiny):
+    "When the decoder process dies, a running stream ends with an error event and new requests get a 503."
     proc, url = start_gg_serve(tiny["ckpt"])
     try:
         pid = httpx.get(f"{url}/health").json()["pid"]
@@ -333,14 +339,14 @@ def test_a_dead_engine_process_fails_requests_cleanly(tiny):
             assert next(lines).startswith("data: ")
             os.kill(pid, 9)
             rest = [l for l in lines if l.startswith("data: ")]
-        assert "engine process exited" in json.loads(rest[-1][6:])["error"]["message"], rest[-3:]
+        assert "decoder process exited" in json.loads(rest[-1][6:])["error"]["message"], rest[-3:]
         assert _error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x"}), 503)["code"] == "unavailable"
         assert httpx.get(f"{url}/health").status_code == 503
         assert proc.poll() is None                                   # the web server stays up and says why
     finally: stop(proc)
 
-def test_engine_process_queue_limit(tiny):
-    "With the engine in its own process the web server counts what is in flight: a full queue is a 429, then it drains."
+def test_decoder_process_queue_limit(tiny):
+    "With the decoder in its own process the web server counts what is in flight: a full queue is a 429, then it drains."
     proc, url = start_gg_serve(tiny["ckpt"], "--max-batch-size", "1", "--max-queue", "1")
     try:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)

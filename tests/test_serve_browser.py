@@ -21,7 +21,9 @@ def page_server(tmp_path_factory):
     "A real uvicorn server in this process serving a tiny instruct checkpoint."
     import torch, uvicorn
     from gradient_garden.engine.checkpoints import load_model_from_checkpoint
-    from gradient_garden.serve import BatchEngine, Served, create_app
+    from gradient_garden.serve.api import Served
+    from gradient_garden.serve.app import create_app
+    from gradient_garden.serve.decoder import BatchDecoder
     from gradient_garden.tokenizer import init_tokenizer, train_bpe
     from test_serve import _corpus
     base = tmp_path_factory.mktemp("page")
@@ -31,7 +33,7 @@ def page_server(tmp_path_factory):
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a generator?"}]
     want = reference(dict(model=model, tok=tok), chat_ids(dict(tok=tok), msgs), 64)[0]
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(Served(BatchEngine(model, tok), "tiny-instruct")), host="127.0.0.1",
+    srv = uvicorn.Server(uvicorn.Config(create_app(Served(BatchDecoder(model, tok), "tiny-instruct")), host="127.0.0.1",
                                         port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

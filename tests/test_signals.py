@@ -198,3 +198,27 @@ def test_a_sharded_write_failing_on_one_rank_stops_all(prepared, tmp_path, async
     assert r.returncode != 0 and r.stderr.count(line) == 1 and r.stderr.count("step 8 not written") == 1, r.stderr[-4000:]
     assert "exit status 1: a checkpoint was not written" in r.stderr  # torchrun's summary points at the line
     assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]
+
+def test_a_checkpoint_over_the_file_size_limit_is_one_line(prepared, tmp_path):
+    "A real write failure under RLIMIT_FSIZE (torch reports it as `enforce fail at inline_container.cc`): the cause, named."
+    import resource
+    limit = 200_000                                            # above every log and config file, below one checkpoint
+    r = subprocess.run(GG + ["train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{"training.max_steps": 4,
+                             "checkpointing.every": 4})], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "inline_container" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint of step 4 not written: file too large (OSError: [Errno 27] File too large; "
+        f"the file-size limit, ulimit -f, is {limit:,} bytes); no earlier checkpoint exists")
+
+def test_a_second_ctrl_c_within_a_second_aborts_at_once(prepared, tmp_path):
+    "One process: Ctrl-C asks for a stop after the step; a second one 0.05 s later aborts mid-step, with no checkpoint."
+    proc = subprocess.Popen(GG + ["train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{
+                            "training.max_steps": 1000, "training.total_batch_size": 32768})],   # ~1 s steps of 128 micro-batches
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(tmp_path, 1, proc)
+    proc.send_signal(signal.SIGINT); time.sleep(0.05); proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr[-3000:]
+    assert "stopped by" not in stderr and time.time() - t0 < 30 and not list((run_dir(tmp_path)/"checkpoints").glob("step_*"))

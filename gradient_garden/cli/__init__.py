@@ -22,7 +22,7 @@ def _verbs() -> dict:
         "evaluate": ("validation loss, multiple-choice benchmarks and any lm-eval task of a checkpoint", "gradient_garden.cli.evaluate", "add_evaluate_args", "run_evaluate"),
         "generate": ("generate from prompts with a checkpoint", "gradient_garden.cli.generate", "add_generate_args", "run_generate"),
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.cli.generate", "add_export_args", "run_export"),
-        "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.serve", "add_serve_args", "run_serve"),
+        "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.cli.serve", "add_serve_args", "run_serve"),
         "plan": ("will a recipe fit, how long will it take (memory per rank, FLOPs, tokens, time)", "gradient_garden.cli.train", "add_plan_args", "run_plan"),
     }
 

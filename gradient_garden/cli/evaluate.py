@@ -52,6 +52,8 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--lm-eval-include", default=None, help="folder of extra lm-eval task YAMLs (TaskManager include_path)")
     g.add_argument("--lm-eval-limit", type=int, default=None, help="at most this many documents per lm-eval task")
     g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples for the lm-eval tasks")
+    g.add_argument("--apply-chat-template", action="store_true", help="lm-eval prompts in the checkpoint's chat format")
+    g.add_argument("--fewshot-as-multiturn", action="store_true", help="with --apply-chat-template: each shot an earlier turn")
     parser.add_argument("--output-file-name", default="eval_results.json", help="where to write the results JSON")
     return parser
 
@@ -81,6 +83,10 @@ def evaluation_plan(args) -> tuple[list[str], list[str]]:
     if lm_tasks and args.hf_checkpoint:
         raise ConfigError("--lm-eval-tasks needs --checkpoint; for a Hugging Face folder use lm-eval's own model: "
                           "lm_eval --model hf --model_args pretrained=DIR --tasks ...")
+    if getattr(args, "fewshot_as_multiturn", False) and not args.apply_chat_template:
+        raise ConfigError("--fewshot-as-multiturn needs --apply-chat-template (the shots become chat turns)")
+    if getattr(args, "apply_chat_template", False) and not lm_tasks:
+        raise ConfigError("--apply-chat-template applies to --lm-eval-tasks; the bundled benchmarks score plain text")
     return names, lm_tasks
 
 # %% ../../nbs/53_cli_evaluate.ipynb #d0f8fa85
@@ -157,7 +163,10 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
     if lm_tasks:
         tasks.update(lm.run_lm_eval_tasks(model, tokenizer, lm_tasks, batch_size=batch_size, add_bos=args.add_bos,
                                           include_path=args.lm_eval_include, limit=args.lm_eval_limit,
-                                          num_fewshot=args.num_fewshot, samples=samples, task_manager=task_manager))
+                                          num_fewshot=args.num_fewshot, samples=samples, task_manager=task_manager,
+                                          apply_chat_template=args.apply_chat_template,
+                                          fewshot_as_multiturn=args.fewshot_as_multiturn))
+        results["chat_template"] = args.apply_chat_template
     return results | {"tasks": tasks, "elapsed_s": round(time.time() - t0, 3)}, samples
 
 # %% ../../nbs/53_cli_evaluate.ipynb #99efc395

@@ -16,8 +16,8 @@ from ..models.lora import lora_modules
 from ..engine.checkpoints import load_model_from_checkpoint
 
 # %% auto #0
-__all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'write_generations', 'run_generate',
-           'add_export_args', 'export_tokenizer', 'run_export']
+__all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'prompt_format', 'write_generations',
+           'run_generate', 'add_export_args', 'export_tokenizer', 'run_export']
 
 # %% ../../nbs/52_cli_generate.ipynb #62f81f33
 def load_prompts(path) -> list:
@@ -27,11 +27,17 @@ def load_prompts(path) -> list:
     if isinstance(data, dict): data = data.get("prompts")
     if not isinstance(data, list) or not data:
         raise ConfigError(f"--prompts: {p} must hold a non-empty list of prompts (or an object with a 'prompts' list)")
+    is_chat = lambda x: isinstance(x, list) and bool(x) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in x)
     out = []
     for i, item in enumerate(data):
-        if isinstance(item, dict): item = item.get("messages", item.get("prompt"))
-        ok = isinstance(item, str) or (isinstance(item, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in item))
-        if not ok: raise ConfigError(f"--prompts: {p} item {i}: expected a string, {{'prompt': str}} or {{'messages': [{{role, content}}]}}")
+        if isinstance(item, dict) and "messages" in item:
+            item = item["messages"]
+            if not is_chat(item):
+                raise ConfigError(f"--prompts: {p} item {i}: 'messages' must be a non-empty list of {{role, content}} objects "
+                                  f"(got {type(item).__name__}); for plain text write {{'prompt': ...}}")
+        elif isinstance(item, dict): item = item.get("prompt")
+        if not (isinstance(item, str) or is_chat(item)):
+            raise ConfigError(f"--prompts: {p} item {i}: expected a string, {{'prompt': str}} or {{'messages': [{{role, content}}]}}")
         out.append(item)
     return out
 
@@ -45,7 +51,9 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     "Flags of `gg generate`."
     parser.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) or run checkpoint folder")
     parser.add_argument("--prompts", default=None, help="JSON file of prompts (default: the run's test prompts)")
-    parser.add_argument("--instruct", action="store_true", help="format prompts with the chat template")
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument("--instruct", action="store_true", help="chat format even on a pretraining checkpoint")
+    fmt.add_argument("--raw", action="store_true", help="complete the prompts as plain text, even on a chat (instruct, dpo) checkpoint")
     parser.add_argument("--max-gen-len", type=int, default=160, help="new tokens per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.9)
@@ -70,6 +78,14 @@ def check_generate_args(args):
     if args.repetition_penalty <= 0: raise ConfigError(f"--repetition-penalty: got {args.repetition_penalty}; must be > 0")
     if args.batch_size <= 0: raise ConfigError(f"--batch-size: got {args.batch_size}; must be > 0")
 
+# %% ../../nbs/52_cli_generate.ipynb #c766f4e7
+def prompt_format(args, stage: str) -> tuple[bool, str]:
+    "(chat format?, why) for `gg generate`: the flags, else the checkpoint's stage (pretraining = plain text)."
+    if args.instruct: return True, "--instruct"
+    if args.raw: return False, "--raw"
+    if stage == "pretraining": return False, "a pretraining checkpoint; --instruct for the chat format"
+    return True, f"the checkpoint's stage is {stage}; --raw for plain text"
+
 # %% ../../nbs/52_cli_generate.ipynb #860de5be
 def write_generations(args, results: list[dict]) -> Path:
     "Write the flags and the (prompt, completion) pairs to `--output-file-name` as JSON, atomically."
@@ -88,8 +104,11 @@ def run_generate(args) -> int:
     model, cfg = load_model_from_checkpoint(args.checkpoint, device, torch.float32 if on_cpu else dtype)
     if args.compile: model.forward = torch.compile(model.forward, dynamic=True)
     tokenizer = init_tokenizer(cfg.tokenizer)
-    instruct = args.instruct or (args.prompts is None and cfg.training.stage != "pretraining")
+    instruct, why = prompt_format(args, cfg.training.stage)
     prompts = load_prompts(args.prompts) if args.prompts else default_prompts(cfg, instruct)
+    if not instruct and (i := next((i for i, q in enumerate(prompts) if not isinstance(q, str)), None)) is not None:
+        raise ConfigError(f"--prompts: item {i} is a chat (messages); plain-text completion ({why}) takes strings only")
+    print(f"prompts: {'chat format' if instruct else 'plain text'} ({why})")
     with autocast_context(device, args.dtype) if on_cpu else contextlib.nullcontext():
         completions = generate_text(model, tokenizer, prompts, instruct=instruct, max_new_tokens=args.max_gen_len,
                                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -128,6 +147,8 @@ def export_tokenizer(cfg, tok_src) -> tuple:
 def run_export(args) -> int:
     "Run `gg export`: checkpoint -> Hugging Face Llama folder."
     out, dtype = Path(args.out), parse_dtype(args.dtype, "--dtype")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} is a file, not a folder; name a new or empty folder for the Hugging Face files")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"--out: {out} exists and is not empty; pass --force to write into it")
     model, cfg = load_model_from_checkpoint(args.checkpoint, "cpu", torch.float32, merge_lora=not args.lora_adapter)

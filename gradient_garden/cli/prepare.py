@@ -5,7 +5,7 @@ flags, config resolution, the choice of data section, and the lines it prints.""
 
 # %% ../../nbs/51_cli_prepare.ipynb #32201581
 from __future__ import annotations
-import argparse, importlib, resource, sys
+import argparse, contextlib, fcntl, importlib, os, resource, socket, sys
 from pathlib import Path
 from ..config import ConfigError, GlobalConfig, apply_overrides, load_config
 from ..tokenizer import ensure_tokenizer
@@ -14,12 +14,14 @@ from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_f
 from ..evals import TASKS, eval_source, prepare_evals
 from ..tasks.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
 from ..tasks.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
+from ..tasks.rl import DEFAULT_RL_SOURCES, prepare_rl
+from ..engine.plan import estimate_workload   # no trainer: the plan's arithmetic adds ~0.1 s to start-up
 
 # %% auto #0
 __all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
-           'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_stage_hook',
-           'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_pretraining_stage',
-           'run_prepare']
+           'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_prepare_rl',
+           'run_stage_hook', 'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_lock',
+           'prepare_pretraining_stage', 'run_prepare']
 
 # %% ../../nbs/51_cli_prepare.ipynb #3b7a6eba
 def add_prepare_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -90,9 +92,16 @@ def run_prepare_dpo(cfg: GlobalConfig, data: dict | None, args) -> int:
                                            getattr(args, "overwrite", False), getattr(args, "progress", True))))
     return 0
 
+def run_prepare_rl(cfg: GlobalConfig, data: dict | None, args) -> int:
+    "`gg prepare` hook of the rl stage: the recipe's prompts and held-out prompts into `paths.datasets/rl`."
+    print(stage_dir_line(prepare_stage_dir(cfg, data, "rl", prepare_rl, DEFAULT_RL_SOURCES,
+                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
+    return 0
+
 # %% ../../nbs/51_cli_prepare.ipynb #df7e5173
 STAGE_HOOKS = {"instruct": "gradient_garden.cli.prepare:run_prepare_instruct",
-               "dpo": "gradient_garden.cli.prepare:run_prepare_dpo"}
+               "dpo": "gradient_garden.cli.prepare:run_prepare_dpo",
+               "rl": "gradient_garden.cli.prepare:run_prepare_rl"}
 
 def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> int:
     "Hand preparation of a non-pretraining stage to the function named in `STAGE_HOOKS`."
@@ -117,7 +126,6 @@ def prepare_other_stage(args, cfg: GlobalConfig, data: dict | None, data_overrid
 # %% ../../nbs/51_cli_prepare.ipynb #1f0cae22
 def estimate_token_target(cfg: GlobalConfig) -> str:
     "The `data.target_tokens` override of the Chinchilla budget (20 tokens per parameter) of `cfg`'s model, printed."
-    from gradient_garden.engine.trainer import estimate_workload  # lazy: the trainer adds ~75% to `gg prepare`'s import time (measured), for one flag
     est = estimate_workload(cfg)
     print(f"{est['parameters']:,} parameters -> Chinchilla target {est['chinchilla_tokens']:,} tokens "
           f"({est['chinchilla_steps']:,} steps of {cfg.training.total_batch_size:,} tokens)")
@@ -135,6 +143,22 @@ def report_prepared(out_dir: Path, meta: dict, spec, tokenizer) -> None:
     if meta["n_tokens"] < spec.target_tokens:
         print(f"note: every source ran out at {meta['n_tokens']:,} tokens, below data.target_tokens = {spec.target_tokens:,}",
               file=sys.stderr)
+
+# %% ../../nbs/51_cli_prepare.ipynb #210d0148
+@contextlib.contextmanager
+def prepare_lock(datasets_dir):
+    "Hold `<datasets_dir>/.prepare.lock` (an exclusive flock) while preparing; one line if another process holds it."
+    path = Path(datasets_dir)/".prepare.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"{path.parent}: another gg prepare is writing here ({f.read().strip() or 'pid unknown'}); "
+                              "wait for it to finish, or set another paths.datasets") from None
+        f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}"); f.flush()
+        try: yield path
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 # %% ../../nbs/51_cli_prepare.ipynb #e8a8adc2
 def prepare_pretraining_stage(args, cfg: GlobalConfig, data: dict | None, data_overrides: list) -> int:
@@ -158,5 +182,6 @@ def run_prepare(args: argparse.Namespace) -> int:
         if not (args.recipe or args.config or args.stage or args.mix_file): return 0
     if getattr(args, "estimate_token_target", False): data_overrides = data_overrides + [estimate_token_target(cfg)]
     data = stage_data(args, recipe)
-    if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
-    return prepare_pretraining_stage(args, cfg, data, data_overrides)
+    with prepare_lock(cfg.paths.datasets):
+        if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
+        return prepare_pretraining_stage(args, cfg, data, data_overrides)

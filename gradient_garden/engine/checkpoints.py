@@ -6,7 +6,7 @@ and errors that say what is wrong with a checkpoint instead of a traceback from 
 
 # %% ../../nbs/44_checkpoints.ipynb #ba42969e
 from __future__ import annotations
-import io, os, pickle, random, re, shutil, warnings, zipfile
+import errno, io, os, pickle, random, re, resource, shutil, warnings, zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
@@ -163,7 +163,7 @@ def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool
     return ckpt
 
 # %% ../../nbs/44_checkpoints.ipynb #b2d76044
-STAGE_ORDER = ("pretraining", "instruct", "dpo")  # a later stage may start from an earlier one
+STAGE_ORDER = ("pretraining", "instruct", "dpo", "rl")  # a later stage may start from an earlier one
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
                 "tie_embeddings")
 MOE_SHAPE_FIELDS = ("n_experts", "n_shared_experts")
@@ -463,15 +463,29 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
 class CheckpointWriteError(RuntimeError):
     "A checkpoint could not be written; the message names the cause and the last intact checkpoint."
 
+def _os_error(e: BaseException) -> OSError | None:
+    "The OSError behind `e`: torch's archive writer turns a failed `write` into a RuntimeError raised in its context."
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno: return e
+        seen.add(id(e)); e = e.__cause__ or e.__context__
+    return None
+
 def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> str:
     "One line: why the checkpoint of `step` was not written (`how`: e.g. ' (background write)') and the last intact one."
     rank = None
     if isinstance(e, CheckpointException) and e.failures:  # dcp's wrapper: the first failing rank's own error
         rank, e = next(iter(e.failures.items()))
         if isinstance(e, tuple): e = e[0]
+    os_err = _os_error(e)
+    if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EFBIG): e = os_err
     first = _first_line(e) if str(e).strip() else ""
     if isinstance(e, KeyboardInterrupt): cause = "interrupted (Ctrl-C)"
-    elif getattr(e, "errno", None) == 28 or "No space left" in str(e) or "file write failed" in str(e):
+    elif getattr(e, "errno", None) == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        cause = f"file too large ({type(e).__name__}: {first}; " + (
+            f"the file-size limit, ulimit -f, is {limit:,} bytes)" if limit != resource.RLIM_INFINITY else "the file system's largest file)")
+    elif getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or "file write failed" in str(e):
         cause = f"disk full ({type(e).__name__}: {first or 'ENOSPC'})"
     else: cause = f"{type(e).__name__}: {first}"
     if rank is not None and dist.is_initialized() and dist.get_world_size() > 1: cause = f"rank {rank}: {cause}"

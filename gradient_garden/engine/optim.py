@@ -7,13 +7,17 @@ while also working on FSDP2-sharded (DTensor) parameters."""
 from __future__ import annotations
 import math
 import torch
+import torch.distributed as dist
+from fastcore.basics import patch
 from torch import nn, Tensor
 from ..config import OptimizersConfig, ConfigError
 from .schedules import learning_rate
 
 # %% auto #0
 __all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
-           'muon_lr', 'Muon', 'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
+           'part_shapes', 'declared_splits', 'orthogonalise', 'muon_lr', 'gathered_orthogonalise', 'Muon', 'ns_flops',
+           'orthogonalise_batched', 'assign_owners', 'muon_layout', 'exchange', 'distributed_orthogonalise',
+           'muon_rank_costs', 'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
 
 # %% ../../nbs/41_optim.ipynb #5e273563
 try: from torch.distributed.tensor import DTensor, Replicate
@@ -59,9 +63,53 @@ def zeropower_via_newtonschulz(G: Tensor, steps: int = 5, coefficients=NS_COEFFI
     if tall: X = X.mT
     return X.reshape(shape)
 
-# %% ../../nbs/41_optim.ipynb #5bf09247
+# %% ../../nbs/41_optim.ipynb #380cd6f6
+def part_shapes(shape, split=None) -> list[tuple]:
+    "The matrices Muon orthogonalises in a weight of `shape`: the weight, or its row blocks of sizes `split` (fused q/k/v)."
+    shape = tuple(shape)
+    if split is None: return [shape]
+    if sum(split) != shape[-2]: raise ValueError(f"split sizes {tuple(split)} do not add up to the {shape[-2]} rows of {shape}")
+    return [(*shape[:-2], rows, shape[-1]) for rows in split]
+
+def declared_splits(module: nn.Module, name: str):
+    "The row blocks a module declares for its parameter `name` (`split_sizes`: a tuple for `weight`, or a dict), or None."
+    s = getattr(module, "split_sizes", None)
+    if isinstance(s, dict): s = s.get(name)
+    elif name != "weight": s = None
+    return tuple(s) if s is not None else None
+
+# %% ../../nbs/41_optim.ipynb #5cb09bf1
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
+def _ns(G: Tensor, group: dict) -> Tensor:
+    "Newton-Schulz of `G` with the group's settings."
+    return zeropower_via_newtonschulz(G, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                      NS_DTYPES[group.get("ns_dtype", "bf16")])
+
+def orthogonalise(G: Tensor, group: dict, split=None) -> Tensor:
+    "Newton-Schulz of the whole matrix `G`, or of each of its row blocks of sizes `split`, joined again."
+    if split is None: return _ns(G, group)
+    return torch.cat([_ns(b, group) for b in G.split(split, dim=-2)], dim=-2)
+
+# %% ../../nbs/41_optim.ipynb #41358efd
+def _local(t: Tensor) -> Tensor:
+    "This rank's part of `t`: the local shard of a DTensor, `t` itself otherwise."
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+def _sharded_dim(p: Tensor):
+    "`(tensor dim, mesh dim)` along which DTensor `p` is split over more than one rank, or None."
+    if DTensor is None or not isinstance(p, DTensor): return None
+    dims = [(pl.dim % p.ndim, i) for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1]
+    return dims[0] if dims else None
+
+def _row_offset(p: Tensor) -> int:
+    "Index of the first row (dim -2) of `p` that this rank holds: FSDP2 gives rank i the i-th `torch.chunk` of dim 0."
+    sd = _sharded_dim(p)
+    if sd is None or sd[0] != p.ndim - 2: return 0
+    d, i = sd
+    return p.device_mesh.get_local_rank(i) * -(-p.shape[d] // p.device_mesh.size(i))
+
+# %% ../../nbs/41_optim.ipynb #5bf09247
 def muon_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     "Muon's shape-dependent learning rate for an A x B weight (torch.optim.Muon's `adjust_lr_fn`)."
     A, B = shape[-2:]
@@ -69,51 +117,213 @@ def muon_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     if adjust_lr_fn == "match_rms_adamw": return lr * 0.2 * math.sqrt(max(A, B))
     raise ConfigError(f"adjust_lr_fn: got {adjust_lr_fn!r}; expected one of None, 'original', 'match_rms_adamw'")
 
-def _orthogonalised(update: Tensor, p: Tensor, group: dict) -> Tensor:
-    "NS of `update` on the full matrix; for a DTensor parameter, gather it and return this rank's shard."
+def gathered_orthogonalise(update: Tensor, p: Tensor, group: dict, split=None) -> Tensor:
+    "This rank's part of `update` orthogonalised on the whole matrix: a DTensor is gathered, and every rank does all the work."
     is_dt = DTensor is not None and isinstance(update, DTensor)
-    full = update.full_tensor() if is_dt else update
-    dtype = NS_DTYPES[group.get("ns_dtype", "bf16")]
-    O = zeropower_via_newtonschulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"], dtype)
+    O = orthogonalise(update.full_tensor() if is_dt else update, group, split)
     if not is_dt: return O
     mesh = p.device_mesh
-    return DTensor.from_local(O, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, p.placements)
+    return DTensor.from_local(O, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, p.placements).to_local()
+
+def _apply_update(p: Tensor, O: Tensor, group: dict, split=None):
+    "Decoupled weight decay, then `p -= adjusted lr * O` on this rank's rows (each row block with its own shape's lr)."
+    lr, fn, local = group["lr"], group["adjust_lr_fn"], _local(p)
+    local.mul_(1 - lr * group["weight_decay"])
+    if split is None: return local.add_(O, alpha=-muon_lr(lr, p.shape, fn))
+    row0, start, n = _row_offset(p), 0, local.size(-2)
+    for shape in part_shapes(p.shape, split):
+        lo, hi = max(start, row0), min(start + shape[-2], row0 + n)
+        if hi > lo: local.narrow(-2, lo - row0, hi - lo).add_(O.narrow(-2, lo - row0, hi - lo), alpha=-muon_lr(lr, shape, fn))
+        start += shape[-2]
 
 # %% ../../nbs/41_optim.ipynb #bf166861
 class Muon(torch.optim.Optimizer):
-    "Muon (momentum orthogonalised by Newton-Schulz) for 2-D (or batched 3-D) weights; DTensor/FSDP2-aware."
+    "Muon (momentum orthogonalised by Newton-Schulz) for 2-D (or batched 3-D) weights; splits its work over DDP/FSDP2/HSDP ranks."
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
-                 adjust_lr_fn: str | None = None, ns_dtype: str = "bf16"):
+                 adjust_lr_fn: str | None = None, ns_dtype: str = "bf16", distributed: bool = True, process_group=None):
         muon_lr(1.0, (1, 1), adjust_lr_fn)  # validates adjust_lr_fn
         if ns_dtype not in NS_DTYPES: raise ValueError(f"ns_dtype: got {ns_dtype!r}; expected one of {', '.join(NS_DTYPES)}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         ns_dtype=ns_dtype)
         super().__init__(params, defaults)
+        self.distributed, self.process_group = distributed, process_group
         for group in self.param_groups:
-            for p in group["params"]:
+            for p, split in zip(group["params"], _splits(group)):
                 if p.ndim < 2: raise ValueError(f"Muon takes weights with 2+ dims; got shape {tuple(p.shape)}")
+                part_shapes(p.shape, split)  # validates the split
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        "One Muon update of every parameter that has a gradient."
-        loss = None
-        if closure is not None:
-            with torch.enable_grad(): loss = closure()
-        for group in self.param_groups:
-            lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None: continue
-                state = self.state[p]
-                if "momentum_buffer" not in state: state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - mom)
-                update = p.grad.lerp(buf, mom) if group["nesterov"] else buf
-                O = _orthogonalised(update, p, group)
-                p.mul_(1 - lr * wd)
-                p.add_(O, alpha=-muon_lr(lr, p.shape, group["adjust_lr_fn"]))
-        return loss
+def _splits(group: dict) -> list:
+    "The row blocks declared for each parameter of `group` (None: orthogonalise it whole)."
+    return group.get("splits") or [None] * len(group["params"])
+
+# %% ../../nbs/41_optim.ipynb #ac5b80f4
+@patch
+def _momentum_update(self: Muon, p: Tensor, group: dict) -> Tensor:
+    "Update `p`'s momentum buffer with its gradient; return what Newton-Schulz takes (Nesterov: the look-ahead)."
+    state = self.state[p]
+    if "momentum_buffer" not in state: state["momentum_buffer"] = torch.zeros_like(p.grad)
+    buf = state["momentum_buffer"]
+    buf.lerp_(p.grad, 1 - group["momentum"])
+    return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+# %% ../../nbs/41_optim.ipynb #42106e24
+def ns_flops(shape, steps: int = 5) -> int:
+    "Matmul FLOPs of one Newton-Schulz call on a (batched) matrix of `shape`: per step X X^T, A A and B X."
+    *batch, m, n = shape
+    m, n = min(m, n), max(m, n)
+    return math.prod(batch) * steps * (4 * m * m * n + 2 * m ** 3)
+
+# %% ../../nbs/41_optim.ipynb #16435ec5
+def orthogonalise_batched(mats: list[Tensor], group: dict, splits) -> list[Tensor]:
+    "`orthogonalise` of each matrix, with all blocks of one shape stacked into one Newton-Schulz call."
+    blocks = [list(m.split(sp, dim=-2)) if sp is not None else [m] for m, sp in zip(mats, splits)]
+    by_shape = {}
+    for i, bs in enumerate(blocks):
+        for j, b in enumerate(bs): by_shape.setdefault(tuple(b.shape), []).append((i, j))
+    for shape, where in by_shape.items():
+        out = _ns(torch.stack([blocks[i][j] for i, j in where]), group)
+        for (i, j), o in zip(where, out.unbind(0)): blocks[i][j] = o
+    return [bs[0] if len(bs) == 1 else torch.cat(bs, dim=-2) for bs in blocks]
+
+# %% ../../nbs/41_optim.ipynb #dba575d7
+def assign_owners(costs, world: int) -> list[int]:
+    "Owner rank of each matrix: the costliest first, each to the least-loaded rank so far (greedy LPT, ties to the lower rank)."
+    load, owners = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[i] = min(range(world), key=load.__getitem__)
+        load[owners[i]] += costs[i]
+    return owners
+
+# %% ../../nbs/41_optim.ipynb #368ac49e
+def _size_rank(pg) -> tuple[int, int]:
+    "Size of process group `pg` and this rank's index in it; (1, 0) for None."
+    return (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
+
+def muon_layout(params, process_group=None):
+    "`(shard group, replicate group)` Muon splits its work over (FSDP2/HSDP: from the DTensor mesh; DDP: `process_group`), or None in one process."
+    is_dt = [DTensor is not None and isinstance(p, DTensor) for p in params]
+    if not any(is_dt):
+        return (None, process_group) if process_group is not None and _size_rank(process_group)[0] > 1 else None
+    if not all(is_dt): raise ValueError("Muon: a param group mixes DTensor and plain parameters")
+    mesh, roles = params[0].device_mesh, [pl.is_shard() for pl in params[0].placements]
+    if any(p.device_mesh != mesh or [pl.is_shard() for pl in p.placements] != roles for p in params):
+        raise ValueError("Muon: the parameters of a group must share one device mesh and one layout")
+    shard = [i for i, s in enumerate(roles) if s and mesh.size(i) > 1]
+    rep = [i for i, s in enumerate(roles) if not s and mesh.size(i) > 1]
+    if len(shard) > 1 or len(rep) > 1:
+        raise NotImplementedError(f"Muon: placements {params[0].placements}; expected at most one sharded and one replicated mesh dim")
+    if not shard and not rep: return None
+    return (mesh.get_group(shard[0]) if shard else None), (mesh.get_group(rep[0]) if rep else None)
+
+# %% ../../nbs/41_optim.ipynb #32a8008f
+def _flat(ts: list[Tensor], dtype, device) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype, device=device)
+
+def _unflat(buf: Tensor, shapes) -> list[Tensor]:
+    return [t.view(s) for t, s in zip(buf.split([math.prod(s) for s in shapes]), shapes)]
+
+def exchange(send: list[list[Tensor]], recv_shapes: list[list[tuple]], pg, dtype, device) -> list[list[Tensor]]:
+    "One all-to-all of tensor lists: `send[j]` goes to rank j of `pg`; returns the lists each rank sent here, shaped `recv_shapes`."
+    flat = [_flat(ts, dtype, device) for ts in send]
+    out_sizes = [sum(math.prod(s) for s in ss) for ss in recv_shapes]
+    out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(out, torch.cat(flat), out_sizes, [f.numel() for f in flat], group=pg)
+    return [_unflat(b, ss) for b, ss in zip(out.split(out_sizes), recv_shapes)]
+
+# %% ../../nbs/41_optim.ipynb #60968240
+def _pad(t: Tensor, dim: int, size: int) -> Tensor:
+    "`t` zero-padded along `dim` to `size`."
+    if t.size(dim) == size: return t
+    out = t.new_zeros(*t.shape[:dim], size, *t.shape[dim + 1:])
+    out.narrow(dim, 0, t.size(dim)).copy_(t)
+    return out
+
+# %% ../../nbs/41_optim.ipynb #90f4e6ec
+def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout) -> list[Tensor]:
+    "This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` picks."
+    S, R = layout
+    (s, i_s), (r, i_r) = _size_rank(S), _size_rank(R)
+    dtype = NS_DTYPES[group.get("ns_dtype", "bf16")]
+    local = [_local(u).to(dtype) for u in updates]
+    device, n = local[0].device, len(local)
+    owner = assign_owners([sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp))
+                           for p, sp in zip(params, splits)], s * r)
+    ours = [k for k in range(n) if owner[k] // s == i_r]            # this replica's matrices
+    of = [[k for k in ours if owner[k] % s == j] for j in range(s)]  # ... owned by shard rank j
+    if s > 1:   # each shard rank sends its (padded) shard of matrix k to k's owner, which joins them
+        dim = [_sharded_dim(p)[0] for p in params]
+        chunk = [-(-p.shape[d] // s) for p, d in zip(params, dim)]
+        padded = [(*p.shape[:d], c, *p.shape[d + 1:]) for p, d, c in zip(params, dim, chunk)]
+        got = exchange([[_pad(local[k], dim[k], chunk[k]) for k in ks] for ks in of],
+                       [[padded[k] for k in of[i_s]]] * s, S, dtype, device)
+        full = [torch.cat([got[j][a] for j in range(s)], dim[k])[tuple(slice(0, m) for m in params[k].shape)]
+                for a, k in enumerate(of[i_s])]
+    else: full = [local[k] for k in of[i_s]]
+    done = orthogonalise_batched(full, group, [splits[k] for k in of[i_s]])
+    if s > 1:   # and sends each shard rank its shard of the result
+        pieces = [_pad(O, dim[k], chunk[k] * s).chunk(s, dim[k]) for O, k in zip(done, of[i_s])]
+        got = exchange([[pc[j] for pc in pieces] for j in range(s)], [[padded[k] for k in ks] for ks in of],
+                       S, dtype, device)
+        res = {k: got[j][a].narrow(dim[k], 0, local[k].size(dim[k])) for j, ks in enumerate(of) for a, k in enumerate(ks)}
+    else: res = dict(zip(of[i_s], done))
+    if r > 1:   # replicas (DDP, HSDP's replicate dim) each did their share: gather the rest
+        per = [[k for k in range(n) if owner[k] // s == q] for q in range(r)]
+        sizes = [sum(local[k].numel() for k in ks) for ks in per]
+        mine = _pad(_flat([res[k] for k in per[i_r]], dtype, device), 0, max(sizes))
+        outs = [torch.empty_like(mine) for _ in range(r)]
+        dist.all_gather(outs, mine, group=R)
+        for q, ks in enumerate(per):
+            if q != i_r: res.update(zip(ks, _unflat(outs[q][:sizes[q]], [local[k].shape for k in ks])))
+    return [res[k] for k in range(n)]
+
+# %% ../../nbs/41_optim.ipynb #f13106cf
+def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5, ns_bytes: int = 2) -> dict:
+    "Busiest rank's Newton-Schulz FLOPs per step and the step's buffers beyond the shards, gathered and distributed."
+    splits = splits or [None] * len(shapes)
+    costs = [sum(ns_flops(q, ns_steps) for q in part_shapes(s, sp)) for s, sp in zip(shapes, splits)]
+    numel, world = [math.prod(s) for s in shapes], shard * replicate
+    gathered = {"ns_flops": sum(costs), "bytes": (4 * (shard > 1) + ns_bytes) * max(numel)}
+    if world == 1: return {"gathered": gathered, "distributed": dict(gathered)}
+    owner = assign_owners(costs, world)
+    busiest = lambda v: max(sum(x for x, o in zip(v, owner) if o == g) for g in range(world))
+    share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
+    per_rep = [sum(x for x, o in zip(share, owner) if o // shard == q) for q in range(replicate)]
+    buffers = 2 * busiest(numel) + (2 * max(per_rep) if shard > 1 else 0) + (replicate * max(per_rep) if replicate > 1 else 0)
+    return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs), "bytes": ns_bytes * buffers}}
+
+# %% ../../nbs/41_optim.ipynb #d3c01f5d
+@patch
+@torch.no_grad()
+def step(self: Muon, closure=None):
+    "One Muon update of every parameter that has a gradient."
+    loss = None
+    if closure is not None:
+        with torch.enable_grad(): loss = closure()
+    for group in self.param_groups:
+        items = [(p, sp) for p, sp in zip(group["params"], _splits(group)) if p.grad is not None]
+        layout = muon_layout([p for p, _ in items], self.process_group) if self.distributed and items else None
+        if layout is None:   # one process, or the gathered algorithm: one matrix at a time, all of them here
+            for p, sp in items: _apply_update(p, gathered_orthogonalise(self._momentum_update(p, group), p, group, sp), group, sp)
+            continue
+        params, splits = [p for p, _ in items], [sp for _, sp in items]
+        updates = [self._momentum_update(p, group) for p in params]
+        for p, O, sp in zip(params, distributed_orthogonalise(updates, params, splits, group, layout), splits):
+            _apply_update(p, O, group, sp)
+    return loss
+
+# %% ../../nbs/41_optim.ipynb #46739fa3
+def _replica_group(model: nn.Module):
+    "The process group of a DDP-wrapped `model` (its ranks hold the same gradients), else None."
+    inner = getattr(model, "_orig_mod", model)
+    return inner.process_group if isinstance(inner, nn.parallel.DistributedDataParallel) else None
+
+def _declared_splits(model: nn.Module, names: list[str]) -> list:
+    "`declared_splits` of each named parameter of `model`."
+    found = {f"{mn}.{pn}" if mn else pn: declared_splits(m, pn) for mn, m in model.named_modules()
+             for pn, _ in m.named_parameters(recurse=False)}
+    return [found.get(n) for n in names]
 
 # %% ../../nbs/41_optim.ipynb #9fe77a63
 def _adamw_impl(fused: str, device_type: str) -> dict:
@@ -143,8 +353,12 @@ def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig, device_type: s
         opts.append(torch.optim.AdamW(adamw_groups, lr=a.max_lr, betas=tuple(a.betas), eps=a.eps,
                                       **_adamw_impl(a.fused, device_type)))
     if m.enabled and groups["matrices"]:
-        opts.append(Muon([group("matrices", m.weight_decay, "muon")], lr=m.max_lr, momentum=m.momentum,
-                         nesterov=m.nesterov, ns_steps=m.ns_steps, ns_dtype=muon_ns_dtype(m.ns_dtype, device_type)))
+        muon = group("matrices", m.weight_decay, "muon")
+        splits = _declared_splits(model, muon["param_names"])
+        if any(splits): muon["splits"] = splits
+        opts.append(Muon([muon], lr=m.max_lr, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+                         ns_dtype=muon_ns_dtype(m.ns_dtype, device_type), distributed=m.distributed,
+                         process_group=_replica_group(model)))
     return opts
 
 # %% ../../nbs/41_optim.ipynb #dbf91bdb

@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
-from .trainer import gpu_datasheet_flops, measure_matmul_peak
+from ..hardware import gpu_datasheet_flops, measure_matmul_peak
 from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS, flops_per_token
 from .optim import classify_parameters
 from ..models.lora import apply_lora
@@ -23,10 +23,11 @@ from .activation_checkpointing import SAVE_OPS
 from ..runtime import resolve_precision
 
 # %% auto #0
-__all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'HEADROOM', 'PLAN_ROWS', 'Accelerator', 'accelerator',
-           'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes', 'unsharded_gradient_bytes',
-           'memory_plan', 'Plan', 'measured_mfu', 'layouts', 'plan', 'suggestion', 'fit_message', 'format_plan',
-           'device_memory', 'check_fit']
+__all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
+           'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes',
+           'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu',
+           'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory',
+           'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -166,6 +167,17 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
     out["staging_host"] = staging
     return out
 
+# %% ../../nbs/46_plan.ipynb #50f81bac
+CHINCHILLA_TOKENS_PER_PARAMETER = 20   # Hoffmann et al. 2022: compute-optimal training tokens per parameter
+
+def chinchilla_tokens(parameters: int) -> int:
+    "The compute-optimal token budget of a model with `parameters` parameters."
+    return CHINCHILLA_TOKENS_PER_PARAMETER * parameters
+
+def run_hours(tokens: int, tokens_per_s: float) -> float:
+    "Wall hours to train `tokens` at `tokens_per_s`."
+    return tokens / tokens_per_s / 3600
+
 # %% ../../nbs/46_plan.ipynb #2aaddbef
 HEADROOM = 0.92   # share of device memory a plan may use (allocator fragmentation, CUDA context, communication buffers)
 
@@ -196,14 +208,17 @@ class Plan:
     @property
     def fits(self) -> bool: return self.needed <= self.budget
     @property
-    def chinchilla_tokens(self) -> int: return 20 * self.counts["total"]
+    def chinchilla_tokens(self) -> int: return chinchilla_tokens(self.counts["total"])
+    @property
+    def tokens_per_s(self) -> float:
+        "Throughput at the plan's MFU, full checkpointing's recomputation counted as extra FLOPs per token."
+        m = self.cfg.model
+        extra = 2 * (self.flops_per_token - 6 * m.dim * m.vocab_size) / 6 if self.mode == "full" else 0.0
+        return self.world * self.device.peak_flops * self.mfu / (self.flops_per_token + extra)
     @property
     def hours(self) -> float:
         "Wall time of the whole run at the plan's MFU, including full checkpointing's recomputation."
-        m = self.cfg.model
-        extra = 0.0
-        if self.mode == "full": extra = 2 * (self.flops_per_token - 6 * m.dim * m.vocab_size) / 6
-        return self.tokens * (self.flops_per_token + extra) / (self.world * self.device.peak_flops * self.mfu) / 3600
+        return run_hours(self.tokens, self.tokens_per_s)
 
 # %% ../../nbs/46_plan.ipynb #94d20553
 def measured_mfu(metrics_path) -> float | None:
@@ -245,6 +260,20 @@ def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: in
     t = cfg.training
     return Plan(cfg, dev, nodes, gpus_per_node, layout, mem, parameter_counts(cfg), flops_per_token(cfg.model, t.seq_len),
                 t.max_steps * t.total_batch_size, t.max_steps, mfu, source)
+
+# %% ../../nbs/46_plan.ipynb #be3e913b
+def estimate_workload(cfg: GlobalConfig, tokens_per_s: float | None = None, world_size: int = 1) -> dict:
+    "Parameters, FLOPs/token, Chinchilla tokens, steps and (given throughput) hours for `cfg`'s model and batch."
+    with torch.device("meta"): model = build_model(cfg.model)
+    n_params, t = count_parameters(model), cfg.training
+    fpt, chin, run_tokens = flops_per_token(cfg.model, t.seq_len), chinchilla_tokens(n_params), t.max_steps * t.total_batch_size
+    est = dict(parameters=n_params, non_embedding_parameters=count_parameters(model, exclude_embeddings=True),
+               flops_per_token=fpt, chinchilla_tokens=chin, chinchilla_steps=math.ceil(chin / t.total_batch_size),
+               run_tokens=run_tokens, run_flops=fpt * run_tokens, grad_accum_steps=grad_accum_steps(cfg, world_size))
+    if tokens_per_s:
+        est.update(tokens_per_s=tokens_per_s, run_hours=run_hours(run_tokens, tokens_per_s),
+                   chinchilla_hours=run_hours(chin, tokens_per_s))
+    return est
 
 # %% ../../nbs/46_plan.ipynb #ed33a52c
 def _with(cfg: GlobalConfig, **changes) -> GlobalConfig:

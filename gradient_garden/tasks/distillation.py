@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, DistillationConfig, GlobalConfig
 from ..runtime import parse_dtype
 from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
-from .sft import IGNORE_INDEX
+from .stages import IGNORE_INDEX
 from ..models.attention import additive_mask, attention_mask
 
 # %% auto #0

@@ -16,11 +16,12 @@ from ..config import ConfigError, DPOConfig, GlobalConfig
 from ..runtime import all_reduce, atomic_dir, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
-from .sft import (open_split, stream_positions, check_stream_state, IGNORE_INDEX, check_messages, check_source, load_rows, save_ragged, load_ragged,
-                                       check_identity, _sources, datasets_progress, SplitStream)
+from .stages import (IGNORE_INDEX, SplitStream, StageParts, check_identity, check_messages, check_source,
+                                          check_stream_state, datasets_progress, load_ragged, load_rows, open_split, save_ragged,
+                                          stage_sources, stream_positions)
 from ..models.tendril import unwrap_model
 from ..tokenizer import init_tokenizer
-from .stages import StageParts
+from fastcore.basics import patch   # the reference and the loader are built up method by method below
 
 # %% auto #0
 __all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'dpo_loss', 'tokenize_pair', 'iter_source_pairs',
@@ -94,7 +95,7 @@ def iter_source_pairs(src: dict, split: str, where: str):
 def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's preference sources into `out_dir/{train,val}`; returns the two splits' meta."
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
-    srcs = [check_source(s, f"data.sources[{i}]", PAIR_SOURCE_KEYS) for i, s in enumerate(_sources(recipe_data, DEFAULT_DPO_SOURCES))]
+    srcs = [check_source(s, f"data.sources[{i}]", PAIR_SOURCE_KEYS) for i, s in enumerate(stage_sources(recipe_data, DEFAULT_DPO_SOURCES))]
     max_len, metas = cfg.model.max_seq_len + 1, {}
     for split in SPLITS:
         rows, dropped = [], 0
@@ -163,9 +164,6 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
 def _plain_module(model):
     "The module to run forwards on: FSDP2 modules as they are, DDP / compile wrappers unwrapped."
     return model if is_fsdp(model) else unwrap_model(model)
-
-# %% ../../nbs/33_dpo.ipynb #41f3cd15
-from fastcore.basics import patch   # the reference and the loader are built up method by method below
 
 # %% ../../nbs/33_dpo.ipynb #715aba2d
 class PrecomputedReference:

@@ -5,7 +5,7 @@ masking (or padding), a resumable loader, the `instruct` stage, and exact-match 
 
 # %% ../../nbs/32_sft.ipynb #c257b493
 from __future__ import annotations
-import contextlib, hashlib, json, os, shutil
+import json, os, shutil
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 import numpy as np
@@ -18,34 +18,17 @@ from ..data.verifiable import (sample_conversations, heldout_examples, exact_mat
 from ..tokenizer import init_tokenizer
 from ..generation import generate
 from .pretraining import CausalLMTask
-from .stages import StageParts
+from .stages import (IGNORE_INDEX, StageParts, SplitStream, check_identity, check_messages,
+                                          check_source, check_stream_state, datasets_progress, load_ragged, load_rows,
+                                          open_split, save_ragged, stage_sources, stream_positions)
+from fastcore.basics import patch   # the loader is built up method by method below
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'DEFAULT_INSTRUCT_SOURCES', 'check_messages', 'turn_cuts', 'tokenize_chat',
-           'save_ragged', 'load_ragged', 'open_split', 'write_split', 'SFTDataset', 'check_source', 'load_rows',
-           'datasets_progress', 'iter_source_chats', 'prepare_instruct', 'prepared_matches', 'prepare_stage_dir',
-           'collate_rows', 'pack_rows', 'stream_positions', 'SplitStream', 'SFTLoader', 'check_stream_state', 'SFTTask',
-           'instruct_dir', 'check_identity', 'build_instruct', 'prompt_ids', 'lockstep_generate',
-           'evaluate_exact_match']
+__all__ = ['DEFAULT_INSTRUCT_SOURCES', 'turn_cuts', 'tokenize_chat', 'write_split', 'SFTDataset', 'iter_source_chats',
+           'prepare_instruct', 'prepared_matches', 'prepare_stage_dir', 'collate_rows', 'pack_rows', 'SFTLoader',
+           'SFTTask', 'instruct_dir', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
 
 # %% ../../nbs/32_sft.ipynb #46a633bc
-IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-def check_messages(messages, where: str = "messages") -> list[dict]:
-    "Validate (and normalise ShareGPT `from`/`value`) chat messages; raise `ConfigError` naming `where`."
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ConfigError(f"{where}: expected a non-empty list of {{role, content}} messages, got {type(messages).__name__}")
-    out = []
-    for i, m in enumerate(messages):
-        if isinstance(m, dict) and "role" not in m and "from" in m:
-            m = {"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ConfigError(f"{where}[{i}]: got {str(m)[:80]!r}; expected {{'role': one of {', '.join(ROLES)}, 'content': str}}")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
 def turn_cuts(mask: Sequence[int]) -> list[int]:
     "Token counts after each supervised run (assistant turn + its eot): the places a chat may be cut."
     return [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
@@ -59,25 +42,6 @@ def tokenize_chat(tokenizer, messages: list[dict], max_len: Optional[int] = None
     return ids[:cuts[-1]], mask[:cuts[-1]], cuts
 
 # %% ../../nbs/32_sft.ipynb #9e9e0d2e
-def save_ragged(folder: Path, name: str, seqs: Sequence[Sequence[int]], dtype) -> None:
-    "Write a list of int sequences as `name.npy` (flat) and `name_offsets.npy`."
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter((x for s in seqs for x in s), dtype=dtype, count=int(lens.sum()))
-    np.save(folder/f"{name}.npy", flat)
-    np.save(folder/f"{name}_offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
-
-def load_ragged(folder: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
-    "Memory-map `name.npy` and load its offsets."
-    return np.load(folder/f"{name}.npy", mmap_mode="r"), np.load(folder/f"{name}_offsets.npy")
-
-def open_split(data_dir, split: str, what: str, stage: str) -> tuple[Path, dict]:
-    "The folder and `meta.json` of one prepared split of `stage`, or one line saying how to prepare it."
-    folder = Path(data_dir)/split
-    if not (folder/"meta.json").is_file():
-        raise ConfigError(f"paths.datasets: no prepared {what} in {folder}; run `gg prepare --{stage}` "
-                          f"(or `gg prepare --recipe recipes/{stage}/debug.yaml`) first")
-    return folder, json.loads((folder/"meta.json").read_text())
-
 def write_split(folder, chats: Sequence[tuple], meta: dict) -> dict:
     "Atomically write tokenised chats `(ids, mask, cuts)` and `meta.json` into `folder`."
     meta = meta | dict(n_conversations=len(chats), n_tokens=sum(len(c[0]) for c in chats),
@@ -118,59 +82,9 @@ class SFTDataset:
         return np.asarray(self.tokens[a:a + length], dtype=np.int64), np.asarray(self.mask[a:a + length], dtype=bool)
 
 # %% ../../nbs/32_sft.ipynb #c0c9c7d4
-SOURCE_KEYS = {
-    "verifiable": {"type", "train", "val", "tasks", "seed", "max_turns", "system_prob"},
-    "hub": {"type", "path", "name", "split", "column", "max_examples", "val_split", "val_fraction", "revision"},
-    "json": {"type", "path", "column", "max_examples", "val_fraction"},
-}
 DEFAULT_INSTRUCT_SOURCES = [{"type": "verifiable", "train": 6000, "val": 300, "max_turns": 3, "seed": 0}]
 
-def check_source(src, where: str, kinds=SOURCE_KEYS) -> dict:
-    "Validate one `data.sources` entry against the keys its `type` allows."
-    if not isinstance(src, dict) or src.get("type") not in kinds:
-        got = src.get("type") if isinstance(src, dict) else src
-        raise ConfigError(f"{where}.type: got {got!r}; allowed: {', '.join(kinds)}")
-    unknown = sorted(set(src) - kinds[src["type"]])
-    if unknown: raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys for type {src['type']!r}: {', '.join(sorted(kinds[src['type']]))}")
-    if src["type"] in ("hub", "json") and not src.get("path"): raise ConfigError(f"{where}.path: required for type {src['type']!r}")
-    return src
-
-# %% ../../nbs/32_sft.ipynb #25d989dd
-def _in_val(tag: str, i: int, fraction: float) -> bool:
-    "Stable assignment of row `i` of source `tag` to the validation split."
-    h = int.from_bytes(hashlib.sha1(f"{tag}|{i}".encode()).digest()[:4], "little")
-    return h % 1_000_000 < fraction * 1_000_000
-
-def load_rows(src: dict, split: str):
-    "Rows of a hub or JSON source for `split` (train/val), through `datasets.load_dataset`."
-    import datasets  # lazy: about 1 s of import (measured), only when a source is read
-    if src["type"] == "json":
-        p = Path(src["path"]).expanduser()
-        if not p.exists(): raise ConfigError(f"data.sources.path: {p} not found")
-        ds = datasets.load_dataset("json", data_files=str(p), split="train")
-    elif split == "val" and src.get("val_split"):
-        ds = datasets.load_dataset(src["path"], src.get("name"), split=src["val_split"], revision=src.get("revision"))
-    else:
-        ds = datasets.load_dataset(src["path"], src.get("name"), split=src.get("split", "train"), revision=src.get("revision"))
-    hash_split = not (src["type"] == "hub" and src.get("val_split"))
-    frac, n = src.get("val_fraction", 0.02), 0
-    for i, row in enumerate(ds):
-        if hash_split and _in_val(src["path"], i, frac) != (split == "val"): continue
-        if src.get("max_examples") and split == "train" and n >= src["max_examples"]: break
-        n += 1
-        yield i, row
-
 # %% ../../nbs/32_sft.ipynb #5dff22a8
-@contextlib.contextmanager
-def datasets_progress(enabled: bool):
-    "Silence the `datasets` progress bars inside the block unless `enabled`."
-    from datasets.utils import logging as dlog  # lazy: datasets is about 1 s of import (measured)
-    was = dlog.is_progress_bar_enabled()
-    if not enabled: dlog.disable_progress_bar()
-    try: yield
-    finally:
-        if was: dlog.enable_progress_bar()
-
 def iter_source_chats(src: dict, split: str, where: str) -> Iterator[tuple[str, list]]:
     "(row label, messages) of one source for `split`."
     if src["type"] == "verifiable":
@@ -185,16 +99,10 @@ def iter_source_chats(src: dict, split: str, where: str) -> Iterator[tuple[str, 
         yield f"{src['path']} row {i}", row[col]
 
 # %% ../../nbs/32_sft.ipynb #2d7e4b2d
-def _sources(recipe_data: Optional[dict], default: list) -> list[dict]:
-    "The `sources` list of a recipe's data section (the default when absent)."
-    srcs = (recipe_data or {}).get("sources") or default
-    if not isinstance(srcs, list): raise ConfigError(f"data.sources: got {type(srcs).__name__}; expected a list")
-    return srcs
-
 def prepare_instruct(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's chat sources into `out_dir/{train,val}`; returns the two splits' meta."
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
-    srcs = [check_source(s, f"data.sources[{i}]") for i, s in enumerate(_sources(recipe_data, DEFAULT_INSTRUCT_SOURCES))]
+    srcs = [check_source(s, f"data.sources[{i}]") for i, s in enumerate(stage_sources(recipe_data, DEFAULT_INSTRUCT_SOURCES))]
     max_len = cfg.model.max_seq_len + 1
     metas = {}
     for split in SPLITS:
@@ -230,10 +138,10 @@ def prepare_stage_dir(cfg: GlobalConfig, data: Optional[dict], stage: str, prepa
     tokenizer = init_tokenizer(cfg.tokenizer)
     out = Path(cfg.paths.datasets)/stage
     done = dict(path=out, tokenizer=f"{tokenizer.name} [{tokenizer.identity}]")
-    if not overwrite and prepared_matches(out, _sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
+    if not overwrite and prepared_matches(out, stage_sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
         return done | dict(up_to_date=True)
     metas = prepare(data, cfg, out, tokenizer=tokenizer, progress=progress)
-    n = lambda m: m.get("n_conversations", m.get("n_pairs"))
+    n = lambda m: m.get("n_conversations", m.get("n_pairs", m.get("n_prompts")))
     return done | dict(up_to_date=False, train=n(metas["train"]), val=n(metas["val"]),
                        dropped=metas["train"]["dropped"] + metas["val"]["dropped"])
 
@@ -273,45 +181,6 @@ def pack_rows(order: np.ndarray, n_positions: np.ndarray, capacity: int, window:
             open_rows.append([capacity - n, [i]])
             if len(open_rows) > window: rows.append(open_rows.pop(0)[1])
     return rows + [r[1] for r in open_rows]
-
-# %% ../../nbs/32_sft.ipynb #144fe7d6
-def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int, epoch_len):
-    "This rank's `n` positions `(epoch, index)` of the next `n x world_size` stream items, and the position after them."
-    mine = []
-    for k in range(n * world_size):
-        if k % world_size == rank: mine.append((epoch, cursor))
-        cursor += 1
-        if cursor == epoch_len(epoch): epoch, cursor = epoch + 1, 0
-    return mine, epoch, cursor
-
-# %% ../../nbs/32_sft.ipynb #191e6349
-from fastcore.basics import patch   # the loader is built up method by method below
-
-# %% ../../nbs/32_sft.ipynb #b57e3b99
-class SplitStream:
-    "One rank's resumable stream over the `kept` items of a prepared split (those that fit `seq_len`); the SFT and DPO loaders build on it."
-    def __init__(self, data, kept: np.ndarray, split: str, batch_size: int, seq_len: int, rank: int, world_size: int,
-                 seed: int, shuffle: bool, what: str):
-        self.data, self.kept = data, kept
-        self.split, self.batch_size, self.seq_len, self.seed = split, batch_size, seq_len, seed
-        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
-        self.pad_id = int(data.meta["pad_id"])
-        self.n_dropped = len(data) - len(kept)
-        if len(kept) < world_size:
-            raise ConfigError(f"training.seq_len: got {seq_len}; only {len(kept)} {split} {what} fit "
-                              f"(need at least one per rank, world size {world_size})")
-        self.epoch, self.cursor = 0, 0
-        self._orders: dict = {}
-
-    @property
-    def tokenizer_identity(self) -> Optional[str]: return self.data.tokenizer_identity
-
-    def _order_for(self, epoch: int, shuffle: bool) -> np.ndarray:
-        "All kept items in the order of `epoch` (every rank computes the same; the current epoch cached)."
-        if (epoch, shuffle) not in self._orders:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.kept) if shuffle else self.kept
-            self._orders = {k: v for k, v in self._orders.items() if k[1] != shuffle} | {(epoch, shuffle): order}
-        return self._orders[(epoch, shuffle)]
 
 # %% ../../nbs/32_sft.ipynb #b7910015
 class SFTLoader(SplitStream):
@@ -372,16 +241,6 @@ def load_state_dict(self: SFTLoader, d: dict):
     check_stream_state(d, self.state_dict(), ("kind", "split", "seed", "packing", "pack_window", "seq_len", "n_docs"))
     self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
 
-def check_stream_state(saved: dict, mine: dict, keys):
-    "One clear line when a saved loader state cannot continue this loader's stream."
-    if saved.get("stream") != "global" and saved.get("world_size", 1) != 1:
-        raise ConfigError(f"loader state: written by the per-rank {saved.get('kind')} loader of older versions on "
-                          f"{saved.get('world_size')} ranks, whose order cannot be continued; resume with --reset-loader")
-    for k in keys:
-        if saved.get(k) != mine[k]:
-            raise ConfigError(f"loader state: {k} was {saved.get(k)!r} when saved, is {mine[k]!r} now; "
-                              "exact resume needs the same data and settings (or resume with --reset-loader)")
-
 # %% ../../nbs/32_sft.ipynb #be3ea24d
 class SFTTask(CausalLMTask):
     "The instruct task: summed next-token cross-entropy over assistant tokens; `count` = supervised tokens."
@@ -395,13 +254,6 @@ class SFTTask(CausalLMTask):
 def instruct_dir(cfg: GlobalConfig) -> Path:
     "Where `gg prepare --instruct` writes the prepared chats."
     return Path(cfg.paths.datasets)/"instruct"
-
-def check_identity(tokenizer, data_identity: Optional[str], where: Path, tok_path: str):
-    "Refuse data prepared with a different tokenizer than the run's."
-    ident = getattr(tokenizer, "identity", None)
-    if ident and data_identity and ident != data_identity:
-        raise ConfigError(f"tokenizer.path: {tok_path} (identity {ident}) differs from the tokenizer that prepared "
-                          f"{where} (identity {data_identity}); re-run `gg prepare`")
 
 def build_instruct(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
     "SFT task plus train/val `SFTLoader`s for this rank."

@@ -1,0 +1,120 @@
+"""RL step throughput: prompt-completions per second, rollout + update, of the rl stage's loader and loss against TRL's
+GRPOTrainer, on the same model (a `gg export` folder of our checkpoint), prompts, G, maximum new tokens and batch.
+
+    python bench/rl.py --checkpoint runs/instruct/debug --steps 4
+
+Both sides: P prompts x G completions per step, sampled at temperature 1, up to M new tokens (stopped at the eot
+token), rewarded by exact match, one AdamW step over all P x G rows (one micro-batch), fp32 on CPU, loss `dapo`, beta 0,
+one pass per rollout batch. Ours decodes with our KV cache (the prompt prefilled once per group); TRL generates with
+`transformers`' `generate`. Reports medians over the timed steps and our rollout share of the step."""
+from __future__ import annotations
+import argparse, statistics, tempfile, time
+from pathlib import Path
+import torch
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default="runs/instruct/debug")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per side (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--only", choices=["ours", "trl"], default=None)
+    return p.parse_args()
+
+
+def setup(args):
+    from gradient_garden.engine.checkpoints import load_checkpoint, base_weights
+    from gradient_garden.config import GlobalConfig, from_plain
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tokenizer import init_tokenizer
+    from gradient_garden.data.verifiable import sample_examples
+    ck = load_checkpoint(args.checkpoint)
+    cfg = from_plain(GlobalConfig, ck["config"])
+    model = build_model(cfg.model)
+    model.load_state_dict(base_weights(ck))
+    tok = init_tokenizer(cfg.tokenizer)
+    exs = sample_examples(args.prompts * (args.steps + 1), "train", seed=5)
+    return cfg, model, tok, exs
+
+
+def bench_ours(args, cfg, model, tok, exs) -> dict:
+    from gradient_garden.config import RLConfig
+    from gradient_garden.tasks.rl import RLExample, RLTask, Rewarder, RolloutLoader
+    rl = RLConfig(group_size=args.group, loss_type="dapo", temperature=1.0, max_new_tokens=args.max_new_tokens)
+    examples = [RLExample("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer}) for e in exs]
+    rows = args.prompts * args.group
+    loader = RolloutLoader(model, tok, examples, rl, Rewarder(), 128, rows, 1, seed=0)
+    loader._order_for = lambda e: list(range(len(examples)))        # the same prompts, in order, as TRL's side
+    task, opt = RLTask(rl), torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model.train()
+    times, rollout = [], []
+    for step in range(args.steps + 1):
+        t0 = time.perf_counter()
+        b = loader.next_batch()
+        t1 = time.perf_counter()
+        loss_sum, _ = task.loss(model, b)
+        (loss_sum / task.count(b)).backward()
+        opt.step(); opt.zero_grad(set_to_none=True)
+        if step: times.append(time.perf_counter() - t0); rollout.append(t1 - t0)
+    step_s = statistics.median(times)
+    return dict(completions_per_s=rows / step_s, step_s=step_s, rollout_share=statistics.median(r / t for r, t in zip(rollout, times)))
+
+
+def bench_trl(args, cfg, model, tok, exs) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from gradient_garden.models.hf import export_hf
+    from gradient_garden.tasks.rl import encode_prompt
+    from gradient_garden.data.verifiable import exact_match
+    out = Path(tempfile.mkdtemp())/"hf"
+    export_hf(model, out, tok, tokenizer_dir=cfg.tokenizer.path)
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    hf_tok.pad_token_id = tok.pad_id
+    hf_tok.padding_side = "left"
+    texts = [tok.decode(encode_prompt(tok, e.prompt)) for e in exs]   # the same chat-formatted prompts, as text
+    assert hf_tok(texts[0], add_special_tokens=False)["input_ids"] == encode_prompt(tok, exs[0].prompt), "prompt tokens differ"
+    ds = Dataset.from_dict({"prompt": texts, "answer": [e.answer for e in exs]})
+    def reward(completions, answer, **kw): return [float(exact_match(c, a)) for c, a in zip(completions, answer)]
+    stamps = []
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k): stamps.append(time.perf_counter())
+        def on_step_begin(self, *a, **k):
+            if not stamps: stamps.append(time.perf_counter())
+    rows = args.prompts * args.group
+    gargs = GRPOConfig(output_dir=str(out.parent/"trl"), per_device_train_batch_size=rows, gradient_accumulation_steps=1,
+                       num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0,
+                       learning_rate=1e-5, max_steps=args.steps + 1, loss_type="dapo", beta=0.0, use_cpu=True,
+                       report_to=[], logging_steps=1000, gradient_checkpointing=False, save_strategy="no", shuffle_dataset=False, seed=0,
+                       generation_kwargs={"eos_token_id": [tok.eot_id]}, dataloader_num_workers=0)
+    hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=gargs, train_dataset=ds, processing_class=hf_tok,
+                          callbacks=[Clock()])
+    trainer.train()
+    times = [b - a for a, b in zip(stamps[1:], stamps[2:])]   # the first step is the warm-up
+    step_s = statistics.median(times)
+    return dict(completions_per_s=rows / step_s, step_s=step_s)
+
+
+def main():
+    args = parse()
+    if args.threads: torch.set_num_threads(args.threads)
+    cfg, model, tok, exs = setup(args)
+    res = {}
+    if args.only != "trl": res["ours"] = bench_ours(args, cfg, model, tok, exs)
+    if args.only != "ours":
+        _, model2, _, _ = setup(args)
+        res["trl"] = bench_trl(args, cfg, model2, tok, exs)
+    print(f"prompts {args.prompts} x G {args.group}, max new tokens {args.max_new_tokens}, {args.steps} timed steps, "
+          f"{torch.get_num_threads()} threads")
+    for k, r in res.items():
+        print(f"{k:>5}: {r['completions_per_s']:8.1f} completions/s  step {r['step_s']:.2f} s"
+              + (f"  rollout share {r['rollout_share']:.0%}" if "rollout_share" in r else ""))
+    if len(res) == 2: print(f"ratio ours / TRL: {res['ours']['completions_per_s'] / res['trl']['completions_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The RL stage beyond the notebook: the objective against TRL's own `GRPOTrainer._compute_loss` (loss and gradient, every
+normalisation), advantages against TRL's `nanstd`, one-line errors for bad input, and the rollout micro-batches
+(whole groups, the engine's division giving the batch mean)."""
+from collections import defaultdict
+from types import SimpleNamespace
+import pytest
+import torch
+
+from gradient_garden.config import ConfigError, GlobalConfig, RLConfig, from_plain, validate
+from gradient_garden.tasks.rl import (RL_LOSSES, RLExample, RLTask, Rewarder, call_reward, check_rl_start,
+                                      group_advantages, load_prompts, load_reward_function, loss_parts, token_losses)
+
+trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+
+
+def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len):
+    "TRL's `_compute_loss` on given per-token log-probs (its model forward replaced by them; the rest is TRL's code)."
+    t = trl_grpo.GRPOTrainer.__new__(trl_grpo.GRPOTrainer)
+    acc = SimpleNamespace(num_processes=1, reduce=lambda x, reduction="sum": x, gather=lambda x: x,
+                          gather_for_metrics=lambda x: x)
+    d = t.__dict__
+    d.update(top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+             args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1), loss_type=loss_type,
+             epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False, vllm_importance_sampling_correction=False,
+             current_gradient_accumulation_steps=1, max_completion_length=max_len, accelerator=acc,
+             _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+             model=SimpleNamespace(training=True))
+    d["_get_per_token_logps_and_entropies"] = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    B, T = logps.shape
+    inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
+                  completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
+                  old_per_token_logps=old, ref_per_token_logps=ref, num_items_in_batch=mask.sum())
+    return trl_grpo.GRPOTrainer._compute_loss(t, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type", RL_LOSSES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradient_equal_trl(loss_type, beta):
+    g = torch.Generator().manual_seed(1)
+    B, T = 8, 12
+    lengths = torch.tensor([12, 1, 5, 7, 12, 3, 9, 2])
+    mask = torch.arange(T)[None] < lengths[:, None]
+    base = torch.randn(B, T, generator=g) * 0.5 - 1.5
+    old = base + torch.randn(B, T, generator=g) * 0.3      # off-policy: ratios on both sides of the clip range
+    ref = base + torch.randn(B, T, generator=g) * 0.2
+    rewards = torch.tensor([1., 0, 1, 1, 0, 0, 1, 0])
+    adv = group_advantages(rewards, 4)[0]
+    ours_lp, trl_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
+    per_token, _, _ = token_losses(ours_lp, old, adv, 0.2, 0.28, beta, ref)
+    s, n = loss_parts(per_token, mask, loss_type, T)
+    ours = s / n
+    theirs = trl_loss(loss_type, trl_lp, old, ref, adv, mask, beta, 0.2, 0.28, T)
+    ours.backward(); theirs.backward()
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert (ours_lp.grad - trl_lp.grad).abs().max().item() < 1e-6
+    assert ours_lp.grad.abs().sum() > 0
+
+
+def test_advantages_equal_trl_formula():
+    from trl.trainer.utils import nanstd
+    r = torch.tensor([1., 0, 0, 1, .5, .2, .9, .1])
+    want = (r.view(-1, 4) - r.view(-1, 4).mean(1, keepdim=True)) / (nanstd(r.view(-1, 4), dim=1)[:, None] + 1e-4)
+    assert torch.allclose(group_advantages(r, 4)[0], want.flatten(), atol=1e-6)
+    mean_only = group_advantages(r, 4, "none")[0]
+    assert torch.allclose(mean_only, (r.view(-1, 4) - r.view(-1, 4).mean(1, keepdim=True)).flatten())
+
+
+def test_zero_variance_groups_contribute_nothing_and_never_nan():
+    adv, zero = group_advantages(torch.tensor([0.3] * 8), 4)
+    assert zero.all() and (adv == 0).all()
+    lp = torch.full((8, 4), -1.0, requires_grad=True)
+    mask = torch.ones(8, 4, dtype=torch.bool)
+    for lt in RL_LOSSES:
+        s, n = loss_parts(token_losses(lp, lp.detach(), adv)[0], mask, lt, 4)
+        assert torch.isfinite(s) and s.item() == 0.0
+        assert (torch.autograd.grad(s, lp)[0] == 0).all()
+
+
+# -- bad input, one line each ------------------------------------------------------------------------------------------
+def _one_line(e): assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+
+
+def test_group_size_below_two_is_one_line():
+    cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
+                                    "rl": {"group_size": 1}})
+    with pytest.raises(ConfigError, match=r"rl.group_size: got 1; must be >= 2") as e: validate(cfg)
+    _one_line(e)
+
+
+def test_rows_must_be_whole_groups_and_no_prefetch():
+    d = {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 12, "micro_batch_size": 4}, "rl": {"group_size": 8}}
+    with pytest.raises(ConfigError, match="whole groups"): validate(from_plain(GlobalConfig, d))
+    d["training"]["total_batch_size"] = 64 * 16
+    with pytest.raises(ConfigError, match="runtime.num_workers"): validate(from_plain(GlobalConfig, d | {"runtime": {"num_workers": 2}}))
+
+
+@pytest.mark.parametrize("stage", [None, "pretraining"])
+def test_start_without_chat_format_is_one_line(stage):
+    cfg = GlobalConfig()
+    ckpt = None if stage is None else {"stage": stage}
+    with pytest.raises(ConfigError, match="starts from a chat model") as e: check_rl_start(cfg, ckpt)
+    _one_line(e)
+    cfg.rl.plain_prompts = True
+    check_rl_start(cfg, ckpt)                      # the stated plain-prompt mode
+    check_rl_start(GlobalConfig(), {"stage": "instruct"})
+
+
+def bad_reward_raises(prompt, completion, **fields): raise RuntimeError("boom")
+def bad_reward_nan(prompt, completion, **fields): return float("nan")
+def bad_reward_str(prompt, completion, **fields): return "1.0"
+def good_reward(prompt, completion, answer, **fields): return float(answer in completion)
+
+
+@pytest.mark.parametrize("name,match", [("test_rl:missing_fn", "has no function 'missing_fn'"),
+                                        ("no_such_module_rl:f", "cannot import module 'no_such_module_rl'"),
+                                        ("not-a-path", "expected 'module:function'")])
+def test_missing_reward_function_is_one_line(name, match):
+    with pytest.raises(ConfigError, match=match) as e: Rewarder(functions=(name,))
+    _one_line(e)
+
+
+@pytest.mark.parametrize("fn,match", [("bad_reward_raises", "raised RuntimeError: boom"), ("bad_reward_nan", "returned nan"),
+                                      ("bad_reward_str", "returned '1.0'")])
+def test_bad_reward_values_are_one_line(fn, match):
+    r = Rewarder(functions=(f"test_rl:{fn}",))
+    ex = RLExample("verifiable", "add", "What is 2 + 3?", "5", {"answer": "5"})
+    with pytest.raises(ConfigError, match=f"test_rl:{fn} {match}") as e: r(ex, "5", True)
+    _one_line(e)
+
+
+def test_user_reward_gets_prompt_completion_and_fields():
+    r = Rewarder(functions=("test_rl:good_reward",))
+    ex = RLExample("verifiable", "add", "What is 2 + 3?", "5", {"answer": "5", "task": "add"})
+    assert r(ex, "it is 5", True) == {"correct": 0.0, "test_rl:good_reward": 1.0, "total": 1.0}
+
+
+def test_gsm8k_schema_rows_from_a_local_file(tmp_path):
+    rows = [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+            {"question": "A box holds 1,200 pens; half are sold. How many are left?", "answer": "1200/2 = 600\n#### 600"}]
+    import json
+    f = tmp_path/"gsm8k.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    exs = load_prompts([{"type": "gsm8k", "path": str(f)}])
+    assert [e.answer.split("####")[-1].strip() for e in exs] == ["7", "600"]
+    r = Rewarder(format_weight=0.5)
+    assert r(exs[1], "They sell 600, so 600 are left.\n#### 600", True) == {"correct": 1.0, "format": 1.0, "total": 1.5}
+    assert r(exs[0], "8", True)["total"] == 0.0
+    bad = tmp_path/"bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "no final"}) + "\n")
+    with pytest.raises(ConfigError, match=r"row 0 answer does not end in '#### <number>'"): load_prompts([{"type": "gsm8k", "path": str(bad)}])
+
+
+def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
+    "The real-scale recipe validates, and its prompts prepare from local files in GSM8K's exact schema (no hub)."
+    import json
+    from gradient_garden.config import load_config
+    from gradient_garden.tasks.rl import heldout_examples_for, numeric_match
+    cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
+    assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
+    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                         "How many clips did Natalia sell altogether in April and May?",
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"}]
+    for split in ("train", "test"): (tmp_path/f"{split}.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    src = dict(rec.data["sources"][0], path=str(tmp_path/"train.jsonl"), val_split=str(tmp_path/"test.jsonl"))
+    train, val = load_prompts([src]), heldout_examples_for([src])
+    assert len(train) == 1 and len(val) == 1 and numeric_match("They sold 72 clips.", val[0].answer)
+
+
+# -- ranks: a fixed set of rollouts gives one process's loss and gradient ------------------------------------------------
+def _fixed_loader(rank, world, seed=0):
+    "A rollout loader over 8 prompts (G 4, 32 rows per step) whose completions and rewards are fixed functions of the prompt."
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.rl import RolloutLoader
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
+    tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
+                          render_chat=lambda msgs, add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
+    exs = [RLExample("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
+    rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8)
+    loader = RolloutLoader(model, tok, exs, rl, None, 32, 32 // world // 2, 2, rank, world, seed=3)
+    def sample(idx):
+        outs = [[10 + (i * 7 + g * 3) % 50] * (1 + (i + g) % 5) + [2] for i in idx for g in range(4)]
+        return outs, [True] * len(outs), 0.0
+    loader._sample = sample
+    loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0), "total": float(len(text) % 3 == 0)}
+    return model, loader, RLTask(rl)
+
+
+def _step_sums(model, loader, task):
+    "Summed loss, count and gradient of one step's micro-batches on this rank."
+    total, count = 0.0, 0.0
+    for _ in range(2):
+        b = loader.next_batch()
+        s, _ = task.loss(model, b)
+        s.backward()
+        total, count = total + s.item(), count + float(task.count(b))
+    return torch.tensor([total, count]), model.output.weight.grad.clone()
+
+
+def _rl_ranks_worker(rank, world, out_dir):
+    import os
+    import torch.distributed as dist
+    model, loader, task = _fixed_loader(rank, world)
+    sums, grad = _step_sums(model, loader, task)
+    dist.all_reduce(sums); dist.all_reduce(grad)
+    torch.save({"loss": sums[0] / sums[1], "grad": grad / sums[1]}, os.path.join(out_dir, f"r{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_fixed_rollouts_on_two_gloo_ranks_match_one_process(tmp_path):
+    import torch.distributed as dist
+    if not dist.is_available(): pytest.skip("torch without distributed")
+    from gloo_ranks import run_ranks
+    run_ranks(_rl_ranks_worker, 2, tmp_path/"pg", str(tmp_path))
+    r = [torch.load(tmp_path/f"r{i}.pt") for i in range(2)]
+    model, loader, task = _fixed_loader(0, 1)
+    sums, grad = _step_sums(model, loader, task)
+    assert abs(r[0]["loss"].item() - (sums[0] / sums[1]).item()) < 1e-5
+    assert (r[0]["grad"] - grad / sums[1]).abs().max().item() < 1e-5 and grad.abs().sum() > 0
