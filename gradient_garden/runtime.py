@@ -44,6 +44,7 @@ def cpu_bf16_units() -> list[str]:
 
 def resolve_precision(device: torch.device, precision: str) -> tuple[str, str]:
     "`runtime.precision` made concrete for `device`: (`fp32`|`bf16`|`fp16`, the reason)."
+    if precision == "fp32": return "fp32", "runtime.precision: fp32, the default; auto picks bf16 where the device has it"
     if precision != "auto": return precision, "set in runtime.precision"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported(including_emulation=False): return "bf16", f"auto: {torch.cuda.get_device_name(device)} has native bf16"

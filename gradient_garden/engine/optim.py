@@ -241,15 +241,11 @@ def _pad(t: Tensor, dim: int, size: int) -> Tensor:
     return out
 
 # %% ../../nbs/41_optim.ipynb #90f4e6ec
-def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout) -> list[Tensor]:
-    "This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` picks."
+def _orthogonalise_bucket(local: list[Tensor], params: list[Tensor], splits, owner: list[int], group: dict, layout) -> list[Tensor]:
+    "`distributed_orthogonalise` of one bucket of matrices whose owners are already chosen."
     S, R = layout
     (s, i_s), (r, i_r) = _size_rank(S), _size_rank(R)
-    dtype = NS_DTYPES[group.get("ns_dtype", "bf16")]
-    local = [_local(u).to(dtype) for u in updates]
-    device, n = local[0].device, len(local)
-    owner = assign_owners([sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp))
-                           for p, sp in zip(params, splits)], s * r)
+    dtype, device, n = local[0].dtype, local[0].device, len(local)
     ours = [k for k in range(n) if owner[k] // s == i_r]            # this replica's matrices
     of = [[k for k in ours if owner[k] % s == j] for j in range(s)]  # ... owned by shard rank j
     if s > 1:   # each shard rank sends its (padded) shard of matrix k to k's owner, which joins them
@@ -278,6 +274,21 @@ def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], split
             if q != i_r: res.update(zip(ks, _unflat(outs[q][:sizes[q]], [local[k].shape for k in ks])))
     return [res[k] for k in range(n)]
 
+# %% ../../nbs/41_optim.ipynb #f69e08a3
+def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout) -> list[Tensor]:
+    "This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` picks."
+    (s, _), (r, _) = _size_rank(layout[0]), _size_rank(layout[1])
+    owner = assign_owners([sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp))
+                           for p, sp in zip(params, splits)], s * r)
+    buckets = {}   # one shape at a time: the whole matrices held at once are one shape's share, not all of them
+    for k, (p, sp) in enumerate(zip(params, splits)): buckets.setdefault((tuple(p.shape), sp), []).append(k)
+    dtype, out = NS_DTYPES[group.get("ns_dtype", "bf16")], [None] * len(params)
+    for ks in buckets.values():
+        done = _orthogonalise_bucket([_local(updates[k]).to(dtype) for k in ks], [params[k] for k in ks],
+                                     [splits[k] for k in ks], [owner[k] for k in ks], group, layout)
+        for k, o in zip(ks, done): out[k] = o
+    return out
+
 # %% ../../nbs/41_optim.ipynb #f13106cf
 def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5, ns_bytes: int = 2) -> dict:
     "Busiest rank's Newton-Schulz FLOPs per step and the step's buffers beyond the shards, gathered and distributed."
@@ -287,11 +298,15 @@ def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_
     gathered = {"ns_flops": sum(costs), "bytes": (4 * (shard > 1) + ns_bytes) * max(numel)}
     if world == 1: return {"gathered": gathered, "distributed": dict(gathered)}
     owner = assign_owners(costs, world)
-    busiest = lambda v: max(sum(x for x, o in zip(v, owner) if o == g) for g in range(world))
+    busiest = lambda v, ks: max(sum(v[k] for k in ks if owner[k] == g) for g in range(world))
     share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
-    per_rep = [sum(x for x, o in zip(share, owner) if o // shard == q) for q in range(replicate)]
-    buffers = 2 * busiest(numel) + (2 * max(per_rep) if shard > 1 else 0) + (replicate * max(per_rep) if replicate > 1 else 0)
-    return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs), "bytes": ns_bytes * buffers}}
+    buckets = {}
+    for k, (s, sp) in enumerate(zip(shapes, splits)): buckets.setdefault((tuple(s), sp), []).append(k)
+    def bucket_bytes(ks):   # whole matrices joined + orthogonalised, all-to-all buffers, all-gather buffers
+        per_rep = max(sum(share[k] for k in ks if owner[k] // shard == q) for q in range(replicate))
+        return 2 * busiest(numel, ks) + (2 * per_rep if shard > 1 else 0) + (replicate * per_rep if replicate > 1 else 0)
+    return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs, range(len(shapes))),
+                                                  "bytes": ns_bytes * max(map(bucket_bytes, buckets.values()))}}
 
 # %% ../../nbs/41_optim.ipynb #d3c01f5d
 @patch

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
 from ..hardware import gpu_datasheet_flops, measure_matmul_peak
 from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS, flops_per_token
-from .optim import classify_parameters
+from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declared_splits
 from ..models.lora import apply_lora
 from .activation_checkpointing import SAVE_OPS
 from ..runtime import resolve_precision
@@ -25,9 +25,9 @@ from ..runtime import resolve_precision
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
            'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes',
-           'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu',
-           'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory',
-           'check_fit']
+           'muon_plan', 'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan',
+           'measured_mfu', 'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan',
+           'device_memory', 'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -136,6 +136,22 @@ def activation_bytes(cfg: GlobalConfig, mode: str, device_type: str = "cuda", bl
     recompute = 0 if mode == "none" else block["none"]
     return saved + head + max(loss_chunk_bytes(cfg, device_type), recompute)
 
+# %% ../../nbs/46_plan.ipynb #d254dd7a
+def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard_size: int | None = None,
+              device_type: str = "cuda") -> dict:
+    "Muon's busiest-rank Newton-Schulz FLOPs per step and step buffers, `gathered` and `distributed`, for `cfg`'s model."
+    m = cfg.optimizers.muon
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+        if cfg.lora.enabled: apply_lora(model, cfg.lora)
+    mats = classify_parameters(model)["matrices"] if m.enabled else []
+    if not mats: return {a: {"ns_flops": 0, "bytes": 0} for a in ("gathered", "distributed")}
+    shard = {"single": 1, "ddp": 1, "fsdp2": world, "hsdp": shard_size or world}[parallel]
+    replicate = 1 if parallel == "single" else world // shard
+    ns_bytes = 2 if muon_ns_dtype(m.ns_dtype, device_type) == "bf16" else 4
+    return muon_rank_costs([tuple(p.shape) for _, p in mats], _declared_splits(model, [n for n, _ in mats]),
+                           shard, replicate, m.ns_steps, ns_bytes)
+
 # %% ../../nbs/46_plan.ipynb #98728560
 def unsharded_gradient_bytes(cfg: GlobalConfig, parallel: str, world: int, shard: int) -> float:
     "Bytes of unsharded fp32 gradients FSDP2 keeps beyond its shards while accumulating under `no_sync` (else 0)."
@@ -158,11 +174,15 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
                ddp_buckets=4 * c["trainable"] if parallel == "ddp" and world > 1 else 0,
                fsdp_unsharded=(compute * c["outside_blocks"] + 2 * c["block"] * (compute + 4)) if shard > 1 else 0,
                weight_copies=copies)
+    muon = muon_plan(cfg, parallel, world, shard_size, device_type)
+    out["muon_buffers"] = muon["distributed" if cfg.optimizers.muon.distributed else "gathered"]["bytes"]
     staging = (4 * c["total"] + 8 * c["adamw"] + 4 * c["muon"]) / shard if cfg.checkpointing.async_save else 0
     out["staging"] = staging if device_type == "cpu" else 0   # host memory: part of the device's only on a CPU
     out["activations"] = {mode: activation_bytes(cfg, mode, device_type, block) for mode in ("none", "selective", "full")}
-    static = sum(v for v in out.values() if not isinstance(v, dict)) - copies   # weight copies: mode `none` only
-    out["total"] = {mode: static + a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0)
+    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k != "muon_buffers") - copies
+    # weight copies count in mode `none` only; Muon's step buffers exist only in the optimizer step, after backward
+    # has freed the activations (and the weight copies)
+    out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0), out["muon_buffers"])
                     for mode, a in out["activations"].items()}
     out["staging_host"] = staging
     return out
@@ -326,7 +346,8 @@ def fit_message(p: Plan) -> str | None:
 PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32)"),
              ("unsharded_gradients", "unsharded gradients (no_sync)"), ("optimizer", "optimizer state"),
              ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),
-             ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging")]
+             ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging"),
+             ("muon_buffers", "Muon step buffers (optimizer step)")]
 
 def _accumulation_line(p: Plan) -> str:
     "How the run's layout accumulates gradients over its micro-steps, and what it costs."
@@ -353,6 +374,11 @@ def format_plan(p: Plan) -> str:
     host = p.memory[p.layout]["staging_host"]
     lines += ["", _accumulation_line(p)] + ([f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of "
                                              f"host memory per rank, allocated once (pinned on CUDA)"] if host else [])
+    mu = muon_plan(p.cfg, p.layout if p.world > 1 else "single", p.world, None, "cpu" if p.device.name == "cpu" else "cuda")
+    if mu["gathered"]["ns_flops"]:
+        lines += [f"Muon per rank ({p.layout}): Newton-Schulz {mu['distributed']['ns_flops'] / 1e9:,.0f} GFLOP per step "
+                  f"({mu['gathered']['ns_flops'] / 1e9:,.0f} gathered), step buffers {mu['distributed']['bytes'] / GiB:.2f} GiB "
+                  f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
     lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
               f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "

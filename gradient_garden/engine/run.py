@@ -200,11 +200,11 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
     new_stage = ckpt is not None and ckpt.get("stage") != cfg.training.stage
     if cfg.lora.enabled or not hasattr(model, "param_init"):   # built whole: LoRA wraps a loaded base model
         model = build_model(cfg.model)
-        if new_stage: _load_base_weights(model, base_weights(ckpt), cfg)
+        if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
         if cfg.lora.enabled: apply_lora(model, cfg.lora)
         return parallelize(model.to(env.device), cfg.runtime, env)
     model = parallelize(model, cfg.runtime, env, init_seed=cfg.training.seed)
-    if new_stage: _load_base_weights(model, base_weights(ckpt), cfg)
+    if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
     return model
 
 # %% ../../nbs/48_run.ipynb #7e3b3acc
