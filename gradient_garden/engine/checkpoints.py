@@ -22,6 +22,16 @@ from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
 from .distributed import barrier, is_fsdp
 from ..models.tendril import unwrap_model
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
+from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
@@ -271,10 +281,6 @@ def prune(self: CheckpointManager) -> list[Path]:
     return gone
 
 # %% ../../nbs/44_checkpoints.ipynb #1e0eb487
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
-
 _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
     "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
@@ -311,11 +317,6 @@ class SafeFullLoadPlanner(_EmptyStateDictLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 # %% ../../nbs/44_checkpoints.ipynb #9e74ac2e
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-
 DCP_ERRORS = (Exception, CheckpointException)  # dcp reports a failure on any rank as a BaseException
 
 def dcp_error(e: BaseException) -> str:
@@ -352,10 +353,11 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
-# %% ../../nbs/44_checkpoints.ipynb #f05e4402
-from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
-from torch.distributed.checkpoint.state_dict import set_state_dict
+# %% ../../nbs/44_checkpoints.ipynb #0b31143a
+ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"   # the start of dcp's one-process warning
+warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
 
+# %% ../../nbs/44_checkpoints.ipynb #f05e4402
 _SAID_FUSED: set = set()
 
 def _fused_name(fqn: str) -> tuple[str, str | None]:
@@ -474,8 +476,6 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #4c97838a
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
 @patch
 def _checkpoint_group(self: CheckpointManager):
     "A gloo process group of its own for background saves (None in one process)."
@@ -551,7 +551,6 @@ def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> 
     intact = list_checkpoints(ckpt_dir)
     last = f"the last intact checkpoint is {intact[-1]}" if intact else "no earlier checkpoint exists"
     return f"checkpoint of step {step} not written{how}: {cause}; {last}"
-
 
 # %% ../../nbs/44_checkpoints.ipynb #847b6e38
 @patch

@@ -232,9 +232,8 @@ class Plan:
     @property
     def tokens_per_s(self) -> float:
         "Throughput at the plan's MFU, full checkpointing's recomputation counted as extra FLOPs per token."
-        m = self.cfg.model
-        extra = 2 * (self.flops_per_token - 6 * m.dim * m.vocab_size) / 6 if self.mode == "full" else 0.0
-        return self.world * self.device.peak_flops * self.mfu / (self.flops_per_token + extra)
+        extra = 2 * (self.flops_per_token - 6 * self.cfg.model.dim * self.cfg.model.vocab_size) / 6
+        return self.world * self.device.peak_flops * self.mfu / (self.flops_per_token + (self.mode == "full") * extra)
     @property
     def hours(self) -> float:
         "Wall time of the whole run at the plan's MFU, including full checkpointing's recomputation."
