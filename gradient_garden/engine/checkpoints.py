@@ -40,7 +40,7 @@ __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOI
            'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'MetadataUnpickler',
            'SafeReader', 'SafeLoadPlanner', 'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state',
            'fuse_optimizer_state', 'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded',
-           'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line',
+           'commit_sharded', 'save_sharded_checkpoint', 'staging_options', 'CheckpointWriteError', 'write_failure_line',
            'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
@@ -227,6 +227,8 @@ class CheckpointManager:
         self.failures: list[str] = []  # one line per background write that failed
         self.raise_failures = raise_failures  # a failed background write raises `CheckpointWriteError` (else: a warning)
         self._group = group   # the gloo group of background writes (`DistEnv.checkpoint_group`, made at start)
+        self._stager = None         # the staging buffers of background saves, made once and reused
+        self._staged = None         # the staging of the save in flight (a future on an accelerator)
 
     def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
 
@@ -481,6 +483,22 @@ def _checkpoint_group(self: CheckpointManager):
     if self._group is None: self._group = dist.new_group(backend="gloo")   # every rank saves together, so every rank makes it
     return self._group
 
+def staging_options(accelerator: bool | None = None) -> StagingOptions:
+    "Pinned buffers, a side-stream copy in the background and non-blocking copies on an accelerator; a plain copy on CPU."
+    acc = torch.accelerator.is_available() if accelerator is None else accelerator
+    return StagingOptions(use_pinned_memory=acc, use_shared_memory=False, use_async_staging=acc, use_non_blocking_copy=acc)
+
+@patch
+def stager(self: CheckpointManager) -> DefaultStager:
+    "The run's one stager: its host buffers are allocated by the first background save and reused by the next ones."
+    if self._stager is None: self._stager = DefaultStager(staging_options())
+    return self._stager
+
+@patch
+def wait_for_staging(self: CheckpointManager):
+    "Block until the save in flight has copied its state off the device (before anything changes the weights)."
+    if self._staged is not None: self._staged.result(); self._staged = None
+
 @patch
 def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict, val_loss: float | None = None) -> Path:
     "Every rank: write checkpoint `step_*` as a sharded dir (in the background with `async_save`); retention after."
@@ -494,11 +512,10 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
         return final
     group = self._checkpoint_group()
     tmp = begin_sharded(final)
-    stager = DefaultStager(StagingOptions(False, False, False, False))  # one plain host copy (see below)
-    fut = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-                         async_stager=stager)
-    self.pending = (fut, tmp, final, meta)
-    fut.add_done_callback(lambda _: stager.close())  # its copies are freed once written
+    res = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                         async_stager=self.stager())
+    self._staged = getattr(res, "staging_completion", None)   # a future when staging runs in the background
+    self.pending = (getattr(res, "upload_completion", res), tmp, final, meta)
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #9917000e
