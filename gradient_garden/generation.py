@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 from .config import ConfigError
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
-from .models.attention import (Attention, KVCache, additive_mask, apply_rope, attention_mask, hold_fused_weights,
+from .models.attention import (Attention, KVCache, additive_mask, apply_rope, attention_mask,
                                               inference_linear, plain_linear, prepack_cpu_weight, sdpa_gqa)
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm
 
@@ -46,11 +46,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
 
 # %% ../nbs/20_generation.ipynb #595c245d
 def _held(m: nn.Module) -> torch.Tensor | None:
-    "The weight copy `m` holds for decoding (fused, or in the autocast dtype), if any."
+    "The weight copy `m` holds for decoding (in the autocast dtype), if any."
     return m.__dict__.get("_held_weight")
 
 def decode_step_applies(model: nn.Module) -> bool:
-    "True when `decode_step` reproduces `model.forward`: a plain dense Tendril holding its decoding weights, no hooks."
+    "True when `decode_step` reproduces `model.forward`: a plain dense Tendril (under autocast holding its decoding weights), no hooks."
     if not isinstance(model, Tendril) or type(model).forward is not Tendril.forward or "forward" in model.__dict__: return False
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks: return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()): return False
@@ -60,10 +60,9 @@ def decode_step_applies(model: nn.Module) -> bool:
     for b in model.layers:
         parts_plain = (type(b) is TransformerBlock and type(b.attention) is Attention and type(b.feed_forward) is FeedForward
                        and type(b.attention_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm)
-        if not parts_plain or not (plain_linear(b.attention.wo) and plain_linear(b.feed_forward.w2)): return False
-        if _held(b.attention) is None or _held(b.feed_forward) is None: return False
-        if low is not None and any(_held(m) is None or _held(m).dtype != low
-                                   for m in (b.attention, b.feed_forward, b.attention.wo, b.feed_forward.w2)): return False
+        lins = (b.attention.wqkv, b.attention.wo, b.feed_forward.w13, b.feed_forward.w2) if parts_plain else ()
+        if not parts_plain or not all(plain_linear(m) for m in lins): return False
+        if low is not None and any(_held(m) is None or _held(m).dtype != low for m in lins): return False
     return True
 
 def _decode_weight(m: nn.Module) -> torch.Tensor:
@@ -99,17 +98,17 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
     for layer in model.layers:
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
-        qkv = _linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att).view(B, T, H + 2 * KV, d)
+        qkv = _linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att.wqkv).view(B, T, H + 2 * KV, d)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
         k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
         out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)
         h = h + _linear(out.transpose(1, 2).reshape(B, T, H * d), att.wo)
-        gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff).chunk(2, -1)
+        gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff.w13).chunk(2, -1)
         h = h + _linear(F.silu(gate) * up, ff.w2)
     return model.head(rms_norm(h[:, -1:], model.norm.weight, model.norm.eps))[:, -1]
 
 # %% ../nbs/20_generation.ipynb #5d3c92f4
-HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding holds fused q/k/v and w1/w3 copies up to this size
+HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding under autocast holds low-precision weight copies up to this size
 PACK_MAX_BYTES = 2**30         # ... and oneDNN-prepacked copies of the matmul weights up to this size
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -123,35 +122,30 @@ def _no_grad_mode(model: nn.Module):
     return torch.no_grad() if sharded else torch.inference_mode()
 
 
-def _matmul_modules(model: Tendril) -> tuple[list[nn.Module], list[nn.Module]]:
-    "The modules holding fused weights, and the plain linears decoding multiplies by (`wo`, `w2`, the head)."
-    fused = [m for b in model.layers for m in (b.attention, b.feed_forward) if _held(m) is not None]
-    lins = [m for b in model.layers for m in (getattr(b.attention, "wo", None), getattr(b.feed_forward, "w2", None))
-            if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
-    return fused, lins
+def _matmul_modules(model: Tendril) -> list[nn.Module]:
+    "The plain linears decoding multiplies by (`wqkv`, `wo`, `w13`, `w2`, the head)."
+    names = (("attention", "wqkv"), ("attention", "wo"), ("feed_forward", "w13"), ("feed_forward", "w2"))
+    lins = [getattr(getattr(b, part, None), name, None) for b in model.layers for part, name in names]
+    return [m for m in lins if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
 
 
 # %% ../nbs/20_generation.ipynb #5b2bb22d
 @contextmanager
 def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES, pack_bytes: int | None = PACK_MAX_BYTES):
-    "Hold the fused weights, prepacked for oneDNN on CPU; under autocast every matmul weight and the head in its dtype."
+    "On CPU, hold every matmul weight prepacked for oneDNN; under autocast in its dtype (copies up to `max_bytes`)."
     dev = _model_device(model).type
-    with hold_fused_weights(model, max_bytes=max_bytes):
-        if dev != "cpu" or not isinstance(model, Tendril): yield model; return
-        low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-        fused, lins = _matmul_modules(model)
-        if low is not None:
-            for m in fused: m._held_weight = _held(m).to(low)          # hold_fused_weights clears these on the way out
-            for m in lins: m._held_weight = m.weight.detach().to(low)
-        mods = fused + lins
-        size = sum((w := _decode_weight(m)).numel() * w.element_size() for m in mods)
-        if pack_bytes is None or size <= pack_bytes:
-            for m in mods: m._packed_weight = prepack_cpu_weight(_decode_weight(m))
-        try: yield model
-        finally:
-            for m in mods: m._packed_weight = None
-            if low is not None:
-                for m in lins: m._held_weight = None
+    if dev != "cpu" or not isinstance(model, Tendril): yield model; return
+    low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    mods = _matmul_modules(model)
+    held = low is not None and (max_bytes is None or sum(m.weight.numel() for m in mods) * low.itemsize <= max_bytes)
+    if held:
+        for m in mods: m._held_weight = m.weight.detach().to(low)
+    size = sum((w := _decode_weight(m)).numel() * w.element_size() for m in mods)
+    if pack_bytes is None or size <= pack_bytes:
+        for m in mods: m._packed_weight = prepack_cpu_weight(_decode_weight(m))
+    try: yield model
+    finally:
+        for m in mods: m._packed_weight = m._held_weight = None
 
 
 # %% ../nbs/20_generation.ipynb #c7f45fb9

@@ -84,9 +84,9 @@ def test_fsdp2_checkpoint_is_full_state(muon_runs):
     ckpt = torch.load(run_dir(muon_runs["base"]/"fsdp2")/"checkpoints"/"step_0000010.pt", weights_only=True)
     assert ckpt["config"]["checkpointing"]["format"] == "full"                  # asked for explicitly: 2 ranks default to sharded
     assert ckpt["model"]["tok_embeddings.weight"].shape == (4096, 64)        # whole tensors, not rank shards
-    assert ckpt["model"]["layers.0.attention.wq.weight"].shape == (64, 64)
+    assert ckpt["model"]["layers.0.attention.wqkv.weight"].shape == (64 + 2 * 32, 64)
     state = ckpt["optimizers"]["state"]                                          # optimizer state keyed by name
-    assert state["layers.0.attention.wq.weight"]["momentum_buffer"].shape == (64, 64)      # Muon
+    assert state["layers.0.attention.wqkv.weight"]["momentum_buffer"].shape == (64 + 2 * 32, 64)      # Muon
     assert state["tok_embeddings.weight"]["exp_avg"].shape == (4096, 64)                  # AdamW
 
 @pytest.mark.parametrize("ranks", [2, 1])

@@ -22,7 +22,7 @@ def assert_close(ref: dict, got: dict, steps, rel=1e-5):
 def test_the_mesh_is_two_by_two(runs):
     mesh = json.loads((runs/"mesh.json").read_text())
     assert mesh["shape"] == [2, 2] and mesh["names"] == ["replicate", "shard"]
-    assert mesh["placements"] == ["R", "S(0)"] and mesh["local"] == [32, 64]  # wq: 64 x 64 in halves
+    assert mesh["placements"] == ["R", "S(0)"] and mesh["local"] == [64, 64]  # wqkv: (64 + 2 x 32) x 64 in halves
 
 @pytest.mark.parametrize("one, hsdp", [("one", "hsdp"), ("one_muon", "hsdp_muon")], ids=["adamw", "muon"])
 def test_hsdp_matches_one_process(runs, one, hsdp):

@@ -74,7 +74,7 @@ def test_one_expert_top1_equals_dense_tendril_with_the_same_weights(router):
     dense = Tendril(dense_cfg).eval()
     model = TendrilMoE(dataclasses.replace(CFG, n_experts=1, n_experts_per_token=1, router=router)).eval()
     sd = {}
-    for k, v in dense.state_dict().items():   # explicit name mapping: feed_forward.w1.weight -> feed_forward.experts.w1.weight[0]
+    for k, v in dense.state_dict().items():   # explicit name mapping: feed_forward.w13.weight -> feed_forward.experts.w13.weight[0]
         sd[k.replace(".feed_forward.", ".feed_forward.experts.")] = v[None] if ".feed_forward." in k else v
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all(".router." in k for k in missing)

@@ -218,3 +218,14 @@ def test_fixed_rollouts_on_two_gloo_ranks_match_one_process(tmp_path):
     sums, grad = _step_sums(model, loader, task)
     assert abs(r[0]["loss"].item() - (sums[0] / sums[1]).item()) < 1e-5
     assert (r[0]["grad"] - grad / sums[1]).abs().max().item() < 1e-5 and grad.abs().sum() > 0
+
+
+def test_gg_evaluate_generative_flags():
+    "gg evaluate accepts --exact-match / --gsm8k as something to evaluate, and refuses them on a Hugging Face folder."
+    import argparse
+    from gradient_garden.cli.evaluate import add_evaluate_args, evaluation_plan, generative_exact_match, generative_sets
+    p = add_evaluate_args(argparse.ArgumentParser())
+    args = p.parse_args(["--checkpoint", "c.pt", "--exact-match", "--gsm8k", "g.jsonl", "--pass-k", "8"])
+    assert generative_sets(args) == ["exact_match", "gsm8k"] and evaluation_plan(args) == ([], [])
+    hf = p.parse_args(["--hf-checkpoint", "d", "--exact-match"])
+    with pytest.raises(ConfigError, match="need --checkpoint"): generative_exact_match(hf, None, None, GlobalConfig(), None)

@@ -182,7 +182,7 @@ def test_bad_input_is_a_400_with_openai_error_json(server):
     chat = lambda **kw: c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": "hi"}], **kw)
     for kw, param in [(dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
                       (dict(n=99), "n"), (dict(extra_body={"foo": 1}), "foo"), (dict(max_tokens=MAX_LEN), "max_tokens"),
-                      (dict(presence_penalty=1.0), "presence_penalty")]:
+                      (dict(presence_penalty=1.0), "presence_penalty"), (dict(seed=2**70), "seed"), (dict(seed=-2**70), "seed")]:
         with pytest.raises(openai.BadRequestError) as e: chat(**kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
     with pytest.raises(openai.BadRequestError) as e:
@@ -339,8 +339,10 @@ def test_a_dead_decoder_process_fails_requests_cleanly(tiny):
             assert next(lines).startswith("data: ")
             os.kill(pid, 9)
             rest = [l for l in lines if l.startswith("data: ")]
-        assert "decoder process exited" in json.loads(rest[-1][6:])["error"]["message"], rest[-3:]
-        assert _error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x"}), 503)["code"] == "unavailable"
+        died = "the decoding process died (killed by SIGKILL); restart gg serve"
+        assert json.loads(rest[-1][6:])["error"]["message"] == died, rest[-3:]
+        err = _error(httpx.post(f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x"}), 503)
+        assert err["code"] == "unavailable" and err["message"] == died, err
         assert httpx.get(f"{url}/health").status_code == 503
         assert proc.poll() is None                                   # the web server stays up and says why
     finally: stop(proc)

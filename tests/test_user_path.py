@@ -82,3 +82,21 @@ def test_a_second_prepare_into_one_folder_is_refused(tmp_path, capsys):
                                       f"tokenizer.path={tmp_path/'tok'}"])
     assert f"{tmp_path/'data'}: another gg prepare is writing here (pid " in err and not (tmp_path/"tok").exists()
     with prepare_lock(tmp_path/"data"): pass
+
+
+def test_a_one_process_sharded_save_prints_no_warning(tmp_path):
+    "dcp's 'assuming the intent is to save in a single process' is what we mean on one process: not printed (sync or background)."
+    import subprocess, sys
+    code = """
+import sys, torch
+from pathlib import Path
+from gradient_garden.engine.checkpoints import CheckpointManager
+meta = dict(stage="pretraining", architecture="tendril", config={})
+for async_save in (False, True):
+    m = CheckpointManager(Path(sys.argv[1])/str(async_save), keep_last=2, keep_best=False, async_save=async_save, raise_failures=True)
+    m.save_sharded(2, {"model": {"w": torch.ones(3)}}, meta); m.wait()
+print("saved")
+"""
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "saved", r.stderr[-2000:]
+    assert "single process" not in r.stderr, r.stderr[-2000:]

@@ -69,7 +69,7 @@ def probe_mesh(out: Path):
     runtime = RuntimeConfig(device="cpu", fsdp=True, replicate=2, shard=2)
     env = init_distributed(runtime)
     m = parallelize(build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)), runtime, env)
-    w = m.layers[0].attention.wq.weight
+    w = m.layers[0].attention.wqkv.weight
     if env.is_main:
         out.write_text(json.dumps(dict(shape=list(w.device_mesh.shape), names=list(w.device_mesh.mesh_dim_names),
                                        placements=[str(p) for p in w.placements], local=list(w.to_local().shape))))

@@ -19,9 +19,9 @@ from ..engine.distributed import destroy_distributed, init_distributed
 from .prepare import selected_tasks
 
 # %% auto #0
-__all__ = ['add_evaluate_args', 'check_evaluate_args', 'evaluation_plan', 'load_hf_checkpoint', 'load_evaluation_model',
-           'evaluation_env', 'lm_eval_bridge', 'context_prefix_name', 'evaluate_model', 'samples_path',
-           'write_evaluation', 'run_evaluate']
+__all__ = ['add_evaluate_args', 'add_generative_args', 'generative_sets', 'generative_exact_match', 'check_evaluate_args',
+           'evaluation_plan', 'load_hf_checkpoint', 'load_evaluation_model', 'evaluation_env', 'lm_eval_bridge',
+           'context_prefix_name', 'evaluate_model', 'samples_path', 'write_evaluation', 'run_evaluate']
 
 # %% ../../nbs/53_cli_evaluate.ipynb #72f25576
 def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,8 +54,41 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples for the lm-eval tasks")
     g.add_argument("--apply-chat-template", action="store_true", help="lm-eval prompts in the checkpoint's chat format")
     g.add_argument("--fewshot-as-multiturn", action="store_true", help="with --apply-chat-template: each shot an earlier turn")
+    add_generative_args(parser)
     parser.add_argument("--output-file-name", default="eval_results.json", help="where to write the results JSON")
     return parser
+
+# %% ../../nbs/53_cli_evaluate.ipynb #9808ad1d
+from ..tasks.rl import evaluate_generative, heldout_examples_for, load_prompts
+
+def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    "`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k)."
+    g = parser.add_argument_group("generative exact match")
+    g.add_argument("--exact-match", action="store_true", help="the embedded verifiable tasks' held-out problems")
+    g.add_argument("--gsm8k", default=None, metavar="FILE", help="a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n')")
+    g.add_argument("--pass-k", type=int, default=4, help="sampled answers per prompt for pass@k (0: greedy only)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: 24; 256 with --gsm8k)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@k")
+    return parser
+
+def generative_sets(args) -> list[str]:
+    "The generative exact-match sets `args` asks for."
+    return (["exact_match"] if getattr(args, "exact_match", False) else []) + (["gsm8k"] if getattr(args, "gsm8k", None) else [])
+
+def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
+    "Greedy exact match and pass@k of each asked set, split over ranks; the checkpoint's chat format unless it is a pretraining one."
+    sets, out = generative_sets(args), {}
+    if sets and args.hf_checkpoint: raise ConfigError("--exact-match/--gsm8k need --checkpoint (the prompts use the checkpoint's chat format)")
+    if args.pass_k < 0: raise ConfigError(f"gg evaluate --pass-k: got {args.pass_k}; must be >= 0")
+    plain = cfg.training.stage == "pretraining"
+    for name in sets:
+        exs = (heldout_examples_for([{"type": "verifiable"}]) if name == "exact_match"
+               else load_prompts([{"type": "gsm8k", "path": args.gsm8k}], "train"))
+        r = evaluate_generative(model, tokenizer, exs, args.pass_k, args.max_new_tokens or (24 if name == "exact_match" else 256),
+                                args.temperature, 1.0, plain, args.seed or 0, env.rank, env.world_size)
+        out[name] = r | {"source": "generative, chat" if not plain else "generative, plain"}
+    return out
+
 
 # %% ../../nbs/53_cli_evaluate.ipynb #a1e15569
 def check_evaluate_args(args) -> None:
@@ -74,7 +107,7 @@ def evaluation_plan(args) -> tuple[list[str], list[str]]:
         raise ConfigError("gg evaluate: --checkpoint FILE or --hf-checkpoint DIR is required")
     names = selected_tasks(args)
     lm_tasks = [t.strip() for t in (getattr(args, "lm_eval_tasks", None) or "").split(",") if t.strip()]
-    if not names and not args.validation and not lm_tasks:
+    if not names and not args.validation and not lm_tasks and not generative_sets(args):
         raise ConfigError("gg evaluate: nothing to evaluate; add --validation, --lm-eval-tasks and/or " +
                           " ".join(f"--{t.flag}" for t in TASKS.values()))
     check_evaluate_args(args)
@@ -167,6 +200,7 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
                                           apply_chat_template=args.apply_chat_template,
                                           fewshot_as_multiturn=args.fewshot_as_multiturn))
         results["chat_template"] = args.apply_chat_template
+    tasks.update(generative_exact_match(args, model, tokenizer, cfg, env))
     return results | {"tasks": tasks, "elapsed_s": round(time.time() - t0, 3)}, samples
 
 # %% ../../nbs/53_cli_evaluate.ipynb #99efc395
@@ -174,7 +208,7 @@ def _fmt(v) -> str: return "-" if v is None else f"{v:.4f}"
 
 def _task_line(name: str, m: dict) -> str:
     "One console line of a task's scores: acc/acc_norm with standard errors, or whatever metrics an lm-eval task has."
-    if not m["source"].startswith("lm-eval"):
+    if "acc" in m and not m["source"].startswith("lm-eval"):
         return (f"{name:14s} acc {_fmt(m['acc'])} ± {_fmt(m['acc_stderr'])}  acc_norm {_fmt(m['acc_norm'])} "
                 f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
     shown = [f"{k} {_fmt(v)}" for k, v in m.items() if isinstance(v, float) and not k.endswith("_stderr")]

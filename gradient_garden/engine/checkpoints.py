@@ -25,12 +25,13 @@ from ..models.tendril import unwrap_model
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
-           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'find_unsafe', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
-           'check_compatible', 'CheckpointManager', 'MetadataUnpickler', 'SafeReader', 'SafeLoadPlanner',
-           'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state', 'read_metadata', 'read_sharded',
-           'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError',
-           'write_failure_line', 'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
+           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'ONE_PROCESS_NOTE', 'find_unsafe',
+           'rng_state', 'set_rng_state', 'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints',
+           'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'MetadataUnpickler',
+           'SafeReader', 'SafeLoadPlanner', 'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state',
+           'fuse_optimizer_state', 'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded',
+           'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line',
+           'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -336,6 +337,7 @@ def sharded_state(model: nn.Module, optimizers=()) -> dict:
 
 def load_sharded_state(path, model: nn.Module, optimizers=None):
     "Read sharded checkpoint `path` into `model` (and `optimizers`) in their current layout: any ranks, any mesh."
+    if _load_unfused_sharded(path, model, optimizers): return     # saved before q/k/v and w1/w3 were stored fused
     p, m = Path(path), _owner(model)
     state, md = sharded_state(model, optimizers or ()), read_metadata(p)
     if optimizers:  # parameters that had no optimizer state when saved (never stepped) get none now either
@@ -347,6 +349,60 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
         raise ConfigError(f"{p}: the sharded checkpoint does not fit this model and optimizers ({dcp_error(e)})") from None
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
+
+# %% ../../nbs/44_checkpoints.ipynb #f05e4402
+from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+_SAID_FUSED: set = set()
+
+def _fused_name(fqn: str) -> tuple[str, str | None]:
+    "The fused layout's name for parameter `fqn` of the unfused one, and the projection it was (None when kept as is)."
+    mod, _, leaf = fqn.rpartition(".")
+    parent, _, child = mod.rpartition(".")
+    pre = f"{parent}." if parent else ""
+    for fused, parts in FUSED_NAMES.items():
+        if child in parts and not parent.endswith("adapters"):
+            return (f"{pre}{fused}.weight", child) if leaf == "weight" else (f"{pre}{fused}.adapters.{child}.{leaf}", None)
+    return fqn, None
+
+def fuse_optimizer_state(osd: dict) -> dict:
+    "A full optimizer state dict (`get_state_dict`'s) of the unfused layout in the fused one; each fused weight's state stacked."
+    state, groups = {}, {}
+    for fqn, s in osd["state"].items():
+        name, part = _fused_name(fqn)
+        if part is None: state[name] = s
+        else: groups.setdefault(name, {})[part] = s
+    for name, parts in groups.items():
+        order = FUSED_NAMES[name.rsplit(".", 2)[-2]]
+        if set(parts) != set(order): continue                       # some projections never stepped: start afresh
+        state[name] = {k: torch.cat([parts[p][k] for p in order], dim=-2) if torch.is_tensor(v) and v.ndim >= 2 else v
+                       for k, v in parts[order[0]].items()}
+    param_groups = [dict(g, params=list(dict.fromkeys(_fused_name(p)[0] for p in g["params"]))) for g in osd["param_groups"]]
+    return {"state": state, "param_groups": param_groups}
+
+def fit_fused_layout(ckpt: dict, model: nn.Module, where=None) -> dict:
+    "`ckpt` with its model (and optimizer) state in `model`'s fused layout when it was saved unfused; said once per checkpoint."
+    if "model" not in ckpt or not fused_layout(model): return ckpt
+    sd, changed = fuse_state_dict(ckpt["model"])
+    if not changed: return ckpt
+    where = str(where or ckpt.get("sharded") or f"checkpoint (step {ckpt.get('step')})")
+    if where not in _SAID_FUSED:
+        _SAID_FUSED.add(where)
+        warnings.warn(f"{where}: saved with separate q/k/v and w1/w3 weights; converted on load to the fused wqkv/w13 layout", stacklevel=2)
+    opt = ckpt.get("optimizers")
+    return dict(ckpt, model=sd) | ({"optimizers": fuse_optimizer_state(opt)} if isinstance(opt, dict) and "state" in opt else {})
+
+def _load_unfused_sharded(path, model: nn.Module, optimizers=None) -> bool:
+    "Load a sharded checkpoint of the unfused layout into fused `model` (read whole, converted); False when it is not one."
+    md = read_metadata(path)
+    old = any(k.startswith("model.") and k.endswith((".wq.weight", ".w1.weight")) for k in md.state_dict_metadata)
+    if not old or not fused_layout(model): return False
+    ck = fit_fused_layout(read_sharded(path, ("model", "optimizers") if optimizers else ("model",)), model, path)
+    m, opts = _owner(model), StateDictOptions(full_state_dict=True, strict=True)
+    if optimizers: set_state_dict(m, list(optimizers), model_state_dict=ck["model"], optim_state_dict=ck["optimizers"], options=opts)
+    else: set_model_state_dict(m, ck["model"], options=opts)
+    return True
 
 # %% ../../nbs/44_checkpoints.ipynb #b3cfe88f
 def read_metadata(path):
@@ -399,6 +455,10 @@ def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #18229268
+ONE_PROCESS_NOTE = r"torch\.distributed is .*assuming the intent is to save in a single process"
+# dcp says so on every save without a process group, from the background thread too; one process saving alone is what we mean
+warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE, module=r"torch\.distributed\.checkpoint")
+
 def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     "Every rank: write its shards of `app_state` (`sharded_state`) and rank 0's `meta` as directory `path`, atomically."
     final, meta = Path(path), sharded_meta(meta)
@@ -512,18 +572,32 @@ def consolidate_checkpoint(src, dst) -> Path:
     return save_checkpoint({k: v for k, v in ck.items() if k not in ("sharded", "layout", "format", "version")}, dst)
 
 # %% ../../nbs/44_checkpoints.ipynb #b6970335
-def base_weights(ckpt: dict) -> dict[str, torch.Tensor]:
-    "The checkpoint's model weights with LoRA adapters merged in (`W += alpha/rank * B @ A`) and dropped."
-    sd = dict(ckpt["model"])
+def base_weights(ckpt: dict, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    "The checkpoint's model weights (in `model`'s fused layout if given) with LoRA adapters merged in (`W += alpha/rank * B @ A`) and dropped."
+    sd = dict(fit_fused_layout(ckpt, model)["model"] if model is not None else ckpt["model"])
     a_keys = [k for k in sd if k.endswith(".lora_A")]
     if not a_keys: return sd
     alpha = ckpt["config"].get("lora", {}).get("alpha")
     if alpha is None: raise ConfigError(f"the {_describe(ckpt)} holds LoRA adapters but its config has no lora.alpha")
     for ka in a_keys:
         prefix = ka[: -len(".lora_A")]
-        A, B, W = sd.pop(ka), sd.pop(prefix + ".lora_B"), sd[prefix + ".weight"]
-        sd[prefix + ".weight"] = (W.float() + (B.float() @ A.float()) * (alpha / A.shape[0])).to(W.dtype)
+        A, B = sd.pop(ka), sd.pop(prefix + ".lora_B")
+        host, sep, proj = prefix.rpartition(".adapters.")          # a `LoRASlice` of a fused layer (`...wqkv.adapters.wq`)
+        key, rows = (host + ".weight", _slice_rows(ckpt, model, host, proj)) if sep else (prefix + ".weight", slice(None))
+        W = sd[key].clone()
+        W[rows] = (W[rows].float() + (B.float() @ A.float()) * (alpha / A.shape[0])).to(W.dtype)
+        sd[key] = W
     return sd
+
+def _slice_rows(ckpt: dict, model: nn.Module | None, host: str, proj: str) -> slice:
+    "The rows of projection `proj` in fused layer `host` of `model`."
+    parts = fused_layout(model).get(host + ".weight") if model is not None else None
+    if parts is None: raise ConfigError(f"the {_describe(ckpt)} adapts {proj} inside {host}; merging it needs the model it fits")
+    start, parent = 0, host.rpartition(".")[0]
+    for name, n in parts.items():
+        if name == (f"{parent}.{proj}.weight" if parent else f"{proj}.weight"): return slice(start, start + n)
+        start += n
+    raise ConfigError(f"the {_describe(ckpt)} adapts {proj}, which {host} does not hold")
 
 # %% ../../nbs/44_checkpoints.ipynb #0a0d4ed2
 def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = None, *, merge_lora: bool = True,
@@ -537,8 +611,8 @@ def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = N
     has_adapters = any(k.endswith((".lora_A", ".lora_B")) for k in ckpt["model"])
     if has_adapters and not merge_lora:
         apply_lora(model, cfg.lora)
-        state = ckpt["model"]
-    else: state = base_weights(ckpt)
+        state = fit_fused_layout(ckpt, model)["model"]
+    else: state = base_weights(ckpt, model)
     where = f"{resolve_checkpoint(path)}: weights do not fit a {cfg.model.architecture!r} model built from its own config"
     try: missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e: raise ConfigError(f"{where} ({' '.join(str(e).split())[:300]})") from None

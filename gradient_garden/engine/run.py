@@ -188,7 +188,7 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
     torch.manual_seed(cfg.training.seed)
     model = build_model(cfg.model)
     if ckpt is not None and ckpt.get("stage") != cfg.training.stage:
-        missing, unexpected = model.load_state_dict(base_weights(ckpt), strict=False)
+        missing, unexpected = model.load_state_dict(base_weights(ckpt, model), strict=False)
         if missing or unexpected:
             raise ConfigError(f"--checkpoint: weights do not fit model {cfg.model.architecture} "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")

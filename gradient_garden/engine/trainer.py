@@ -21,7 +21,7 @@ from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precisio
 from ..hardware import peak_flops
 from .distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object,
                                                 clip_grad_norm_, all_gather_objects)
-from .checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
+from .checkpoints import (fit_fused_layout, rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state, CheckpointWriteError, write_failure_line)
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
@@ -293,7 +293,9 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
     same_stage = ckpt.get("stage") == self.cfg.training.stage
     keep_progress = restore_progress and same_stage
     optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
-    if "model" in ckpt: load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
+    if "model" in ckpt:
+        ckpt = fit_fused_layout(ckpt, unwrap_model(self.model) if not is_fsdp(self.model) else self.model)   # an unfused-layout checkpoint
+        load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
     else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
     loader, rank = _rank_entry(ckpt, "loaders", "loader", self.env.rank), self.env.rank

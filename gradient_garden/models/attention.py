@@ -6,7 +6,6 @@ preallocated KV cache for decoding."""
 
 # %% ../../nbs/10_attention.ipynb #a0180e4a
 from __future__ import annotations
-from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,13 +13,13 @@ from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSE_MIN_TOKENS', 'PACKED_MIN_MACS',
-           'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads',
-           'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask', 'LayerKV', 'KVCache',
-           'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa', 'sdpa_kernel_class',
-           'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention', 'flex_gqa',
-           'plain_linear', 'fused_weight', 'hold_fused_weights', 'prepack_cpu_weight', 'packed_weight',
-           'inference_linear', 'Attention']
+__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSED_NAMES', 'CPU_HAS_AVX512',
+           'PACKED_MIN_MACS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads',
+           'plain_ops', 'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask',
+           'additive_mask', 'LayerKV', 'KVCache', 'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies',
+           'sdpa_gqa', 'sdpa_kernel_class', 'attention_backend', 'document_block_mask', 'compiled_once',
+           'compiled_flex_attention', 'flex_gqa', 'plain_linear', 'fused_layout', 'fused_splits', 'fuse_state_dict',
+           'split_fused_state_dict', 'prepack_cpu_weight', 'packed_weight', 'inference_linear', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -266,44 +265,54 @@ def flex_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Bloc
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 # %% ../../nbs/10_attention.ipynb #1a4584a4
-FUSE_MIN_TOKENS = 64
-
 def plain_linear(m: nn.Module) -> bool:
     "True for a plain, hook-free, bias-free `nn.Linear` (not a subclass such as a LoRA layer)."
     return type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
 
-def _fusable(x: torch.Tensor, *linears: nn.Module) -> bool:
-    "True when `x` has enough tokens to amortise a weight copy and every module is a plain linear."
-    return x.numel() >= FUSE_MIN_TOKENS * x.shape[-1] and all(plain_linear(m) for m in linears)
+FUSED_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}   # a fused projection -> what it stacks, in row order
 
-def fused_weight(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    "Concatenated weights of `module.fused_linears()` for one matmul on `x`: held, freshly copied, or None (unfused)."
-    if not module.fuse_projections: return None
-    held = module.__dict__.get("_held_weight")
-    if held is not None and not torch.is_grad_enabled(): return held
-    linears = module.fused_linears()
-    return torch.cat([m.weight for m in linears]) if _fusable(x, *linears) else None
+def fused_layout(model: nn.Module) -> dict[str, dict[str, int]]:
+    "Each fused weight's name -> the names of the weights it stacks along dim -2, with their row counts, in order."
+    out = {}
+    for name, m in model.named_modules():
+        pre = f"{name}." if name else ""
+        for fused, parts in m.__dict__.get("fused_projections", {}).items():
+            out[f"{pre}{fused}.weight"] = {f"{pre}{p}.weight": rows for p, rows in parts.items()}
+    return out
+
+def fused_splits(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    "Each fused weight's name -> the row counts (dim -2) of the projections it stacks: Muon's split, q/k/v or gate/up."
+    return {k: tuple(parts.values()) for k, parts in fused_layout(model).items()}
 
 # %% ../../nbs/10_attention.ipynb #e6d7c9e8
-@contextmanager
-def hold_fused_weights(model: nn.Module, max_bytes: int | None = None):
-    "Within the block, modules with `fused_linears` keep their concatenated weights (no-gradient forwards use them)."
-    todo = []
-    for m in model.modules():
-        linears = m.fused_linears() if hasattr(m, "fused_linears") else None
-        if linears and all(plain_linear(l) and type(l.weight.detach()) is torch.Tensor for l in linears):
-            todo.append((m, linears))
-    size = sum(l.weight.numel() * l.weight.element_size() for _, linears in todo for l in linears)
-    if max_bytes is not None and size > max_bytes: todo = []    # the copies would cost more memory than allowed
-    held = []
-    for m, linears in todo:
-        m._held_weight = torch.cat([l.weight.detach() for l in linears]); held.append(m)
-    try: yield model
-    finally:
-        for m in held: m._held_weight = None
+def fuse_state_dict(sd: dict) -> tuple[dict, bool]:
+    "A state dict with separate `wq`/`wk`/`wv` and `w1`/`w3` in the fused layout (weights stacked on dim -2, adapters renamed); and whether it changed."
+    out, groups = {}, {}
+    for key, t in sd.items():
+        mod, _, leaf = key.rpartition(".")
+        parent, _, child = mod.rpartition(".")
+        fused = next((f for f, parts in FUSED_NAMES.items() if child in parts), None)
+        if fused is None or parent.endswith("adapters"): out[key] = t; continue     # not a projection, or already fused
+        pre = f"{parent}." if parent else ""
+        if leaf == "weight": groups.setdefault((pre, fused), {})[child] = t
+        else: out[f"{pre}{fused}.adapters.{child}.{leaf}"] = t      # a LoRA adapter of one projection
+    for (pre, fused), parts in groups.items():
+        names = FUSED_NAMES[fused]
+        if set(parts) == set(names): out[f"{pre}{fused}.weight"] = torch.cat([parts[n] for n in names], dim=-2)
+        else: out.update({f"{pre}{n}.weight": t for n, t in parts.items()})   # not a fusable group: left as it was
+    return out, set(out) != set(sd)
+
+def split_fused_state_dict(sd: dict, layout: dict[str, dict[str, int]]) -> dict:
+    "A fused state dict with each fused weight of `layout` (see `fused_layout`) split back into its projections."
+    out = {}
+    for key, t in sd.items():
+        if key not in layout: out[key] = t; continue
+        out.update(zip(layout[key], t.split(list(layout[key].values()), dim=-2)))
+    return out
 
 # %% ../../nbs/10_attention.ipynb #40b4a0ff
-PACKED_MIN_MACS = 2**19   # fp32 inference takes oneDNN's prepacked weight above this many multiply-adds per matmul
+CPU_HAS_AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()
+PACKED_MIN_MACS = 2**19 if CPU_HAS_AVX512 else 2**21   # fp32 inference takes oneDNN's prepacked weight above this many multiply-adds per matmul
 
 def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
     "A CPU fp32/bf16 weight `[out, in]` in oneDNN's prepacked matmul layout (what Inductor's freezing makes), else None."
@@ -329,19 +338,14 @@ def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None 
 # %% ../../nbs/10_attention.ipynb #23807300
 class Attention(nn.Module):
     "Grouped-query self-attention with RoPE on SDPA; `layer_id` selects this layer's slot in a `KVCache`."
-    fuse_projections = True
-
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.layer_id = n_heads, n_kv_heads, dim // n_heads, layer_id
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-
-    def fused_linears(self) -> tuple[nn.Module, ...]:
-        "The projections that can run as one matmul."
-        return self.wq, self.wk, self.wv
+        q, kv = n_heads * self.head_dim, n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(dim, q + 2 * kv, bias=False)             # rows: wq, wk, wv
+        self.wo = nn.Linear(q, dim, bias=False)
+        self.fused_projections = {"wqkv": {"wq": q, "wk": kv, "wv": kv}}
+        self.wqkv.split_sizes = (q, kv, kv)                              # Muon orthogonalises each block on its own
 
 # %% ../../nbs/10_attention.ipynb #ee0d1215
 @patch
@@ -349,15 +353,10 @@ def _qkv(self: Attention, x, cos, sin):
     "Queries, keys, values `[B, T, heads, head_dim]`, with RoPE applied to queries and keys."
     B, T, _ = x.shape
     H, KV, d = self.n_heads, self.n_kv_heads, self.head_dim
-    w = fused_weight(self, x)
-    if w is not None:
-        qkv = inference_linear(x, self, w).view(B, T, H + 2 * KV, d)
-        qk, v = rotate_heads(qkv, cos, sin, H + KV)
-        q, k = qk.split([H, KV], dim=2)
-        return q, k, v
-    q, k, v = self.wq(x).view(B, T, H, d), self.wk(x).view(B, T, KV, d), self.wv(x).view(B, T, KV, d)
-    if plain_ops(): return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-    return RotateHeads.apply(q, cos, sin, H)[0], RotateHeads.apply(k, cos, sin, KV)[0], v
+    qkv = inference_linear(x, self.wqkv).view(B, T, H + 2 * KV, d)
+    qk, v = rotate_heads(qkv, cos, sin, H + KV)
+    q, k = qk.split([H, KV], dim=2)
+    return q, k, v
 
 # %% ../../nbs/10_attention.ipynb #953f885b
 @patch

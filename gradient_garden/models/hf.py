@@ -9,6 +9,7 @@ import inspect, json, shutil, warnings
 from pathlib import Path
 import torch
 from ..config import ConfigError, ModelConfig
+from .attention import fuse_state_dict, fused_layout, split_fused_state_dict
 from .tendril import Tendril, ffn_hidden_dim
 
 # %% auto #0
@@ -102,10 +103,14 @@ def _hf_name(name: str) -> str | None:
         return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
     return None
 
+def _fused_layout(cfg: ModelConfig) -> dict:
+    "The fused weights of the Tendril `cfg` describes and what they stack (the model built on the meta device: no memory)."
+    with torch.device("meta"): return fused_layout(Tendril(cfg))
+
 def to_hf_state_dict(state_dict: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    "Rename a Tendril state dict to `LlamaForCausalLM` names (no head when tied)."
+    "Split the fused weights of a Tendril state dict and rename it to `LlamaForCausalLM` names (no head when tied)."
     out = {}
-    for k, v in state_dict.items():
+    for k, v in split_fused_state_dict(state_dict, _fused_layout(cfg)).items():
         if k == "output.weight" and cfg.tie_embeddings: continue
         name = _hf_name(k)
         if name is None:
@@ -122,7 +127,7 @@ def _expected_hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 # %% ../../nbs/14_hf.ipynb #7d44b14a
 def from_hf_state_dict(hf_state_dict: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    "Rename `LlamaForCausalLM` tensors to Tendril names (checked against the model's expected keys)."
+    "Rename `LlamaForCausalLM` tensors to Tendril names (checked against the model's expected keys), q/k/v and gate/up fused."
     names = _expected_hf_names(cfg)
     out = {names[k]: v for k, v in hf_state_dict.items() if k in names}
     missing = sorted(set(names) - set(hf_state_dict))
@@ -131,7 +136,7 @@ def from_hf_state_dict(hf_state_dict: dict, cfg: ModelConfig) -> dict[str, torch
     if missing or unexpected:
         raise ConfigError(f"Hugging Face weights do not fit the Llama config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if cfg.tie_embeddings: out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+    return fuse_state_dict(out)[0]
 
 # %% ../../nbs/14_hf.ipynb #766c60aa
 def to_hf_model(model: Tendril, tokenizer=None):

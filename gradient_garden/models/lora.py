@@ -12,10 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pathlib import Path
 from ..config import ConfigError, LoraConfig
+from .attention import fused_layout
+
 
 # %% auto #0
-__all__ = ['LoRALinear', 'lora_modules', 'apply_lora', 'merge_lora', 'unmerge_lora', 'merge_and_unload', 'lora_state_dict',
-           'load_lora_state_dict', 'has_lora', 'unload_lora', 'peft_adapter', 'save_peft_adapter']
+__all__ = ['LoRALinear', 'LoRASlice', 'FusedLoRALinear', 'lora_layers', 'lora_modules', 'projection_names', 'apply_lora',
+           'merge_lora', 'unmerge_lora', 'merge_and_unload', 'lora_state_dict', 'load_lora_state_dict', 'has_lora',
+           'unload_lora', 'peft_adapter', 'save_peft_adapter']
 
 # %% ../../nbs/13_lora.ipynb #ecd3023c
 class LoRALinear(nn.Linear):
@@ -76,14 +79,90 @@ def unmerge(self: LoRALinear):
 def extra_repr(self: LoRALinear) -> str:
     return f"{nn.Linear.extra_repr(self)}, rank={self.rank}, alpha={self.alpha}, merged={self.merged}"
 
+# %% ../../nbs/13_lora.ipynb #f05e1302
+class LoRASlice(nn.Module):
+    "The low-rank update `scaling * B @ A` of one projection: rows `start:stop` of a fused linear's output."
+    def __init__(self, in_features: int, start: int, stop: int, rank: int, alpha: float, dropout: float = 0.0,
+                 device=None, dtype=None):
+        super().__init__()
+        self.start, self.stop, self.rank, self.alpha, self.scaling = start, stop, rank, alpha, alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(stop - start, rank, device=device, dtype=dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora_parameters()
+
+    reset_lora_parameters = LoRALinear.reset_lora_parameters
+    delta_weight = LoRALinear.delta_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        "The update's output for this projection's rows."
+        return F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+
+# %% ../../nbs/13_lora.ipynb #f05e1303
+class FusedLoRALinear(nn.Linear):
+    "A fused `nn.Linear` (`wqkv`, `w13`) with a `LoRASlice` on some of its projections, each adapted on its own."
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, parts: dict[str, int], targets, rank: int, alpha: float,
+                    dropout: float = 0.0) -> "FusedLoRALinear":
+        "Wrap fused `linear` (its projections' row counts in `parts`, in order), adapting the projections in `targets`."
+        w = linear.weight
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        new.parts, new.rank, new.alpha, new.merged, new.adapters = dict(parts), rank, alpha, False, nn.ModuleDict()
+        start = 0
+        for name, rows in parts.items():
+            if name in targets:
+                new.adapters[name] = LoRASlice(linear.in_features, start, start + rows, rank, alpha, dropout, w.device, w.dtype)
+            start += rows
+        return new
+
+    def delta_weight(self) -> torch.Tensor:
+        "Every slice's update in its rows (zeros elsewhere), shaped like `weight`."
+        delta = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+        for a in self.adapters.values(): delta[a.start:a.stop] = a.delta_weight()
+        return delta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        "The fused layer plus each slice's update in its rows (just the layer once merged)."
+        out = F.linear(x, self.weight, self.bias)
+        if self.merged: return out
+        pieces = []
+        for name, rows, start in _starts(self.parts):
+            piece = out[..., start:start + rows]
+            pieces.append(piece + self.adapters[name](x) if name in self.adapters else piece)
+        return torch.cat(pieces, -1)
+
+    merge, unmerge, extra_repr = LoRALinear.merge, LoRALinear.unmerge, LoRALinear.extra_repr
+
+def _starts(parts: dict[str, int]):
+    "`(name, rows, first row)` of each projection of a fused layer, in order."
+    start = 0
+    for name, rows in parts.items(): yield name, rows, start; start += rows
+
 # %% ../../nbs/13_lora.ipynb #76f558ec
 def _matches(name: str, targets) -> bool:
     "True when module `name` ends with one of `targets` at a dot boundary."
     return any(name == t or name.endswith("." + t) for t in targets)
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    "The adapted layers of `model`, by qualified name."
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    "The adapted layers of `model` (`LoRALinear`, `FusedLoRALinear`), by qualified name."
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, FusedLoRALinear))}
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    "The adapters of `model` by the name of what each adapts: `LoRALinear`s, and `LoRASlice`s as projections (`...attention.wq`)."
+    out = {}
+    for n, m in lora_layers(model).items():
+        if not isinstance(m, FusedLoRALinear): out[n] = m; continue
+        parent = n.rpartition(".")[0]
+        out.update({f"{parent}.{p}" if parent else p: a for p, a in m.adapters.items()})
+    return out
+
+def projection_names(model: nn.Module) -> list[str]:
+    "Every linear layer's name, a fused layer's projections instead of it (`...attention.wq`, `wk`, `wv`)."
+    layout, out = fused_layout(model), []
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear): out += [k[:-len(".weight")] for k in layout.get(f"{n}.weight", {f"{n}.weight": 0})]
+    return out
 
 def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
     "Replace the target linear layers of `model` by `LoRALinear` in place, freeze the rest; returns `model`."
@@ -92,16 +171,22 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
     targets = list(lora_cfg.target_modules)
     found, not_linear = [], []
     for name, mod in list(model.named_modules()):
-        if not name or not _matches(name, targets) or isinstance(mod, LoRALinear): continue
-        if type(mod) is not nn.Linear: not_linear.append(f"{name} ({type(mod).__name__})"); continue
+        if not name or isinstance(mod, (LoRALinear, FusedLoRALinear)): continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoRALinear.from_linear(mod, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout))
+        parts = parent.__dict__.get("fused_projections", {}).get(child, {})     # a fused layer: its projections
+        chosen = [p for p in parts if _matches(f"{parent_name}.{p}" if parent_name else p, targets)]
+        whole = _matches(name, targets)
+        if not whole and not chosen: continue
+        if type(mod) is not nn.Linear:
+            not_linear.append(f"{name if whole else f'{parent_name}.{chosen[0]}'} ({type(mod).__name__})"); continue
+        r, a, d = lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout
+        setattr(parent, child, LoRALinear.from_linear(mod, r, a, d) if whole else FusedLoRALinear.from_linear(mod, parts, chosen, r, a, d))
         found.append(name)
     if not_linear:
         raise ConfigError(f"lora.target_modules: {not_linear[0]} is not an nn.Linear; LoRA adapts linear layers only")
     if not found and not lora_modules(model):
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        linear = sorted({n.rsplit(".", 1)[-1] for n in projection_names(model)})
         raise ConfigError(f"lora.target_modules: got {targets}; no linear layer of the model matches "
                           f"(linear layer names: {', '.join(linear)})")
     for n, p in model.named_parameters(): p.requires_grad_("lora_" in n)
@@ -110,17 +195,17 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
 # %% ../../nbs/13_lora.ipynb #e1519a95
 def merge_lora(model: nn.Module) -> nn.Module:
     "Fold every adapter into its base weight (inference/export); returns `model`."
-    for m in lora_modules(model).values(): m.merge()
+    for m in lora_layers(model).values(): m.merge()
     return model
 
 def unmerge_lora(model: nn.Module) -> nn.Module:
     "Take every merged adapter back out of its base weight; returns `model`."
-    for m in lora_modules(model).values(): m.unmerge()
+    for m in lora_layers(model).values(): m.unmerge()
     return model
 
 def merge_and_unload(model: nn.Module) -> nn.Module:
     "Merge the adapters and replace each `LoRALinear` by a plain `nn.Linear` in place; returns `model`."
-    for name, m in lora_modules(model).items():
+    for name, m in lora_layers(model).items():
         m.merge()
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         lin.weight, lin.bias = m.weight, m.bias
@@ -140,7 +225,7 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         extra, missing = sorted(given - own), sorted(own - given)
         raise ConfigError(f"lora state dict: does not match the model's adapters (missing {missing[:3]}, "
                           f"unexpected {extra[:3]}); check lora.target_modules and lora.rank")
-    if any(m.merged for m in lora_modules(model).values()): raise ConfigError("lora: unmerge the model before loading adapters")
+    if any(m.merged for m in lora_layers(model).values()): raise ConfigError("lora: unmerge the model before loading adapters")
     model.load_state_dict({k: state_dict[k] for k in given}, strict=False)
     return model
 
@@ -151,7 +236,7 @@ def has_lora(state_dict: dict) -> bool:
 # %% ../../nbs/13_lora.ipynb #b9b0f270
 def unload_lora(model: nn.Module) -> nn.Module:
     "Replace each `LoRALinear` by a plain `nn.Linear` with its base weight, dropping (not merging) the adapters; in place."
-    for name, m in lora_modules(model).items():
+    for name, m in lora_layers(model).items():
         if m.merged: m.unmerge()
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         lin.weight, lin.bias = m.weight, m.bias
@@ -166,15 +251,19 @@ def peft_adapter(model: nn.Module, rename=lambda name: name, base_model_name_or_
     if not mods: raise ConfigError("lora: the model has no LoRA adapters to export (was it trained with lora.enabled?)")
     if len({(m.rank, m.alpha) for m in mods.values()}) > 1:
         raise ConfigError("lora: adapters of different ranks or alphas cannot be written as one PEFT LoraConfig")
-    m0 = next(iter(mods.values()))
-    names = {n: rename(n) for n in mods}
-    leaves = {n.rsplit(".", 1)[-1] for n in mods}
-    exact = {n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in leaves} == set(mods)
+    m0, layout, pairs = next(iter(mods.values())), fused_layout(model), {}
+    for n, m in mods.items():            # a whole fused layer: one adapter per projection, same A, its rows of B
+        parts = {k[:-len(".weight")]: rows for k, rows in layout.get(f"{n}.weight", {f"{n}.weight": None}).items()}
+        Bs = m.lora_B.split(list(parts.values())) if None not in parts.values() else [m.lora_B]
+        pairs.update({p: (m.lora_A, B) for p, B in zip(parts, Bs)})
+    names = {n: rename(n) for n in pairs}
+    leaves = {n.rsplit(".", 1)[-1] for n in pairs}
+    exact = {n for n in projection_names(model) if n.rsplit(".", 1)[-1] in leaves} == set(pairs)
     targets = sorted({t.rsplit(".", 1)[-1] for t in names.values()}) if exact else sorted(names.values())
     tensors = {}
-    for n, m in mods.items():
-        tensors[f"base_model.model.{names[n]}.lora_A.weight"] = m.lora_A.detach().contiguous()
-        tensors[f"base_model.model.{names[n]}.lora_B.weight"] = m.lora_B.detach().contiguous()
+    for n, (A, B) in pairs.items():
+        tensors[f"base_model.model.{names[n]}.lora_A.weight"] = A.detach().contiguous()
+        tensors[f"base_model.model.{names[n]}.lora_B.weight"] = B.detach().contiguous()
     dropout = m0.lora_dropout.p if isinstance(m0.lora_dropout, nn.Dropout) else 0.0
     config = dict(peft_type="LORA", task_type=task_type, r=m0.rank, lora_alpha=m0.alpha, lora_dropout=dropout,
                   target_modules=targets, bias="none", fan_in_fan_out=False, use_rslora=False, use_dora=False,

@@ -118,15 +118,16 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.n_experts = n_experts
-        self.w1 = StackedLinear(n_experts, dim, hidden_dim)
+        self.w13 = StackedLinear(n_experts, dim, 2 * hidden_dim)        # rows of each expert: w1 (gate), w3 (up)
         self.w2 = StackedLinear(n_experts, hidden_dim, dim)
-        self.w3 = StackedLinear(n_experts, dim, hidden_dim)
+        self.fused_projections = {"w13": {"w1": hidden_dim, "w3": hidden_dim}}
+        self.w13.split_sizes = (hidden_dim, hidden_dim)                  # Muon orthogonalises each block on its own
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
         "Rows `x [M, dim]` sorted by expert with group ends `offs [E]` (int32), or `x [E, C, dim]` padded per expert."
         dt = _matmul_dtype(x)
-        w13 = torch.cat([self.w1.weight.mT.to(dt), self.w3.weight.mT.to(dt)], dim=-1)   # [E, dim, 2 hidden]
-        w2 = self.w2.weight.mT.to(dt).contiguous()                                     # [E, hidden, dim]
+        w13 = self.w13.weight.mT.to(dt)                                 # [E, dim, 2 hidden], a view in the weights' dtype
+        w2 = self.w2.weight.mT.to(dt).contiguous()                      # [E, hidden, dim]
         mm = torch.bmm if offs is None else partial(grouped_mm, offs=offs)
         gate, up = mm(x.to(dt), w13).chunk(2, dim=-1)
         return mm(F.silu(gate) * up, w2)
@@ -135,17 +136,17 @@ class GroupedExperts(nn.Module):
 @patch
 def expert(self: GroupedExperts, e: int) -> FeedForward:
     "A standalone `FeedForward` holding a copy of expert `e`'s weights."
-    ff = FeedForward(self.w1.in_features, self.w1.out_features)
+    ff = FeedForward(self.w13.in_features, self.w2.in_features)
     with torch.no_grad():
-        for name in ("w1", "w2", "w3"): getattr(ff, name).weight.copy_(getattr(self, name).weight[e])
+        for name in ("w13", "w2"): getattr(ff, name).weight.copy_(getattr(self, name).weight[e])
     return ff
 
 @patch(cls_method=True)
 def from_feed_forwards(cls: GroupedExperts, ffs: list[FeedForward]) -> GroupedExperts:
     "Stack the weights of `FeedForward`s of one shape into a `GroupedExperts`."
-    g = cls(len(ffs), ffs[0].w1.in_features, ffs[0].w1.out_features)
+    g = cls(len(ffs), ffs[0].w13.in_features, ffs[0].w2.in_features)
     with torch.no_grad():
-        for name in ("w1", "w2", "w3"): getattr(g, name).weight.copy_(torch.stack([getattr(f, name).weight for f in ffs]))
+        for name in ("w13", "w2"): getattr(g, name).weight.copy_(torch.stack([getattr(f, name).weight for f in ffs]))
     return g
 
 # %% ../../nbs/12_moe.ipynb #bf444a60

@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
 from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask, compiled_once,
-                                              document_block_mask, fp32_at_least, positions_from_doc_ids,
-                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops, fused_weight,
+                                              document_block_mask, fp32_at_least, fused_layout, positions_from_doc_ids,
+                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops,
                                               inference_linear, packed_weight)
 
 # %% auto #0
@@ -23,8 +23,8 @@ __all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'RESCORE_
            'ffn_hidden_dim', 'RMSNormFunction', 'rms_norm', 'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward',
            'chunk_loss_and_grad', 'compiled_chunk_fn', 'LinearCrossEntropyFunction', 'loss_impl',
            'linear_cross_entropy', 'TransformerBlock', 'check_model_config', 'TrainableModel', 'unwrap_model',
-           'trainable', 'Tendril', 'rescore_top_logits', 'register_model', 'build_model', 'count_parameters',
-           'dense_matmul_params', 'flops_per_token']
+           'trainable', 'unfused_parameters', 'Tendril', 'rescore_top_logits', 'register_model', 'build_model',
+           'count_parameters', 'dense_matmul_params', 'flops_per_token']
 
 # %% ../../nbs/11_tendril.ipynb #2fc6111d
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -102,23 +102,16 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 # %% ../../nbs/11_tendril.ipynb #280d378b
 class FeedForward(nn.Module):
-    "SwiGLU MLP `w2(silu(w1(x)) * w3(x))`; also the expert of the MoE model."
-    fuse_projections = True
-
+    "SwiGLU MLP `w2(silu(w1(x)) * w3(x))` with `w1`/`w3` stored as one `w13`; also the expert of the MoE model."
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)           # rows: w1 (gate), w3 (up)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def fused_linears(self) -> tuple[nn.Module, ...]:
-        "The projections that can run as one matmul."
-        return self.w1, self.w3
+        self.fused_projections = {"w13": {"w1": hidden_dim, "w3": hidden_dim}}
+        self.w13.split_sizes = (hidden_dim, hidden_dim)                  # Muon orthogonalises each block on its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = fused_weight(self, x)
-        if w is not None: return inference_linear(swiglu(inference_linear(x, self, w)), self.w2)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return inference_linear(swiglu(inference_linear(x, self.w13)), self.w2)
 
 # %% ../../nbs/11_tendril.ipynb #ae77ae28
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "default": 1 << 26}   # logits per chunk, by device type
@@ -301,6 +294,26 @@ def trainable(model: nn.Module) -> TrainableModel:
     inner = unwrap_model(model)
     return inner if isinstance(inner, TrainableModel) else _NOTHING_DECLARED
 
+# %% ../../nbs/11_tendril.ipynb #f05ed002
+_UNFUSED_ORDER = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")   # the parameters' order before q/k/v and w1/w3 were fused
+
+def unfused_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    "`named_parameters` with each fused weight as views of its projections' row blocks, in the unfused layout's order."
+    layout, items = fused_layout(model), []
+    for name, p in model.named_parameters():
+        if name in layout: items += zip(layout[name], p.split(list(layout[name].values()), dim=-2))
+        else: items.append((name, p))
+    parent, leaf = (lambda n: n.rsplit(".", 2)[0]), (lambda n: n.rsplit(".", 2)[-2] if n.count(".") else n)
+    first = {}
+    for i, (n, _) in enumerate(items): first.setdefault(parent(n), i)
+    rank = lambda n: _UNFUSED_ORDER.index(leaf(n)) if leaf(n) in _UNFUSED_ORDER else -1
+    return sorted(items, key=lambda item: (first[parent(item[0])], rank(item[0])))
+
+def _normal_(t: torch.Tensor, std: float):
+    "`nn.init.normal_` drawn as for a tensor of `t`'s shape on its own (a strided view gets a contiguous draw copied in)."
+    if t.is_contiguous(): nn.init.normal_(t, 0.0, std)
+    else: t.copy_(nn.init.normal_(torch.empty(t.shape, dtype=t.dtype, device=t.device), 0.0, std))
+
 # %% ../../nbs/11_tendril.ipynb #0972370b
 _RESIDUAL_OUT = ("wo.weight", "w2.weight")
 
@@ -327,10 +340,9 @@ class Tendril(TrainableModel, nn.Module):
     def init_weights(self):
         "N(0, init_std) weights, init_std / sqrt(2 n_layers) for `wo` and `w2`, unit norm gains, fresh RoPE tables."
         std = self.cfg.init_std
-        for name, p in self.named_parameters():
+        for name, p in unfused_parameters(self):           # fused weights block by block: a seed gives the weights it always gave
             if p.dim() == 1: nn.init.ones_(p)
-            elif name.endswith(_RESIDUAL_OUT): nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
-            else: nn.init.normal_(p, 0.0, std)
+            else: _normal_(p, std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(_RESIDUAL_OUT) else std)
         cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos); self.rope_sin.copy_(sin)
 

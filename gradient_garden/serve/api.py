@@ -32,7 +32,7 @@ class SamplingRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 16)   # a torch seed (int64), n <= 16 choices seeded seed, seed+1, ...
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

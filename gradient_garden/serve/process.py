@@ -157,6 +157,7 @@ class DecoderClient:
         self.seqs: dict[int, Sequence] = {}        # submitted and not yet done, by key
         self.keys, self.after_step, self.rejected = itertools.count(), [], 0
         self._lock, self._closed, self._reader, self._snapshots = threading.RLock(), False, None, queue.Queue()
+        self._why_closed, self._stopping = "the server is shutting down", False   # what a refused request is told
 
     def _first_message(self, timeout: float):
         "Wait for `ready` or `failed`, noticing an decoder process that died first."
@@ -188,7 +189,7 @@ def spawn(cls: DecoderClient, args) -> DecoderClient:
 def _send(self: DecoderClient, msg: tuple):
     "Send one message to the decoder; `DecoderClosed` once it has gone."
     with self._lock:
-        if self._closed: raise DecoderClosed("the server is shutting down")
+        if self._closed: raise DecoderClosed(self._why_closed)
         try: self.requests.send(msg)
         except OSError: raise DecoderClosed("the decoder process has exited") from None
 
@@ -197,7 +198,7 @@ def _send(self: DecoderClient, msg: tuple):
 def submit(self: DecoderClient, seqs: list[Sequence]):
     "Send the sequences of one request, all or none; `QueueFull` / `DecoderClosed` as `BatchDecoder.submit` raises them."
     with self._lock:
-        if self._closed: raise DecoderClosed("the server is shutting down")
+        if self._closed: raise DecoderClosed(self._why_closed)
         room = self.max_queue + self.max_batch_size - len(self.seqs)   # counted here: a 429 needs no round trip
         if len(seqs) > room:
             self.rejected += 1
@@ -238,9 +239,14 @@ def _read(self: DecoderClient):
 
 @patch
 def _lost(self: DecoderClient):
-    "The decoder has gone: its sequences get an `error` event, new requests a 503."
-    with self._lock: self._closed, dropped, self.seqs = True, list(self.seqs.values()), {}
-    for s in dropped: s.emit("error", "the decoder process exited")
+    "The decoder has gone: its sequences get an `error` event, new requests a 503 that says why."
+    if self.process is not None: self.process.join(2)
+    code = getattr(self.process, "exitcode", None)
+    how = "" if code is None else f" (killed by {signal.Signals(-code).name})" if code < 0 else f" (exit status {code})"
+    with self._lock:
+        if not (self._closed or self._stopping): self._why_closed = f"the decoding process died{how}; restart gg serve"
+        self._closed, dropped, self.seqs = True, list(self.seqs.values()), {}
+    for s in dropped: s.emit("error", self._why_closed)
     for f in list(self.after_step): f()
     self._snapshots.put(None)
 
@@ -265,6 +271,7 @@ def snapshot(self: DecoderClient, timeout: float = 10.0) -> dict:
 @patch
 def close(self: DecoderClient, timeout: float = 30.0):
     "Ask the decoder to stop (what still runs gets an `error` event) and wait for it; new requests are refused."
+    self._stopping = True
     try: self._send(("close", None))
     except DecoderClosed: pass
     with self._lock: self._closed = True
