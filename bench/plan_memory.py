@@ -7,8 +7,13 @@ existing gradients, optimizer step) is measured by `torch.distributed._tools` `M
 follow every tensor storage the step allocates. The peak total bytes (max over ranks) are compared with
 `memory_plan(...)["total"][mode]`. Writes bench/results/plan_memory.json; the last stdout line is the same JSON.
 
+With `--accum N` each step is the trainer's: gradients set to None, N micro-steps under `grad_sync` (FSDP2
+accumulating as `--accumulation` says: `reduce_scatter`, the default, or `no_sync`, the behaviour before it), then
+the optimizer; the rows go to bench/results/plan_memory_accum.json, both accumulation modes side by side.
+
     python bench/plan_memory.py               # all rows (about 10 minutes on 2 busy cores)
     python bench/plan_memory.py --sizes 10m   # one size
+    python bench/plan_memory.py --accum 4 --worlds 2 --modes none --accumulation reduce_scatter,no_sync --batch-size 1 --seq-len 512
 """
 from __future__ import annotations
 import argparse, json, os, sys, tempfile, time
@@ -27,51 +32,66 @@ SIZES = {  # overrides of the 124M recipe's model
     "124m": {},
 }
 
-def config(size: str, mode: str, batch: int, seq: int):
-    "The 124M recipe's config at `size`, fp32 on CPU, micro batch `batch` x `seq`, checkpointing `mode`."
+def config(size: str, mode: str, batch: int, seq: int, accum: int = 1, world: int = 1, accumulation: str = "reduce_scatter"):
+    "The 124M recipe's config at `size`, fp32 on CPU, micro batch `batch` x `seq` x `accum` micro-steps, checkpointing `mode`."
     cfg = load_recipe(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml").config
     for k, v in SIZES[size].items(): setattr(cfg.model, k, v)
-    cfg.runtime = RuntimeConfig(device="cpu", precision="fp32", fsdp=True, activation_checkpointing=mode)
+    cfg.runtime = RuntimeConfig(device="cpu", precision="fp32", fsdp=True, activation_checkpointing=mode,
+                                fsdp_accumulation=accumulation)
     cfg.training.micro_batch_size, cfg.training.seq_len = batch, seq
+    cfg.training.total_batch_size = batch * seq * accum * world
+    if accum > 1: cfg.optimizers.muon.enabled = False   # AdamW only: Muon's gathered matrices (not in this plan) peak in its step
     return cfg
 
-def measured_peak(cfg, rank: int, world: int) -> dict:
+def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
     "Peak bytes of the second of two training steps on this rank (MemTracker, or FSDPMemTracker under FSDP2)."
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.engine.distributed import DistEnv, parallelize
+    from gradient_garden.engine.distributed import DistEnv, parallelize, grad_sync
     from gradient_garden.engine.optim import build_optimizers
     torch.manual_seed(0)
-    model = parallelize(build_model(cfg.model), cfg.runtime, DistEnv(rank=rank, local_rank=rank, world_size=world))
+    model = parallelize(build_model(cfg.model), cfg.runtime, DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world))
     opts = build_optimizers(model, cfg.optimizers, "cpu")
     t = cfg.training
     toks = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(rank))
     def step():
         (model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel()).backward()
         for o in opts: o.step()
+    live = []                  # the tracker while it runs: its per-module stats are reset per micro-step (its peak is kept)
+    def accumulating_step():   # the trainer's step: fresh gradients, `accum` micro-steps, the optimizer
+        for o in opts: o.zero_grad(set_to_none=True)
+        for i in range(accum):
+            for t in live: t.reset_mod_stats()
+            with grad_sync(model, sync=i == accum - 1, fsdp_accumulation=cfg.runtime.fsdp_accumulation):
+                (model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel() / accum).backward()
+        for o in opts: o.step()
+    if accum > 1: step = accumulating_step
     step()                     # gradients and optimizer state now exist; the measured step accumulates onto them
     tracker = FSDPMemTracker(model, opts[0]) if world > 1 else MemTracker()
     tracker.track_external(model, *opts) if world == 1 else tracker.track_external(*opts[1:])
     t0 = time.perf_counter()
+    live.append(tracker)
     with tracker: step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return dict(total=peak["Total"], seconds=time.perf_counter() - t0)
+    return dict(total=peak["Total"], seconds=time.perf_counter() - t0,
+                breakdown={str(k).split(".")[-1]: round(v / 2**20, 1) for k, v in peak.items() if k != "Total"})
 
-def _rank(rank, world, init, cfg, out):
+def _rank(rank, world, init, cfg, out, accum=1):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    res = measured_peak(cfg, rank, world)
+    res = measured_peak(cfg, rank, world, accum)
     Path(f"{out}.{rank}").write_text(json.dumps(res))
     dist.barrier(); dist.destroy_process_group()
 
-def measure(cfg, world: int) -> dict:
+def measure(cfg, world: int, accum: int = 1) -> dict:
     "Measured peak (max over ranks) on `world` ranks."
-    if world == 1: return measured_peak(cfg, 0, 1)
+    if world == 1: return measured_peak(cfg, 0, 1, accum)
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank, args=(world, f"{d}/init", cfg, f"{d}/out"), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, f"{d}/init", cfg, f"{d}/out", accum), nprocs=world, join=True)
         ranks = [json.loads(Path(f"{d}/out.{r}").read_text()) for r in range(world)]
-    return dict(total=max(r["total"] for r in ranks), seconds=max(r["seconds"] for r in ranks))
+    worst = max(ranks, key=lambda r: r["total"])
+    return dict(total=worst["total"], seconds=max(r["seconds"] for r in ranks), breakdown=worst["breakdown"])
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,22 +100,30 @@ def main(argv=None):
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--out", default=str(ROOT/"bench"/"results"/"plan_memory.json"))
+    p.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--accumulation", default="reduce_scatter", help="FSDP2 accumulation modes, comma-separated")
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    args.out = args.out or str(ROOT/"bench"/"results"/("plan_memory.json" if args.accum == 1 else "plan_memory_accum.json"))
     from gradient_garden.engine.plan import memory_plan, parameter_counts
     rows = []
     for size in args.sizes.split(","):
         for world in map(int, args.worlds.split(",")):
             for mode in args.modes.split(","):
-                cfg = config(size, mode, args.batch_size, args.seq_len)
-                plan = memory_plan(cfg, "fsdp2" if world > 1 else "single", world, device_type="cpu")["total"][mode]
-                got = measure(cfg, world)
-                row = dict(size=size, parameters=parameter_counts(cfg)["total"], ranks=world, activation_checkpointing=mode,
-                           measured_mib=round(got["total"] / 2**20, 1), plan_mib=round(plan / 2**20, 1),
-                           plan_over_measured=round(plan / got["total"], 3), step_s=round(got["seconds"], 1))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    res = dict(batch_size=args.batch_size, seq_len=args.seq_len, precision="fp32", rows=rows)
+                for acc in args.accumulation.split(","):
+                    cfg = config(size, mode, args.batch_size, args.seq_len, args.accum, world, acc)
+                    mp_ = memory_plan(cfg, "fsdp2" if world > 1 else "single", world, device_type="cpu")
+                    plan = mp_["total"][mode]
+                    got = measure(cfg, world, args.accum)
+                    row = dict(size=size, parameters=parameter_counts(cfg)["total"], ranks=world, activation_checkpointing=mode,
+                               measured_mib=round(got["total"] / 2**20, 1), plan_mib=round(plan / 2**20, 1),
+                               plan_over_measured=round(plan / got["total"], 3), step_s=round(got["seconds"], 1))
+                    if args.accum > 1: row["measured_breakdown_mib"] = got["breakdown"]
+                    if args.accum > 1: row |= dict(accumulation=acc, unsharded_gradients_mib=round(mp_["unsharded_gradients"] / 2**20, 1))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    res = dict(batch_size=args.batch_size, seq_len=args.seq_len, precision="fp32", rows=rows) | (
+        dict(accum=args.accum) if args.accum > 1 else {})
     if args.sizes == "10m,50m,124m": Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res))
 

@@ -41,7 +41,7 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.tasks.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses, their reward metrics, a resumable pair loader, the `dpo` stage, and preference accuracy.
 - `gradient_garden.tasks.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the `pretraining` stage.
 - `gradient_garden.tasks.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document masking (or padding), a resumable loader, the `instruct` stage, and exact-match evaluation on held-out tasks.
-- `gradient_garden.tasks.stages`: `StageParts`: the task, the loaders and the final evaluation that a training stage (pretraining, instruct, DPO, or a plugin's) hands to the engine.
+- `gradient_garden.tasks.stages`: `StageParts`: the task, the loaders and the final evaluation that a training stage (pretraining, instruct, DPO, or a plugin's) hands to the engine; and the plumbing the stages share: chat messages, ragged arrays on disk, data sources, and one rank's resumable position in a split's stream.
 - `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` — with the Llama 3 chat/control tokens, a chat renderer that says which tokens to train on, and a small BPE trained locally that both backends read.
 
 Modules:

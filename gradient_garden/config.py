@@ -44,6 +44,7 @@ class RuntimeConfig:
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 42_activation_checkpointing
+    fsdp_accumulation: Literal["reduce_scatter", "no_sync"] = "reduce_scatter"  # FSDP2 micro-steps; see 43_distributed
 
 # %% ../nbs/00_config.ipynb #117522bf
 @dataclass

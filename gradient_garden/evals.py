@@ -15,6 +15,8 @@ import gradient_garden
 from tqdm.auto import tqdm
 from .config import ConfigError, GlobalConfig
 from .runtime import write_text_atomic
+from collections import defaultdict
+from contextlib import contextmanager
 
 # %% auto #0
 __all__ = ['FIXTURES_DIR', 'TASKS', 'HEAD_CHUNK', 'SPLIT_RATIO', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example',
@@ -334,10 +336,6 @@ def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, 
     i = torch.arange(T)
     mask = (i[None, None, :] <= i[None, :, None]) & (i[None, :, None] < ends[:, None, :])  # key j: j <= i < ends[j]
     return tokens.to(device), {"attn_mask": mask[:, None].to(device), "position_ids": pos.to(device)}
-
-# %% ../nbs/21_evals.ipynb #7f38b6f4
-from collections import defaultdict
-from contextlib import contextmanager
 
 # %% ../nbs/21_evals.ipynb #07cd457c
 def _norm_and_head(model) -> Optional[tuple[torch.nn.Module, Callable]]:

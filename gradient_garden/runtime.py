@@ -9,6 +9,8 @@ import contextlib, json, os, shutil
 from pathlib import Path
 import torch
 from .config import ConfigError
+import torch.distributed as dist
+from torch import nn
 
 # %% auto #0
 __all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'all_reduce',
@@ -44,6 +46,7 @@ def cpu_bf16_units() -> list[str]:
 
 def resolve_precision(device: torch.device, precision: str) -> tuple[str, str]:
     "`runtime.precision` made concrete for `device`: (`fp32`|`bf16`|`fp16`, the reason)."
+    if precision == "fp32": return "fp32", "runtime.precision: fp32, the default; auto picks bf16 where the device has it"
     if precision != "auto": return precision, "set in runtime.precision"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported(including_emulation=False): return "bf16", f"auto: {torch.cuda.get_device_name(device)} has native bf16"
@@ -59,10 +62,6 @@ def autocast_context(device: torch.device, precision: str):
     precision = resolve_precision(device, precision)[0]
     if precision == "fp32": return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=parse_dtype(precision, "runtime.precision"))
-
-# %% ../nbs/01_runtime.ipynb #83016b49
-import torch.distributed as dist
-from torch import nn
 
 # %% ../nbs/01_runtime.ipynb #3b309ed8
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -329,9 +329,6 @@ def encode_markup(self: Tokenizer, text: str) -> list[int]:
         at = m.end()
     return ids + self._encode_one(text[at:])
 
-# %% ../nbs/02_tokenizer.ipynb #4318f0ec
-from fastcore.basics import patch
-
 # %% ../nbs/02_tokenizer.ipynb #09908686
 @patch(as_prop=True)
 def adds_bos(self: Tokenizer) -> bool:

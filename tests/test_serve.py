@@ -144,7 +144,7 @@ def test_greedy_equals_gg_generate(server, tiny, tmp_path):
         f = tmp_path/f"gen{instruct}.json"
         args = add_generate_args(argparse.ArgumentParser()).parse_args(
             ["--checkpoint", str(tiny["ckpt"]), "--prompts", str(tmp_path/"p.json"), "--max-gen-len", "14",
-             "--device", "cpu", "--output-file-name", str(f)] + ["--instruct"] * instruct)
+             "--device", "cpu", "--output-file-name", str(f)] + (["--instruct"] if instruct else ["--raw"]))
         assert run_generate(args) == 0
         out[instruct] = [r["completion"] for r in json.loads(f.read_text())["results"]]
     c = server["client"]

@@ -22,6 +22,16 @@ from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
 from .distributed import barrier, is_fsdp
 from ..models.tendril import unwrap_model
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
+from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
@@ -30,7 +40,7 @@ __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOI
            'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'MetadataUnpickler',
            'SafeReader', 'SafeLoadPlanner', 'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state',
            'fuse_optimizer_state', 'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded',
-           'commit_sharded', 'save_sharded_checkpoint', 'CheckpointWriteError', 'write_failure_line',
+           'commit_sharded', 'save_sharded_checkpoint', 'staging_options', 'CheckpointWriteError', 'write_failure_line',
            'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
@@ -217,6 +227,8 @@ class CheckpointManager:
         self.failures: list[str] = []  # one line per background write that failed
         self.raise_failures = raise_failures  # a failed background write raises `CheckpointWriteError` (else: a warning)
         self._group = None
+        self._stager = None         # the staging buffers of background saves, made once and reused
+        self._staged = None         # the staging of the save in flight (a future on an accelerator)
 
     def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
 
@@ -269,10 +281,6 @@ def prune(self: CheckpointManager) -> list[Path]:
     return gone
 
 # %% ../../nbs/44_checkpoints.ipynb #1e0eb487
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
-
 _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
     "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
@@ -309,11 +317,6 @@ class SafeFullLoadPlanner(_EmptyStateDictLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 # %% ../../nbs/44_checkpoints.ipynb #9e74ac2e
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
-
 DCP_ERRORS = (Exception, CheckpointException)  # dcp reports a failure on any rank as a BaseException
 
 def dcp_error(e: BaseException) -> str:
@@ -350,10 +353,11 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
-# %% ../../nbs/44_checkpoints.ipynb #f05e4402
-from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
-from torch.distributed.checkpoint.state_dict import set_state_dict
+# %% ../../nbs/44_checkpoints.ipynb #0b31143a
+ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"   # the start of dcp's one-process warning
+warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
 
+# %% ../../nbs/44_checkpoints.ipynb #f05e4402
 _SAID_FUSED: set = set()
 
 def _fused_name(fqn: str) -> tuple[str, str | None]:
@@ -472,14 +476,28 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #4c97838a
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
 @patch
 def _checkpoint_group(self: CheckpointManager):
     "A gloo process group of its own for background saves (None in one process)."
     if not (dist.is_initialized() and dist.get_world_size() > 1): return None
     if self._group is None: self._group = dist.new_group(backend="gloo")
     return self._group
+
+def staging_options(accelerator: bool | None = None) -> StagingOptions:
+    "Pinned buffers, a side-stream copy in the background and non-blocking copies on an accelerator; a plain copy on CPU."
+    acc = torch.accelerator.is_available() if accelerator is None else accelerator
+    return StagingOptions(use_pinned_memory=acc, use_shared_memory=False, use_async_staging=acc, use_non_blocking_copy=acc)
+
+@patch
+def stager(self: CheckpointManager) -> DefaultStager:
+    "The run's one stager: its host buffers are allocated by the first background save and reused by the next ones."
+    if self._stager is None: self._stager = DefaultStager(staging_options())
+    return self._stager
+
+@patch
+def wait_for_staging(self: CheckpointManager):
+    "Block until the save in flight has copied its state off the device (before anything changes the weights)."
+    if self._staged is not None: self._staged.result(); self._staged = None
 
 @patch
 def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict, val_loss: float | None = None) -> Path:
@@ -494,11 +512,10 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
         return final
     group = self._checkpoint_group()
     tmp = begin_sharded(final)
-    stager = DefaultStager(StagingOptions(False, False, False, False))  # one plain host copy (see below)
-    fut = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-                         async_stager=stager)
-    self.pending = (fut, tmp, final, meta)
-    fut.add_done_callback(lambda _: stager.close())  # its copies are freed once written
+    res = dcp.async_save(app_state, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                         async_stager=self.stager())
+    self._staged = getattr(res, "staging_completion", None)   # a future when staging runs in the background
+    self.pending = (getattr(res, "upload_completion", res), tmp, final, meta)
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #9917000e
@@ -534,7 +551,6 @@ def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> 
     intact = list_checkpoints(ckpt_dir)
     last = f"the last intact checkpoint is {intact[-1]}" if intact else "no earlier checkpoint exists"
     return f"checkpoint of step {step} not written{how}: {cause}; {last}"
-
 
 # %% ../../nbs/44_checkpoints.ipynb #847b6e38
 @patch

@@ -5,7 +5,7 @@ parallelism to a model from the outside: DDP, or FSDP2's `fully_shard` per block
 
 # %% ../../nbs/43_distributed.ipynb #9e8e7ef7
 from __future__ import annotations
-import contextlib, datetime, os
+import contextlib, datetime, hashlib, math, os
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -18,12 +18,15 @@ from .activation_checkpointing import apply_activation_checkpointing
 from ..models.tendril import unwrap_model
 from ..runtime import (all_gather_objects, all_reduce, barrier, broadcast_object, is_fsdp, parse_dtype,
                                      resolve_device)
-try: from torch.distributed.tensor import DTensor
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
-__all__ = ['DistEnv', 'init_distributed', 'destroy_distributed', 'mesh_shape', 'build_mesh', 'apply_fsdp', 'parallelize',
-           'grad_sync', 'grad_norm', 'clip_grad_norm_', 'memory_footprint']
+__all__ = ['INIT_BLOCK_ELEMENTS', 'FSDP_ACCUMULATION', 'DistEnv', 'init_distributed', 'destroy_distributed', 'mesh_shape',
+           'build_mesh', 'init_rows', 'materialize', 'apply_fsdp', 'parallelize', 'grad_sync', 'grad_norm',
+           'clip_grad_norm_', 'memory_footprint']
 
 # %% ../../nbs/43_distributed.ipynb #6d8b29ce
 @dataclass
@@ -80,6 +83,50 @@ def build_mesh(runtime: RuntimeConfig, env: DistEnv):
     if r == 1: return init_device_mesh(env.device.type, (s,), mesh_dim_names=("shard",))
     return init_device_mesh(env.device.type, (r, s), mesh_dim_names=("replicate", "shard"))
 
+# %% ../../nbs/43_distributed.ipynb #e53063c3
+INIT_BLOCK_ELEMENTS = 2**20   # rows are generated in blocks of about this many elements, whatever the sharding
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    "A 63-bit generator seed from the run's seed, a parameter's name and a block index."
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest(), "little") >> 1
+
+def init_rows(shape, kind: str, std: float, seed: int, name: str, start: int, stop: int, device) -> torch.Tensor:
+    "Rows `[start, stop)` of parameter `name`'s initial value (full `shape`), the same for any split into rows."
+    rows, rest = stop - start, tuple(shape[1:])
+    if kind == "ones": return torch.ones((rows, *rest), device=device)
+    per = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(rest)))
+    out = torch.empty((rows, *rest), device=device)
+    for b in range(start // per, (stop - 1) // per + 1) if rows else ():
+        lo, hi = b * per, min(shape[0], (b + 1) * per)
+        g = torch.Generator(device).manual_seed(_block_seed(seed, name, b))
+        block = torch.empty((hi - lo, *rest), device=device).normal_(0.0, std, generator=g)
+        a, z = max(lo, start), min(hi, stop)
+        out[a - start:z - start] = block[a - lo:z - lo]
+    return out
+
+# %% ../../nbs/43_distributed.ipynb #0d040be4
+def materialize(model: nn.Module, device, seed: int) -> nn.Module:
+    "Give a meta-device (possibly FSDP2-sharded) model storage on `device` and initialise each rank's part from `seed`."
+    inner = unwrap_model(model)
+    holders = {}   # tied weights (e.g. the output head and the embedding) are one parameter held by several modules
+    for m in inner.modules():
+        for n, p in m._parameters.items(): holders.setdefault(id(p), []).append((m, n))
+    model.to_empty(device=device)
+    for (m0, n0), *rest in holders.values():   # `to_empty` makes one new tensor per holder: tie them again
+        for m, n in rest: m._parameters[n] = m0._parameters[n0]
+    if not hasattr(inner, "param_init"): raise ValueError(f"{type(inner).__name__} has no param_init: build it on a real device")
+    with torch.no_grad():
+        for name, p in inner.named_parameters():
+            kind, std = inner.param_init(name)
+            local, start = p, 0
+            if DTensor is not None and isinstance(p, DTensor):   # this rank's rows of the full parameter
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                local, start = p.to_local(), offset[0]
+                assert tuple(shape[1:]) == tuple(p.shape[1:]), "only dim-0 sharding is supported"
+            local.copy_(init_rows(p.shape, kind, std, seed, name, start, start + local.shape[0], local.device))
+        inner.init_buffers()
+    return model
+
 # %% ../../nbs/43_distributed.ipynb #c7ef7792
 def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Module:
     "Shard `model` with FSDP2 over `mesh` (2-D: HSDP; None: all ranks): one unit per transformer block, then the root."
@@ -92,18 +139,23 @@ def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Modul
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
-def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv) -> nn.Module:
-    "Wrap `model` for the run: FSDP2/HSDP or DDP under torchrun, unchanged in one process; `torch.compile` when asked."
+def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
+    "Wrap `model` for the run (FSDP2/HSDP or DDP, `torch.compile` when asked); a meta-device model is materialised from `init_seed`."
     apply_activation_checkpointing(model, runtime.activation_checkpointing)  # before compile and FSDP2/DDP, torchtitan's order
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same
         for block in getattr(model, "layers", []): block.compile()
         if not (env.distributed and runtime.fsdp) and not hasattr(model, "layers"): model.compile()
-    if not env.distributed: return model
-    if runtime.fsdp: return apply_fsdp(model, runtime.precision, build_mesh(runtime, env))
+    if env.distributed and runtime.fsdp: model = apply_fsdp(model, runtime.precision, build_mesh(runtime, env))
+    if any(p.is_meta for p in model.parameters()):   # built on the meta device: each rank makes only its shards
+        if init_seed is None: raise ValueError("parallelize: a model on the meta device needs init_seed")
+        materialize(model, env.device, init_seed)
+    if not env.distributed or runtime.fsdp: return model
     # buffers (the RoPE tables) are computed identically on every rank: no broadcast before every forward
     return DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None, broadcast_buffers=False)
 
 # %% ../../nbs/43_distributed.ipynb #ef7a302e
+FSDP_ACCUMULATION = ("reduce_scatter", "no_sync")
+
 @contextlib.contextmanager
 def _fsdp_gradient_sync(model: nn.Module, sync: bool):
     "FSDP2: reduce-scatter in this micro-step's backward only when `sync` is true."
@@ -111,11 +163,13 @@ def _fsdp_gradient_sync(model: nn.Module, sync: bool):
     try: yield
     finally: model.set_requires_gradient_sync(True)
 
-def grad_sync(model: nn.Module, sync: bool):
-    "Context for one micro-step: under DDP / FSDP2 gradients are reduced only when `sync` is true; a no-op otherwise."
+def grad_sync(model: nn.Module, sync: bool, fsdp_accumulation: str = "reduce_scatter"):
+    "Context for one micro-step: DDP (and FSDP2 in `no_sync`) reduce only when `sync`; FSDP2 reduce-scatters every one by default."
+    if fsdp_accumulation not in FSDP_ACCUMULATION:
+        raise ConfigError(f"runtime.fsdp_accumulation: got {fsdp_accumulation!r}; expected one of {', '.join(map(repr, FSDP_ACCUMULATION))}")
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
-    if is_fsdp(inner) and not sync: return _fsdp_gradient_sync(unwrap_model(inner), False)
+    if is_fsdp(inner) and not sync and fsdp_accumulation == "no_sync": return _fsdp_gradient_sync(unwrap_model(inner), False)
     return contextlib.nullcontext()
 
 # %% ../../nbs/43_distributed.ipynb #6b18cf2f

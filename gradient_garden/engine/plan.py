@@ -23,10 +23,11 @@ from .activation_checkpointing import SAVE_OPS
 from ..runtime import resolve_precision
 
 # %% auto #0
-__all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM',
+__all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
            'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes',
-           'muon_plan', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan',
-           'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory', 'check_fit']
+           'muon_plan', 'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan',
+           'measured_mfu', 'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan',
+           'device_memory', 'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -69,11 +70,14 @@ def _storage_key(t: torch.Tensor):
     return StorageWeakRef(t.untyped_storage())
 
 def _trace(cfg: ModelConfig, batch: int, seq: int, dtype) -> dict:
-    "Bytes block 0 saves for backward (`none`) and the bytes of its matmul/attention outputs (`selective`)."
-    saved, kept = {}, {}
+    "Bytes block 0 saves for backward (`none`), of which copies made from weights alone, and its matmul/attention outputs (`selective`)."
+    saved, kept, copies = {}, {}, set()
     class KeepSelected(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if ins and all(_storage_key(a) in params or _storage_key(a) in copies for a in ins):  # made of weights only
+                copies.update(_storage_key(o) for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor))
             if func in SAVE_OPS:
                 for o in (out if isinstance(out, (tuple, list)) else [out]):
                     if isinstance(o, torch.Tensor): kept[_storage_key(o)] = o.untyped_storage().nbytes()
@@ -89,7 +93,8 @@ def _trace(cfg: ModelConfig, batch: int, seq: int, dtype) -> dict:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None), \
          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), KeepSelected():
         model.layers[0](x, cos, sin, None)
-    return dict(none=sum(saved.values()), selective=sum(kept.values()))
+    weights = sum(v for k, v in saved.items() if k in copies)   # e.g. the fused projections' concatenated weights
+    return dict(none=sum(saved.values()), selective=sum(kept.values()), weight_copies=weights)
 
 # %% ../../nbs/46_plan.ipynb #c1bb0a24
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,13 +125,14 @@ def loss_chunk_bytes(cfg: GlobalConfig, device_type: str = "cuda") -> int:
     return rows * m.vocab_size * (4 + (2 if cfg.runtime.precision != "fp32" else 0))
 
 def activation_bytes(cfg: GlobalConfig, mode: str, device_type: str = "cuda", block: dict | None = None) -> int:
-    "Peak activation bytes of one micro-step under activation checkpointing `mode`."
+    "Peak activation bytes of one micro-step under activation checkpointing `mode` (weight copies not included)."
     m, t = cfg.model, cfg.training
     block = block or trace_block(m, t.micro_batch_size, t.seq_len, cfg.runtime.precision)
     tokens = t.micro_batch_size * t.seq_len
     act = 4 if cfg.runtime.precision == "fp32" else 2
     head = 2 * tokens * m.dim * act + 4 * m.vocab_size * m.dim + 8 * tokens    # norm input, grad_h, grad_w, token ids
     saved = m.n_layers * block[{"none": "none", "selective": "selective", "full": "input"}[mode]]
+    if mode == "none": saved -= m.n_layers * block.get("weight_copies", 0)   # their own row in `memory_plan`
     recompute = 0 if mode == "none" else block["none"]
     return saved + head + max(loss_chunk_bytes(cfg, device_type), recompute)
 
@@ -147,24 +153,38 @@ def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard
                            shard, replicate, m.ns_steps, ns_bytes)
 
 # %% ../../nbs/46_plan.ipynb #98728560
+def unsharded_gradient_bytes(cfg: GlobalConfig, parallel: str, world: int, shard: int) -> float:
+    "Bytes of unsharded fp32 gradients FSDP2 keeps beyond its shards while accumulating under `no_sync` (else 0)."
+    if parallel not in ("fsdp2", "hsdp") or shard < 2 or cfg.runtime.fsdp_accumulation != "no_sync": return 0
+    if grad_accum_steps(cfg, world) < 2: return 0
+    return 4 * parameter_counts(cfg)["trainable"] * (1 - 1 / shard)
+
 def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard_size: int | None = None,
                 device_type: str = "cuda") -> dict:
-    "Bytes per rank by component, and `activations` for each checkpointing mode, under `parallel` over `world` ranks."
+    "Bytes per rank by term (one row each in `format_plan`), `activations` and `total` per checkpointing mode."
     if parallel not in PARALLELISMS: raise ConfigError(f"parallel: got {parallel!r}; expected one of {', '.join(PARALLELISMS)}")
     c, t = parameter_counts(cfg), cfg.training
     shard = {"single": 1, "ddp": 1, "fsdp2": world, "hsdp": shard_size or world}[parallel]
     compute = 4 if cfg.runtime.precision == "fp32" else 2
+    block = trace_block(cfg.model, t.micro_batch_size, t.seq_len, cfg.runtime.precision)
+    copies = cfg.model.n_layers * block["weight_copies"] if cfg.runtime.activation_checkpointing == "none" else 0
     out = dict(parameters=4 * c["total"] / shard, gradients=4 * c["trainable"] / shard,
+               unsharded_gradients=unsharded_gradient_bytes(cfg, parallel, world, shard),
                optimizer=(8 * c["adamw"] + 4 * c["muon"]) / shard,
                ddp_buckets=4 * c["trainable"] if parallel == "ddp" and world > 1 else 0,
-               fsdp_unsharded=(compute * c["outside_blocks"] + 2 * c["block"] * (compute + 4)) if shard > 1 else 0)
+               fsdp_unsharded=(compute * c["outside_blocks"] + 2 * c["block"] * (compute + 4)) if shard > 1 else 0,
+               weight_copies=copies)
     muon = muon_plan(cfg, parallel, world, shard_size, device_type)
     out["muon_buffers"] = muon["distributed" if cfg.optimizers.muon.distributed else "gathered"]["bytes"]
-    block = trace_block(cfg.model, t.micro_batch_size, t.seq_len, cfg.runtime.precision)
+    staging = (4 * c["total"] + 8 * c["adamw"] + 4 * c["muon"]) / shard if cfg.checkpointing.async_save else 0
+    out["staging"] = staging if device_type == "cpu" else 0   # host memory: part of the device's only on a CPU
     out["activations"] = {mode: activation_bytes(cfg, mode, device_type, block) for mode in ("none", "selective", "full")}
-    static = sum(v for k, v in out.items() if k not in ("activations", "muon_buffers"))
-    # Muon's step buffers exist only in the optimizer step, after backward has freed the activations
-    out["total"] = {mode: static + max(a, out["muon_buffers"]) for mode, a in out["activations"].items()}
+    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k != "muon_buffers") - copies
+    # weight copies count in mode `none` only; Muon's step buffers exist only in the optimizer step, after backward
+    # has freed the activations (and the weight copies)
+    out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0), out["muon_buffers"])
+                    for mode, a in out["activations"].items()}
+    out["staging_host"] = staging
     return out
 
 # %% ../../nbs/46_plan.ipynb #50f81bac
@@ -212,9 +232,8 @@ class Plan:
     @property
     def tokens_per_s(self) -> float:
         "Throughput at the plan's MFU, full checkpointing's recomputation counted as extra FLOPs per token."
-        m = self.cfg.model
-        extra = 2 * (self.flops_per_token - 6 * m.dim * m.vocab_size) / 6 if self.mode == "full" else 0.0
-        return self.world * self.device.peak_flops * self.mfu / (self.flops_per_token + extra)
+        extra = 2 * (self.flops_per_token - 6 * self.cfg.model.dim * self.cfg.model.vocab_size) / 6
+        return self.world * self.device.peak_flops * self.mfu / (self.flops_per_token + (self.mode == "full") * extra)
     @property
     def hours(self) -> float:
         "Wall time of the whole run at the plan's MFU, including full checkpointing's recomputation."
@@ -323,27 +342,44 @@ def fit_message(p: Plan) -> str | None:
             f"activation checkpointing {p.mode}); " + (f"try {fix}" if fix else "no single change makes it fit"))
 
 # %% ../../nbs/46_plan.ipynb #d995c4f7
+PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32)"),
+             ("unsharded_gradients", "unsharded gradients (no_sync)"), ("optimizer", "optimizer state"),
+             ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),
+             ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging"),
+             ("muon_buffers", "Muon step buffers (optimizer step)")]
+
+def _accumulation_line(p: Plan) -> str:
+    "How the run's layout accumulates gradients over its micro-steps, and what it costs."
+    steps, m = grad_accum_steps(p.cfg, p.world), p.memory[p.layout]
+    if p.layout not in ("fsdp2", "hsdp") or steps < 2: return f"gradient accumulation {steps}: {p.layout} adds no memory for it"
+    if p.cfg.runtime.fsdp_accumulation == "no_sync":
+        return (f"gradient accumulation {steps}, runtime.fsdp_accumulation=no_sync: unsharded fp32 gradients until the last "
+                f"micro-step, {m['unsharded_gradients'] / GiB:.2f} GiB per rank (reduce_scatter would save it)")
+    return f"gradient accumulation {steps}, runtime.fsdp_accumulation=reduce_scatter: gradients sharded every micro-step"
+
 def format_plan(p: Plan) -> str:
-    "The plan as a table and a few lines of text."
-    c, t, g = p.counts, p.cfg.training, lambda b: f"{b / GiB:7.2f}"
+    "The plan as a table (one row per term, one column per layout) and a few lines of text."
+    c, t, g = p.counts, p.cfg.training, lambda b: f"{b / GiB:8.2f}"
     lines = [f"{p.cfg.run.name}: {c['total']:,} parameters ({c['trainable']:,} trainable; Muon {c['muon']:,}, AdamW {c['adamw']:,})",
              f"target: {p.world} x {p.device.name} ({p.nodes} node{'s' * (p.nodes > 1)} x {p.gpus_per_node}), "
              f"{p.device.memory / GiB:.0f} GiB each, {p.budget / GiB:.1f} GiB usable; precision {p.cfg.runtime.precision}, "
              f"micro batch {t.micro_batch_size} x {t.seq_len}, grad accumulation {grad_accum_steps(p.cfg, p.world)}",
-             "", "GiB per rank   params   grads   optim  buffers | act none  select    full | total none  select    full"]
-    for name, m in p.memory.items():
-        buffers = m["ddp_buckets"] + m["fsdp_unsharded"] + m.get("muon_buffers", 0)
-        mark = lambda mode: "*" if name == p.layout and mode == p.mode else " "
-        acts = "".join(f"{g(m['activations'][k])}{mark(k)}" for k in ("none", "selective", "full"))
-        tots = "".join(f"{g(m['total'][k])}{mark(k)}" for k in ("none", "selective", "full"))
-        lines.append(f"{name:12s} {g(m['parameters'])} {g(m['gradients'])} {g(m['optimizer'])} {g(buffers)} |{acts}|{tots}")
+             "", f"{'GiB per rank':38s}" + "".join(f"{name:>9s}" for name in p.memory)]
+    row = lambda label, vals, mark="": lines.append(f"{label + mark:38s}" + "".join(f"{g(v)} " for v in vals))
+    for key, label in PLAN_ROWS: row(label, [m[key] for m in p.memory.values()])
+    for kind in ("activations", "total"):
+        for mode in ("none", "selective", "full"):
+            row(f"{kind}, checkpointing {mode}", [m[kind][mode] for m in p.memory.values()], " *" if mode == p.mode else "")
+    host = p.memory[p.layout]["staging_host"]
+    lines += ["", _accumulation_line(p)] + ([f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of "
+                                             f"host memory per rank, allocated once (pinned on CUDA)"] if host else [])
     mu = muon_plan(p.cfg, p.layout if p.world > 1 else "single", p.world, None, "cpu" if p.device.name == "cpu" else "cuda")
     if mu["gathered"]["ns_flops"]:
-        lines += ["", f"Muon per rank ({p.layout}): Newton-Schulz {mu['distributed']['ns_flops'] / 1e9:,.0f} GFLOP per step "
-                      f"({mu['gathered']['ns_flops'] / 1e9:,.0f} gathered), step buffers {mu['distributed']['bytes'] / GiB:.2f} GiB "
-                      f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
-    lines += ["", f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
-                  f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
+        lines += [f"Muon per rank ({p.layout}): Newton-Schulz {mu['distributed']['ns_flops'] / 1e9:,.0f} GFLOP per step "
+                  f"({mu['gathered']['ns_flops'] / 1e9:,.0f} gathered), step buffers {mu['distributed']['bytes'] / GiB:.2f} GiB "
+                  f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
+    lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
+              f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "
               f"{p.hours:.2f} h ({p.hours * 60:.0f} min) on {p.world} ({p.hours * p.world:.2f} device-hours)",
               fit_message(p) or f"fits: {p.needed / GiB:.1f} GiB per rank ({p.layout}, activation checkpointing {p.mode})"]

@@ -21,7 +21,7 @@ from .trainer import Trainer, seed_everything
 from .plan import check_fit, estimate_workload
 from .checkpoints import base_weights, check_compatible, list_checkpoints, load_checkpoint, resolve_checkpoint
 from ..models.lora import apply_lora
-from ..models.tendril import build_model
+from ..models.tendril import build_model, unwrap_model
 from ..tokenizer import init_tokenizer
 from ..tasks.stages import StageParts
 from ..tasks.pretraining import build_pretraining
@@ -183,19 +183,29 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
     return notes
 
 # %% ../../nbs/48_run.ipynb #494f3b7a
+def _load_base_weights(model: torch.nn.Module, weights: dict, cfg: GlobalConfig):
+    "Copy a previous stage's full weights into `model` (each rank into its own shards); a one-line error if they do not fit."
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # lazy: distributed-only
+    known = set(unwrap_model(model).state_dict())
+    missing, unexpected = sorted(known - set(weights)), sorted(set(weights) - known)
+    if missing or unexpected:
+        raise ConfigError(f"--checkpoint: weights do not fit model {cfg.model.architecture} "
+                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    set_model_state_dict(unwrap_model(model), weights, options=StateDictOptions(full_state_dict=True))
+
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
-    "The model of a run: built, initialised from a previous stage's checkpoint if given, LoRA applied, parallelised."
+    "The run's model: built on the meta device, parallelised, then each rank's shards made, initialised or loaded."
     torch.manual_seed(cfg.training.seed)
-    model = build_model(cfg.model)
-    if ckpt is not None and ckpt.get("stage") != cfg.training.stage:
-        missing, unexpected = model.load_state_dict(base_weights(ckpt, model), strict=False)
-        if missing or unexpected:
-            raise ConfigError(f"--checkpoint: weights do not fit model {cfg.model.architecture} "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if cfg.lora.enabled:
-        apply_lora(model, cfg.lora)
-    model.to(env.device)
-    return parallelize(model, cfg.runtime, env)
+    with torch.device("meta"): model = build_model(cfg.model)
+    new_stage = ckpt is not None and ckpt.get("stage") != cfg.training.stage
+    if cfg.lora.enabled or not hasattr(model, "param_init"):   # built whole: LoRA wraps a loaded base model
+        model = build_model(cfg.model)
+        if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
+        if cfg.lora.enabled: apply_lora(model, cfg.lora)
+        return parallelize(model.to(env.device), cfg.runtime, env)
+    model = parallelize(model, cfg.runtime, env, init_seed=cfg.training.seed)
+    if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
+    return model
 
 # %% ../../nbs/48_run.ipynb #7e3b3acc
 def _check_start(cfg: GlobalConfig, start_step: int | None, ckpt: dict | None):

@@ -165,7 +165,7 @@ def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[tor
     loss_total = torch.zeros((), device=self.env.device, dtype=torch.float64)
     metric_sums: dict = {}
     for i, batch in enumerate(batches):
-        with grad_sync(self.model, sync=i == len(batches) - 1):
+        with grad_sync(self.model, sync=i == len(batches) - 1, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
             loss_sum, metrics, aux = self._forward_loss(batch)
             loss = loss_sum / count * self.env.world_size
             if aux is not None: loss = loss + aux / self.grad_accum
@@ -178,6 +178,7 @@ def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[tor
 def _optimizer_step(self: Trainer) -> torch.Tensor | None:
     "Clip (returning the gradient norm when `grad_clip` is set), step every optimizer through the scaler, zero the gradients."
     grad_norm = None
+    if self.ckpt_manager is not None: self.ckpt_manager.wait_for_staging()  # a background save's copy of the weights is done
     if self.cfg.training.grad_clip:
         for o in self.optimizers: self.scaler.unscale_(o)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip)  # same norm on any layout

@@ -11,6 +11,8 @@ import torch
 from ..config import ConfigError, ModelConfig
 from .attention import fuse_state_dict, fused_layout, split_fused_state_dict
 from .tendril import Tendril, ffn_hidden_dim
+import copy
+from .lora import lora_modules, save_peft_adapter, unload_lora
 
 # %% auto #0
 __all__ = ['LLAMA_ARCHITECTURES', 'TOKENIZER_FILES', 'check_llama_compatible', 'hf_llama_config', 'model_config_from_hf',
@@ -207,10 +209,6 @@ def load_hf(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Tendr
     with torch.device(device): model = Tendril(cfg)
     model.load_state_dict(sd)
     return model.to(dtype=dtype).eval() if dtype is not None else model.eval(), cfg
-
-# %% ../../nbs/14_hf.ipynb #0c4b5765
-import copy
-from .lora import lora_modules, save_peft_adapter, unload_lora
 
 # %% ../../nbs/14_hf.ipynb #e3766020
 def hf_module_name(name: str) -> str:

@@ -352,6 +352,21 @@ class Tendril(TrainableModel, nn.Module):
         return KVCache(c.n_layers, batch_size, max_seq_len or c.max_seq_len, c.n_kv_heads, c.head_dim)
 
 
+# %% ../../nbs/11_tendril.ipynb #58cdcc81
+@patch
+def param_init(self: Tendril, name: str) -> tuple[str, float]:
+    "How parameter `name` starts: `('ones', 1.0)` for norm gains, `('normal', std)` for weights (`init_weights`' rule)."
+    p = self.get_parameter(name)
+    if p.dim() == 1: return "ones", 1.0
+    if name.endswith(_RESIDUAL_OUT): return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+    return "normal", self.cfg.init_std
+
+@patch
+def init_buffers(self: Tendril):
+    "Recompute the RoPE tables in place (after `to_empty` they hold garbage)."
+    cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+    with torch.no_grad(): self.rope_cos.copy_(cos); self.rope_sin.copy_(sin)
+
 # %% ../../nbs/11_tendril.ipynb #fba784cd
 @patch
 def forward(self: Tendril, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
