@@ -187,6 +187,7 @@ class CheckpointingConfig:
     async_save: bool = False  # sharded only: write in the background while training continues
 
 # %% ../nbs/00_config.ipynb #2d1bef24
+# Kept whole: the small sections of the config, each a few typed fields, read as one table
 @dataclass
 class TokenizerConfig:
     "Which tokenizer: a Hugging Face folder or hub id, or a tiktoken BPE file in the Llama 3 format."
@@ -509,6 +510,7 @@ def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
         raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
 
 # %% ../nbs/00_config.ipynb #1da6c0b0
+# Kept whole: the checks that span several sections, one one-line error each
 def _check_stages(cfg: GlobalConfig, world_size: int):
     "Checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA, DPO and validation."
     c = cfg.checkpointing

@@ -358,6 +358,7 @@ ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"
 warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
 
 # %% ../../nbs/44_checkpoints.ipynb #f05e4402
+# Kept whole: the old-to-fused name map and the conversion that uses it
 _SAID_FUSED: set = set()
 
 def _fused_name(fqn: str) -> tuple[str, str | None]:
@@ -476,6 +477,7 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #4c97838a
+# Kept whole: the background save's group and its agreement on every rank
 @patch
 def _checkpoint_group(self: CheckpointManager):
     "The gloo process group of background saves (None in one process); made here only if the caller gave none."

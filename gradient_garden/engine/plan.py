@@ -342,6 +342,7 @@ def fit_message(p: Plan) -> str | None:
             f"activation checkpointing {p.mode}); " + (f"try {fix}" if fix else "no single change makes it fit"))
 
 # %% ../../nbs/46_plan.ipynb #d995c4f7
+# Kept whole: the plan's table: one row per term, in the order it prints
 PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32)"),
              ("unsharded_gradients", "unsharded gradients (no_sync)"), ("optimizer", "optimizer state"),
              ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),

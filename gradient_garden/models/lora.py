@@ -140,6 +140,7 @@ def _starts(parts: dict[str, int]):
     for name, rows in parts.items(): yield name, rows, start; start += rows
 
 # %% ../../nbs/13_lora.ipynb #76f558ec
+# Kept whole: how target names match fused and unfused layers, one set of rules
 def _matches(name: str, targets) -> bool:
     "True when module `name` ends with one of `targets` at a dot boundary."
     return any(name == t or name.endswith("." + t) for t in targets)

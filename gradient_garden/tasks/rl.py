@@ -148,6 +148,7 @@ class Rewarder:
         return parts | {"total": total + sum(parts[p] for p, _ in self.functions)}
 
 # %% ../../nbs/35_rl.ipynb #189d5eda
+# Kept whole: the source keys, their checks and the loader read as one table of what a source may say
 RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob"},
                   "gsm8k": {"type", "path", "name", "split", "val_split", "max_examples", "max_val_examples", "revision"}}
 DEFAULT_RL_SOURCES = [{"type": "verifiable", "train": 4000, "seed": 2}]
@@ -197,6 +198,7 @@ def load_prompts(sources: Optional[list], split: str = "train") -> list[RLExampl
     return out
 
 # %% ../../nbs/35_rl.ipynb #9f8f4978
+# Kept whole: one pass over the prefilled cache, G copies per row; splitting it would hide the shapes
 def expand_groups(cache, logits: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor, group_size: int):
     "A prefilled `[P, ...]` KV cache, last logits, tokens and padding mask repeated for `P x group_size` rows."
     rep = lambda t: t.repeat_interleave(group_size, 0)
@@ -340,6 +342,7 @@ def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tu
     return torch.tensor(rewards, dtype=torch.float32), parts
 
 # %% ../../nbs/35_rl.ipynb #f25f5cdd
+# Kept whole: the step's figures and the one all-reduce that makes them global, read together
 def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
                   parts: dict, seconds: float, group_size: int) -> dict:
     "Step figures over every rank's rollouts: reward mean/std, zero-variance groups, lengths, rollout tokens/s."
@@ -425,6 +428,7 @@ def load_state_dict(self: RolloutLoader, d: dict):
     if self.reference is not None and d.get("reference"): self.reference.model.load_state_dict(d["reference"])
 
 # %% ../../nbs/35_rl.ipynb #75e983e2
+# Kept whole: greedy and sampled answers share one prefill and one lockstep rule
 @torch.no_grad()
 def heldout_hits(model, tokenizer, examples: list[RLExample], k: int = 4, max_new_tokens: int = 24,
                  temperature: float = 1.0, top_p: float = 1.0, plain: bool = False, seed: int = 0,
