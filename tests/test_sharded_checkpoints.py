@@ -133,3 +133,49 @@ def test_sharded_resume_is_exact_for_moe(prepared, tmp_path):
     train(sets(prepared, tmp_path/"resumed", **MOE), ckpts(tmp_path/"full")/"step_0000002")
     a, b = losses(tmp_path/"full"), losses(tmp_path/"resumed")
     assert sorted(b) == [3, 4] and all(a[s] == b[s] for s in b), (a, b)
+
+# -- a damaged shard file: the same "corrupted" line from every verb that loads the checkpoint ----------------------
+RECIPE = "recipes/pretraining/debug.yaml"
+
+def small_sets(prepared, out: Path, steps=2) -> list[str]:
+    "A two-step, one-process run saving sharded checkpoints under `out`."
+    s = {"paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+         "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
+         "training.micro_batch_size": 4, "training.total_batch_size": 256, "validation.enabled": False,
+         "generation.every": 0, "evals.every": 0, "checkpointing.every": steps, "checkpointing.format": "sharded",
+         "optimizers.adamw.warmup_steps": 1, "runtime.device": "cpu"}
+    return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
+
+@pytest.fixture(scope="module")
+def sharded_run(prepared, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded_run")
+    run_gg("train", "--recipe", RECIPE, "--set", *small_sets(prepared, out))
+    return out
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_damaged_shard_is_corrupted_in_every_verb(prepared, sharded_run, tmp_path, damage, capsys):
+    import shutil
+    from gradient_garden.cli import main as gg
+    shutil.copytree(sharded_run/"runs", tmp_path/"runs")
+    run = tmp_path/"runs"/"pretraining"/"debug"
+    ck, shard = run/"checkpoints"/"step_0000002", run/"checkpoints"/"step_0000002"/"__0_0.distcp"
+    size = shard.stat().st_size
+    if damage == "truncated": shard.write_bytes(shard.read_bytes()[: size // 3])
+    else: shard.unlink()
+    (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
+    verbs = {"train": ["train", "--recipe", RECIPE, "--checkpoint", ck, "--set", *small_sets(prepared, tmp_path, steps=4)],
+             "generate": ["generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "2", "--device", "cpu"],
+             "evaluate": ["evaluate", "--checkpoint", ck, "--validation", "--validation-steps", "1", "--device", "cpu"],
+             "export": ["export", "--checkpoint", ck, "--out", tmp_path/"hf"]}
+    said = {}
+    for verb, argv in verbs.items():
+        assert gg([str(a) for a in argv]) == 2, verb
+        said[verb] = capsys.readouterr().err.strip().splitlines()[-1]
+    what = f"is truncated: {size // 3:,} of {size:,} bytes" if damage == "truncated" else "is missing"
+    assert set(said.values()) == {f"error: {ck}: corrupted sharded checkpoint (shard file __0_0.distcp {what}); use an earlier checkpoint"}, said
+    assert not (tmp_path/"hf").exists()
+    assert json.loads((run/"metrics.jsonl").read_text().splitlines()[-1])["step"] == 2   # the run directory untouched
+    # `gg serve` loads through the same function as generate and evaluate
+    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+    with pytest.raises(ConfigError) as e: load_model_from_checkpoint(ck)
+    assert f"error: {e.value}" == said["generate"]

@@ -9,6 +9,7 @@ import argparse, contextlib, os, signal, subprocess, sys, threading, time
 from pathlib import Path
 import psutil
 import gradient_garden
+from . import tell_torchrun
 from ..config import ConfigError, STAGE_FLAGS, load_config
 from ..engine.checkpoints import list_checkpoints
 from ..engine.distributed import destroy_distributed
@@ -17,8 +18,8 @@ from ..engine.run import prepare_run_dir, run_training
 
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
-           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args', 'run_notebook',
-           'add_plan_args', 'run_plan']
+           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args', 'kernel_error',
+           'run_notebook', 'add_plan_args', 'run_plan']
 
 # %% ../../nbs/54_cli_train.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -110,6 +111,18 @@ def _stopped_in_kernel(signame: str, run_dir: Path) -> int:
     step = int(ck.name.split("_")[1].split(".")[0]) if ck else 0
     return stopped_line(dict(stopped_by=signame, step=step, checkpoint=ck, run_dir=run_dir))
 
+# %% ../../nbs/54_cli_train.ipynb #099e8537
+def kernel_error(ename: str, evalue: str, report) -> int:
+    "The outcome `gg train` gives for exception `ename: evalue` raised in the report notebook's kernel (one line)."
+    if ename == "ConfigError": raise ConfigError(evalue)
+    if ename == "CheckpointWriteError":
+        from ..engine.checkpoints import CheckpointWriteError
+        raise CheckpointWriteError(evalue)
+    first = (str(evalue).strip().splitlines() or [""])[0]
+    print(f"error: {ename}: {first} (its traceback is in {report})", file=sys.stderr, flush=True)
+    tell_torchrun(1, f"exit status 1: {ename} in the report notebook's kernel; the 'error:' line above says where its traceback is")
+    return 1
+
 # %% ../../nbs/54_cli_train.ipynb #77252f9a
 def run_notebook(args) -> int:
     "`gg notebook`: execute the training notebook with papermill, leaving the report in the run directory."
@@ -123,7 +136,7 @@ def run_notebook(args) -> int:
         except ConfigError as e: e.same_on_every_rank = True; raise
     out = Path(args.output) if args.output else report_path(cfg.run_dir, rank)
     out.parent.mkdir(parents=True, exist_ok=True)
-    params = dict(recipe=args.recipe, config=args.config, overrides=list(args.overrides), stage=args.stage,
+    params = dict(recipe=args.recipe, config=args.config, overrides=list(args.overrides), max_steps=None, stage=args.stage,
                   checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
                   reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite, cwd=os.getcwd())
     time.sleep(0.5 * int(os.environ.get("LOCAL_RANK", 0)))
@@ -132,9 +145,13 @@ def run_notebook(args) -> int:
         try:
             with forwarding_stop_signals(received):  # the kernel runs in a session of its own: pass SIGTERM & co. on
                 pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                    log_output=rank == 0, kernel_name="python3", language="python",
+                                    stdout_file=sys.stdout, stderr_file=sys.stderr,   # the training's console, as `gg train` shows it
+                                    kernel_name="python3", language="python",
                                     coalesce_streams=True)  # one output per stream per cell, not one per progress line
             break
+        except pm.PapermillExecutionError as e:  # raised in the kernel: the one line `gg train` would give
+            if received: break
+            return kernel_error(e.ename, e.evalue, out)
         except Exception as e:
             if attempt + 1 < args.retries and _is_kernel_startup_error(e):
                 print(f"rank {rank}: kernel start-up failed ({type(e).__name__}); retrying", file=sys.stderr)

@@ -6,7 +6,7 @@ and errors that say what is wrong with a checkpoint instead of a traceback from 
 
 # %% ../../nbs/44_checkpoints.ipynb #ba42969e
 from __future__ import annotations
-import errno, io, os, pickle, random, re, resource, shutil, warnings, zipfile
+import errno, os, random, re, resource, shutil, warnings, zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
@@ -15,33 +15,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
 from .distributed import DistEnv, agree, barrier, is_fsdp
 from ..models.tendril import unwrap_model
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, first_line, read_metadata,
+                                              read_sharded)
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
-           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'DCP_ERRORS', 'ONE_PROCESS_NOTE', 'find_unsafe',
-           'rng_state', 'set_rng_state', 'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints',
-           'resolve_checkpoint', 'load_checkpoint', 'check_compatible', 'CheckpointManager', 'MetadataUnpickler',
-           'SafeReader', 'SafeLoadPlanner', 'SafeFullLoadPlanner', 'dcp_error', 'sharded_state', 'load_sharded_state',
-           'fuse_optimizer_state', 'fit_fused_layout', 'read_metadata', 'read_sharded', 'sharded_meta', 'begin_sharded',
-           'commit_sharded', 'save_sharded_checkpoint', 'staging_options', 'CheckpointWriteError', 'write_failure_line',
-           'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
+           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'find_unsafe', 'rng_state', 'set_rng_state',
+           'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
+           'check_compatible', 'CheckpointManager', 'sharded_state', 'load_sharded_state', 'fuse_optimizer_state',
+           'fit_fused_layout', 'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint',
+           'staging_options', 'CheckpointWriteError', 'write_failure_line', 'consolidate_checkpoint', 'base_weights',
+           'load_model_from_checkpoint']
 
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -133,18 +130,13 @@ def _verify_archive(p: Path):
     if bad is not None:
         raise ConfigError(f"{p}: corrupted checkpoint (member {bad!r} fails its CRC check); use an earlier checkpoint")
 
-def _first_line(e: BaseException) -> str:
-    "The first line of an exception's message (its type when it has none), for one-line errors."
-    s = str(e).strip()
-    return s.splitlines()[0][:200] if s else type(e).__name__
-
 def _load_file(p: Path, map_location="cpu", verify: bool = True, mmap: bool = False) -> dict:
     "Load a `torch.save` file with `weights_only=True` and check that it is a Gradient Garden checkpoint."
     if verify: _verify_archive(p)
     elif not zipfile.is_zipfile(p): raise ConfigError(f"{p}: corrupted or truncated checkpoint (not a zip archive)")
     try: ckpt = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        first = _first_line(e)
+        first = first_line(e)
         if "Weights only load failed" in first or type(e).__name__ == "UnpicklingError":
             raise ConfigError(f"{p}: not a Gradient Garden checkpoint (it holds objects that weights_only loading "
                               f"refuses; we never unpickle code)") from None
@@ -167,6 +159,7 @@ def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool
         if ckpt is None: raise ConfigError(f"{p}: not a Gradient Garden checkpoint (a directory without {SHARDED_META})")
         ckpt["sharded"] = str(p)
         if weights: ckpt.update(read_sharded(p, ("model", "optimizers") if optimizers else ("model",)))
+        else: read_metadata(p)  # the index and its shard files checked: a damaged one is named before anyone reads it
     else: ckpt = _load_file(p, map_location, verify, mmap)
     if missing := [k for k in REQUIRED_KEYS if k not in ckpt and not (k == "model" and "sharded" in ckpt and not weights)]:
         raise ConfigError(f"{p}: incomplete checkpoint, missing {', '.join(missing)}")
@@ -280,53 +273,7 @@ def prune(self: CheckpointManager) -> list[Path]:
         self._val_loss.pop(p.name, None)
     return gone
 
-# %% ../../nbs/44_checkpoints.ipynb #1e0eb487
-_DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
-    "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
-
-class MetadataUnpickler(pickle.Unpickler):
-    "Unpickle a dcp `.metadata` file into dcp's metadata classes, sizes and dtypes only (never code)."
-    def find_class(self, module, name):
-        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
-
-class SafeReader(FileSystemReader):
-    "dcp's `FileSystemReader`, reading `.metadata` through `MetadataUnpickler`."
-    def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path)/".metadata", "rb") as f: md = MetadataUnpickler(f).load()
-        if getattr(md, "storage_meta", None) is None: md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-def _load_bytes_weights_only(self, read_item, value: io.BytesIO):
-    "A non-tensor entry (an optimizer hyper-parameter), read with `weights_only=True`."
-    obj = torch.load(value, weights_only=True)
-    if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-    else: self.state_dict[read_item.dest_index.fqn] = obj
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    "dcp's load planner (into existing, possibly sharded, tensors) with weights-only non-tensor entries."
-    load_bytes = _load_bytes_weights_only
-
-class SafeFullLoadPlanner(_EmptyStateDictLoadPlanner):
-    "dcp's planner that rebuilds full tensors from the metadata (one process), with weights-only entries."
-    load_bytes = _load_bytes_weights_only
-
 # %% ../../nbs/44_checkpoints.ipynb #9e74ac2e
-DCP_ERRORS = (Exception, CheckpointException)  # dcp reports a failure on any rank as a BaseException
-
-def dcp_error(e: BaseException) -> str:
-    "One line for a dcp failure: the first failing rank's own exception, not dcp's wrapper."
-    if isinstance(e, CheckpointException) and e.failures:
-        rank, err = next(iter(e.failures.items()))
-        if isinstance(err, tuple): err = err[0]  # (exception, traceback frames)
-        return f"rank {rank}: {type(err).__name__}: {_first_line(err)}"
-    return f"{type(e).__name__}: {_first_line(e)}"
-
 def _owner(model: nn.Module) -> nn.Module:
     "The module whose state dict we save: FSDP2 modules as they are, DDP / compile wrappers removed."
     return model if is_fsdp(model) else unwrap_model(model)
@@ -353,12 +300,7 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
-# %% ../../nbs/44_checkpoints.ipynb #0b31143a
-ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"   # the start of dcp's one-process warning
-warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
-
 # %% ../../nbs/44_checkpoints.ipynb #f05e4402
-# Kept whole: the old-to-fused name map and the conversion that uses it
 _SAID_FUSED: set = set()
 
 def _fused_name(fqn: str) -> tuple[str, str | None]:
@@ -371,6 +313,7 @@ def _fused_name(fqn: str) -> tuple[str, str | None]:
             return (f"{pre}{fused}.weight", child) if leaf == "weight" else (f"{pre}{fused}.adapters.{child}.{leaf}", None)
     return fqn, None
 
+# %% ../../nbs/44_checkpoints.ipynb #8a7af670
 def fuse_optimizer_state(osd: dict) -> dict:
     "A full optimizer state dict (`get_state_dict`'s) of the unfused layout in the fused one; each fused weight's state stacked."
     state, groups = {}, {}
@@ -386,6 +329,7 @@ def fuse_optimizer_state(osd: dict) -> dict:
     param_groups = [dict(g, params=list(dict.fromkeys(_fused_name(p)[0] for p in g["params"]))) for g in osd["param_groups"]]
     return {"state": state, "param_groups": param_groups}
 
+# %% ../../nbs/44_checkpoints.ipynb #7057da9f
 def fit_fused_layout(ckpt: dict, model: nn.Module, where=None) -> dict:
     "`ckpt` with its model (and optimizer) state in `model`'s fused layout when it was saved unfused; said once per checkpoint."
     if "model" not in ckpt or not fused_layout(model): return ckpt
@@ -398,6 +342,7 @@ def fit_fused_layout(ckpt: dict, model: nn.Module, where=None) -> dict:
     opt = ckpt.get("optimizers")
     return dict(ckpt, model=sd) | ({"optimizers": fuse_optimizer_state(opt)} if isinstance(opt, dict) and "state" in opt else {})
 
+# %% ../../nbs/44_checkpoints.ipynb #a59bb65a
 def _load_unfused_sharded(path, model: nn.Module, optimizers=None) -> bool:
     "Load a sharded checkpoint of the unfused layout into fused `model` (read whole, converted); False when it is not one."
     md = read_metadata(path)
@@ -408,24 +353,6 @@ def _load_unfused_sharded(path, model: nn.Module, optimizers=None) -> bool:
     if optimizers: set_state_dict(m, list(optimizers), model_state_dict=ck["model"], optim_state_dict=ck["optimizers"], options=opts)
     else: set_model_state_dict(m, ck["model"], options=opts)
     return True
-
-# %% ../../nbs/44_checkpoints.ipynb #b3cfe88f
-def read_metadata(path):
-    "dcp's index of sharded checkpoint `path`, read without unpickling code; a `ConfigError` when missing or foreign."
-    p = Path(path)
-    try: return SafeReader(p).read_metadata()
-    except FileNotFoundError: raise ConfigError(f"{p}: incomplete sharded checkpoint (no .metadata)") from None
-    except pickle.UnpicklingError as e:
-        raise ConfigError(f"{p}: not a Gradient Garden checkpoint ({_first_line(e)}; we never unpickle code)") from None
-    except Exception as e: raise ConfigError(f"{p}: corrupted sharded checkpoint (.metadata: {_first_line(e)})") from None
-
-def read_sharded(path, keys=("model", "optimizers")) -> dict:
-    "The full (unsharded) `keys` of sharded checkpoint `path`, read in this one process."
-    p, out = Path(path), {}
-    read_metadata(p)  # its own errors first: dcp would wrap them
-    try: _load_state_dict(out, storage_reader=SafeReader(p), planner=SafeFullLoadPlanner(keys=set(keys)), no_dist=True)
-    except DCP_ERRORS as e: raise ConfigError(f"{p}: corrupted sharded checkpoint ({dcp_error(e)})") from None
-    return out
 
 # %% ../../nbs/44_checkpoints.ipynb #c3fc931d
 def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
@@ -460,10 +387,6 @@ def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #18229268
-ONE_PROCESS_NOTE = r"torch\.distributed is .*assuming the intent is to save in a single process"
-# dcp says so on every save without a process group, from the background thread too; one process saving alone is what we mean
-warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE, module=r"torch\.distributed\.checkpoint")
-
 def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     "Every rank: write its shards of `app_state` (`sharded_state`) and rank 0's `meta` as directory `path`, atomically."
     final, meta = Path(path), sharded_meta(meta)
@@ -501,6 +424,7 @@ def wait_for_staging(self: CheckpointManager):
     "Block until the save in flight has copied its state off the device (before anything changes the weights)."
     if self._staged is not None: self._staged.result(); self._staged = None
 
+# %% ../../nbs/44_checkpoints.ipynb #50f214c0
 @patch
 def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict, val_loss: float | None = None) -> Path:
     "Every rank: write checkpoint `step_*` as a sharded dir (in the background with `async_save`); retention after."
@@ -540,7 +464,7 @@ def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> 
         if isinstance(e, tuple): e = e[0]
     os_err = _os_error(e)
     if os_err is not None and os_err.errno in (errno.ENOSPC, errno.EFBIG): e = os_err
-    first = _first_line(e) if str(e).strip() else ""
+    first = first_line(e) if str(e).strip() else ""
     if isinstance(e, KeyboardInterrupt): cause = "interrupted (Ctrl-C)"
     elif getattr(e, "errno", None) == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]

@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
 from .distributed import (DistEnv, agree, init_distributed, parallelize, barrier, broadcast_object,
                                                 watch_collectives)
+from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops
 from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot
 from .trainer import Trainer, seed_everything
@@ -33,7 +34,7 @@ from ..tasks.distillation import wrap_with_distillation
 
 # %% auto #0
 __all__ = ['STAGES', 'STOP_SIGNALS', 'RUN_RECORDS', 'register_stage', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records',
-           'run_contents', 'prepare_run_dir', 'build_run_model', 'run_training']
+           'run_contents', 'prepare_run_dir', 'build_run_model', 'mfu_peak_line', 'run_training']
 
 # %% ../../nbs/48_run.ipynb #9b9b7322
 STAGES: dict[str, Callable] = {"pretraining": build_pretraining, "instruct": build_instruct, "dpo": build_dpo, "rl": build_rl}
@@ -232,6 +233,15 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
         e = ConfigError(err); e.same_on_every_rank = True; raise e
     return lock
 
+# %% ../../nbs/48_run.ipynb #7d61cd6a
+def mfu_peak_line(device: torch.device, precision: str, tf32: bool = False) -> str:
+    "One line: the peak FLOP/s a run's MFU rows and summary divide by (a datasheet's, or a matmul measured once)."
+    peak, how = peak_flops(device, precision, tf32=tf32), compute_precision(device, precision, tf32)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    src = (f"the {name} datasheet, {how} dense" if name and gpu_datasheet_flops(name, how) else
+           f"a {how} matmul on this {device.type}, measured once at the start; every row and the summary use it")
+    return f"mfu: against a peak of {peak / 1e12:,.3g} TFLOP/s per process ({src})"
+
 # %% ../../nbs/48_run.ipynb #44b58757
 # the run's order in one place: inputs, checks, the run directory's lock, then the build and fit in `_train`
 def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> tuple:
@@ -281,6 +291,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     trainer = Trainer(cfg, model, parts.task, parts.train_loader, parts.val_loader, tokenizer=tokenizer, env=env,
                       final_evaluate=parts.evaluate)
     trainer.callbacks.extend(callbacks)
+    if env.is_main and trainer.log_to_console: print(mfu_peak_line(env.device, cfg.runtime.precision, trainer.tf32), flush=True)
     if ckpt is not None and ckpt.get("stage") == cfg.training.stage:
         trainer.load_checkpoint_state(ckpt, reset_optimizers=reset_optimizers, reset_loader=reset_loader,
                                       reset_val_history=reset_val_history, start_step=start_step)

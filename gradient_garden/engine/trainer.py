@@ -468,7 +468,6 @@ def fit(self: Trainer) -> dict:
                 if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
                     with self._untimed():
                         val_loss, rec = self._validate_into(step, rec); last_val = val_loss
-                        if env.device.type == "cpu": peak = peak_flops(env.device, cfg.runtime.precision, refresh=True) * env.world_size
                     progress.write(f"step {step}: val_loss {val_loss:.4f}")
                     if self.early and self.early.update(step, val_loss): stopped_early = True
                 last = step == t.max_steps or stopped_early
