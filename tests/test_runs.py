@@ -142,3 +142,32 @@ def test_torchrun_says_a_config_error_once():
     assert "To enable traceback" not in seen and "Root Cause" in seen, seen
     assert "traceback : exit status 2: bad input, said in one 'error:' line above\n" in seen
     assert "traceback : exit status 2: bad input, said in one 'error:' line above (by rank 0)" in seen
+
+PEAK_THAT_RISES = """
+import sys, torch
+import gradient_garden.hardware as hw
+seen = {}
+def measure(device=torch.device("cpu"), n=1024, reps=5, dtype=torch.float32, refresh=False):
+    "A busy machine getting quieter: every new measurement reads 10x the last."
+    key = (str(device), n, dtype)
+    if key not in seen or refresh: seen[key] = 1e11 * 10 ** sum(1 for k in seen if k == key)
+    return seen[key]
+hw.measure_matmul_peak = measure
+from gradient_garden.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+def test_mfu_rows_and_summary_divide_by_one_peak(prepared, tmp_path):
+    "The peak is measured once per run: every row's MFU / tokens/s and the summary's are the same FLOPs-per-peak ratio."
+    r = subprocess.run([sys.executable, "-c", PEAK_THAT_RISES, "train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path)],
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.splitlines()
+    said = [l for l in out if l.startswith("mfu: against a peak of ")]
+    assert len(said) == 1 and "0.1 TFLOP/s per process" in said[0] and "measured once at the start" in said[0], out
+    rows = [json.loads(l) for l in (run_dir(tmp_path)/"metrics.jsonl").read_text().splitlines()]
+    ratios = [x["mfu"] / x["tokens_per_s"] for x in rows if "mfu" in x]
+    assert len(ratios) == 4 and max(ratios) / min(ratios) - 1 < 1e-9, rows   # validation at steps 2 and 4 measured nothing again
+    tps = float(next(l for l in out if l.startswith("tokens/s ")).split()[-1].replace(",", ""))
+    mfu = float(next(l for l in out if l.startswith("MFU ")).split()[-1].rstrip("%")) / 100
+    assert abs(mfu / tps / ratios[0] - 1) < 0.02, (mfu, tps, rows)

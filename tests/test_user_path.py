@@ -100,3 +100,54 @@ print("saved")
     r = subprocess.run([sys.executable, "-W", "default", "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "saved", r.stderr[-2000:]
     assert "single process" not in r.stderr, r.stderr[-2000:]
+
+
+# -- runs that say what happened: gg notebook shows gg train's console and its one-line errors -----------------------
+RECIPE = "recipes/pretraining/debug.yaml"
+
+def small_run(prepared, out: Path, steps=2) -> list[str]:
+    "`--set` values of a two-step, one-process run under `out`."
+    s = {"paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+         "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
+         "training.micro_batch_size": 4, "training.total_batch_size": 256, "validation.every": steps, "validation.steps": 1,
+         "generation.every": 0, "evals.every": 0, "checkpointing.every": steps, "optimizers.adamw.warmup_steps": 1,
+         "runtime.device": "cpu"}
+    return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
+
+
+def test_gg_notebook_shows_the_console_of_gg_train(prepared, tmp_path):
+    from conftest import run_gg
+    r = run_gg("notebook", "--recipe", RECIPE, "--set", *small_run(prepared, tmp_path))
+    assert "Unable to parse" not in r.stderr and "unknown parameter" not in r.stderr, r.stderr
+    out = r.stdout.splitlines()
+    assert [l.split(" |")[0] for l in out if l.startswith("pretraining ")] == ["pretraining 1/2 (50%)", "pretraining 2/2 (100%)"], r.stdout
+    assert "pretraining: finished" in out and any(l.startswith("MFU ") for l in out), r.stdout      # the summary table
+    assert sum(l.startswith("mfu: against a peak of ") for l in out) == 1, r.stdout
+    report = tmp_path/"runs"/"pretraining"/"debug"/"report.ipynb"
+    assert out[-1] == f"report: {report}" and report.is_file()
+    assert not any("dense model" in l or l.startswith("rank 0 of") for l in out), r.stdout   # the report's own output stays in it
+
+
+def test_gg_notebook_says_the_kernels_error_as_gg_train_does(prepared, tmp_path):
+    from conftest import run_gg
+    bad = small_run(prepared, tmp_path) + [f"paths.datasets={tmp_path/'nowhere'}"]
+    train = run_gg("train", "--recipe", RECIPE, "--set", *bad, check=False)
+    nb = run_gg("notebook", "--recipe", RECIPE, "--set", *bad, "--overwrite", check=False)
+    assert train.returncode == nb.returncode == 2, nb.stderr[-3000:]
+    assert nb.stderr.strip().splitlines()[-1] == train.stderr.strip().splitlines()[-1], (nb.stderr[-2000:], train.stderr[-500:])
+    assert "nowhere" in nb.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in nb.stderr and "PapermillExecutionError" not in nb.stderr
+    assert (tmp_path/"runs"/"pretraining"/"debug"/"report.ipynb").is_file()   # the executed notebook, with the traceback
+
+
+def test_gg_notebook_says_any_other_kernel_error_in_one_line(prepared, tmp_path):
+    from conftest import ROOT, run_gg
+    nb = json.loads((ROOT/"nbs"/"runs"/"train.ipynb").read_text())
+    params = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    nb["cells"] = [params, {"cell_type": "code", "execution_count": None, "id": "boom", "metadata": {}, "outputs": [],
+                            "source": "print('before')\n1 / 0"}]
+    (tmp_path/"boom.ipynb").write_text(json.dumps(nb))
+    r = run_gg("notebook", "--recipe", RECIPE, "--notebook", tmp_path/"boom.ipynb", "--output", tmp_path/"out.ipynb",
+               "--set", *small_run(prepared, tmp_path), check=False)
+    assert r.returncode == 1 and r.stdout.splitlines()[0] == "before", (r.stdout, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines() == [f"error: ZeroDivisionError: division by zero (its traceback is in {tmp_path/'out.ipynb'})"], r.stderr
