@@ -154,3 +154,22 @@ def test_sharded_checkpoint_of_another_architecture_or_stage_is_refused(tmp_path
     cfg = GlobalConfig(); cfg.training.stage = "instruct"
     with pytest.raises(ConfigError, match="training.stage: got 'instruct'"): check_compatible(meta, cfg)
     torch.testing.assert_close(load_checkpoint(d)["model"]["weight"], model.weight.detach())
+
+
+def test_a_shard_overwritten_in_place_is_corrupted_for_resume_and_load(tmp_path):
+    "Bytes changed without changing the length (the file check passes): a resume and a full load both say 'corrupted'."
+    from gradient_garden.engine.checkpoints import load_sharded_state, save_sharded_checkpoint, sharded_state
+    def stepped():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(64, 64); opt = torch.optim.AdamW(m.parameters())
+        m(torch.ones(1, 64)).sum().backward(); opt.step()
+        return m, opt
+    m, opt = stepped()
+    meta = {k: v for k, v in _state().items() if k != "model"}
+    d = save_sharded_checkpoint(sharded_state(m, [opt]), meta, tmp_path/"step_0000005")
+    shard = d/"__0_0.distcp"
+    data = bytearray(shard.read_bytes()); data[-50:-42] = bytes(b ^ 0xFF for b in data[-50:-42]); shard.write_bytes(bytes(data))
+    with pytest.raises(ConfigError) as full: load_checkpoint(d)
+    with pytest.raises(ConfigError) as resume: load_sharded_state(d, *(lambda m, o: (m, [o]))(*stepped()))
+    for e in (full, resume): assert str(e.value).startswith(f"{d}: corrupted sharded checkpoint (rank 0: "), str(e.value)
+    assert str(full.value) == str(resume.value)

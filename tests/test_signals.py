@@ -222,3 +222,31 @@ def test_a_second_ctrl_c_within_a_second_aborts_at_once(prepared, tmp_path):
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr[-3000:]
     assert "stopped by" not in stderr and time.time() - t0 < 30 and not list((run_dir(tmp_path)/"checkpoints").glob("step_*"))
+
+@pytest.mark.slow
+def test_sigterm_to_gg_launch_ends_with_our_line(prepared, tmp_path):
+    "torchrun's launcher run by `gg launch`: a SIGTERM to it saves on both ranks, and the last line and exit status are ours."
+    proc = subprocess.Popen(GG + ["launch", "--standalone", "--nproc-per-node", "2", "train", "--recipe", RECIPE,
+                                  "--set", *sets(prepared, tmp_path)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_rows(tmp_path, 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert lines[-1] == ("gg launch: stopped by SIGTERM; the workers finished their step and saved: resume with the "
+                         "--checkpoint the 'stopped by' line above names"), stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    stopped = next(l for l in lines if l.startswith("stopped by SIGTERM at step "))
+    step = int(stopped.split(" at step ")[1].split(":")[0])
+    assert (run_dir(tmp_path)/"checkpoints"/f"step_{step:07d}"/"COMPLETE").is_file(), stopped
+
+
+def test_gg_launch_names_the_failed_rank_in_its_last_line(prepared, tmp_path):
+    r = run_gg("launch", "--standalone", "--nproc-per-node", "2", "train", "--recipe", RECIPE, "--set",
+               *sets(prepared, tmp_path), f"paths.datasets={tmp_path/'nowhere'}", check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[-1].startswith("gg launch: rank ") and lines[-1].endswith(
+        "failed (exit status 2): exit status 2: bad input, said in one 'error:' line above"), lines[-1]
+    assert any(l.startswith(f"error: {tmp_path/'nowhere'/'pretraining'}: no such data folder") for l in lines), r.stderr[-2000:]

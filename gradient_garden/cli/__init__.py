@@ -24,6 +24,7 @@ def _verbs() -> dict:
         "export": ("export a checkpoint as a Hugging Face Llama folder", "gradient_garden.cli.generate", "add_export_args", "run_export"),
         "serve": ("serve a checkpoint: OpenAI-compatible API and a chat page", "gradient_garden.cli.serve", "add_serve_args", "run_serve"),
         "plan": ("will a recipe fit, how long will it take (memory per rank, FLOPs, tokens, time)", "gradient_garden.cli.train", "add_plan_args", "run_plan"),
+        "launch": ("run a verb on several processes or nodes with torchrun's launcher, ending with a line of ours", "gradient_garden.cli.launch", "add_launch_args", "run_launch"),
     }
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ Face folder), split across ranks under torchrun, written as one JSON file."""
 
 # %% ../../nbs/53_cli_evaluate.ipynb #081159d1
 from __future__ import annotations
-import argparse, json, os, time
+import argparse, json, os, sys, time
 from pathlib import Path
 from typing import Optional
 import torch
@@ -191,7 +191,7 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
         k = getattr(ev, f"{name}_examples", 100) if k is None else k
         tasks.update(evaluate_tasks(model, tokenizer, [name], k, batch_size, device, data_dir=data_dir, seed=seed,
                                     share_context=args.share_context, add_bos=args.add_bos,
-                                    max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=True,
+                                    max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=sys.stderr.isatty(),
                                     samples=samples))
     if lm_tasks:
         tasks.update(lm.run_lm_eval_tasks(model, tokenizer, lm_tasks, batch_size=batch_size, add_bos=args.add_bos,

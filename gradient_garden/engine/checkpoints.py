@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, first_line, read_metadata,
-                                              read_sharded)
+from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, first_line, is_corruption,
+                                              read_metadata, read_sharded)
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
@@ -296,7 +296,8 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
         state["optimizers"]["state"] = {n: s for n, s in st.items() if all(f"optimizers.state.{n}.{k}" in saved for k in s)}
     try: dcp.load(state, storage_reader=SafeReader(p), planner=SafeLoadPlanner())
     except DCP_ERRORS as e:
-        raise ConfigError(f"{p}: the sharded checkpoint does not fit this model and optimizers ({dcp_error(e)})") from None
+        what = "corrupted sharded checkpoint" if is_corruption(e) else "the sharded checkpoint does not fit this model and optimizers"
+        raise ConfigError(f"{p}: {what} ({dcp_error(e)})") from None
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
