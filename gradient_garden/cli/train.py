@@ -127,6 +127,7 @@ def kernel_error(ename: str, evalue: str, report) -> int:
 def run_notebook(args) -> int:
     "`gg notebook`: execute the training notebook with papermill, leaving the report in the run directory."
     import papermill as pm  # lazy: papermill's Jupyter stack about doubles the verb's import time (measured), for `gg notebook` only
+    from traitlets.config import Config
     cfg, _ = config_from_args(args)  # fail fast, before starting a kernel
     rank = int(os.environ.get("RANK", 0))
     nb = Path(args.notebook) if args.notebook else default_train_notebook()
@@ -147,7 +148,8 @@ def run_notebook(args) -> int:
                 pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
                                     stdout_file=sys.stdout, stderr_file=sys.stderr,   # the training's console, as `gg train` shows it
                                     kernel_name="python3", language="python",
-                                    coalesce_streams=True)  # one output per stream per cell, not one per progress line
+                                    coalesce_streams=True,  # one output per stream per cell, not one per progress line
+                                    config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
             break
         except pm.PapermillExecutionError as e:  # raised in the kernel: the one line `gg train` would give
             if received: break
