@@ -15,7 +15,7 @@ from ..models.tendril import trainable
 # %% auto #0
 __all__ = ['MODEL_INPUTS', 'causal_lm_loss_sum', 'CausalLMTask', 'build_pretraining', 'unigram_baseline']
 
-# %% ../../nbs/31_pretraining.ipynb #d2f7a2d7
+# %% ../../nbs/31_pretraining.ipynb #728dd1f3
 from .stages import StageParts
 
 # %% ../../nbs/31_pretraining.ipynb #0f43a562
@@ -25,7 +25,7 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     "Sum of next-token cross-entropy over positions whose label is not -100 (fp32)."
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
-# %% ../../nbs/31_pretraining.ipynb #7eb25948
+# %% ../../nbs/31_pretraining.ipynb #cdb15abd
 class CausalLMTask:
     "Next-token prediction; `loss` returns the summed loss, `count` the number of supervised tokens."
     def loss(self, model, batch: dict):
