@@ -121,7 +121,7 @@ class LayerKV:
         self.values[:, start_pos:end] = v
         return self.keys[:, :end].transpose(1, 2), self.values[:, :end].transpose(1, 2)
 
-# %% ../../nbs/10_attention.ipynb #10f589b5
+# %% ../../nbs/10_attention.ipynb #ce62ffb5
 class KVCache:
     "Preallocated keys and values per layer, `[batch, max_seq_len, n_kv_heads, head_dim]`, written in place."
     def __init__(self, n_layers: int, batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int):
@@ -129,27 +129,35 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
 
-    def allocate(self, dtype: torch.dtype, device) -> KVCache:
-        "Create every layer's buffers that do not exist yet, in `dtype` on `device`."
-        shape = (self.batch_size, self.max_seq_len, self.n_kv_heads, self.head_dim)
-        for i, t in enumerate(self.keys):
-            if t is None:
-                self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
-                self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
-        return self
+# %% ../../nbs/10_attention.ipynb #2c3de17f
+@patch
+def allocate(self: KVCache, dtype: torch.dtype, device) -> KVCache:
+    "Create every layer's buffers that do not exist yet, in `dtype` on `device`."
+    shape = (self.batch_size, self.max_seq_len, self.n_kv_heads, self.head_dim)
+    for i, t in enumerate(self.keys):
+        if t is None:
+            self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+    return self
 
-    def layer(self, i: int) -> LayerKV:
-        "The slot of layer `i` (its buffers must exist: `allocate` first)."
-        return LayerKV(self.keys[i], self.values[i])
+# %% ../../nbs/10_attention.ipynb #ad1c2f1f
+@patch
+def layer(self: KVCache, i: int) -> LayerKV:
+    "The slot of layer `i` (its buffers must exist: `allocate` first)."
+    return LayerKV(self.keys[i], self.values[i])
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        "Write layer `layer`'s `k`, `v` at `start_pos` (allocating in `k`'s dtype on first use); return all so far."
-        if self.keys[layer] is None: self.allocate(k.dtype, k.device)
-        return self.layer(layer).update(k, v, start_pos)
+# %% ../../nbs/10_attention.ipynb #2252b7eb
+@patch
+def update(self: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "Write layer `layer`'s `k`, `v` at `start_pos` (allocating in `k`'s dtype on first use); return all so far."
+    if self.keys[layer] is None: self.allocate(k.dtype, k.device)
+    return self.layer(layer).update(k, v, start_pos)
 
-    def nbytes(self) -> int:
-        "Memory held by the allocated buffers."
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+# %% ../../nbs/10_attention.ipynb #d0400493
+@patch
+def nbytes(self: KVCache) -> int:
+    "Memory held by the allocated buffers."
+    return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 # %% ../../nbs/10_attention.ipynb #faf526a0
 BLOCK_ATTENTION_MAX_BYTES = 32 * 2**20   # saved probabilities per layer, above which bf16 CPU training keeps SDPA
