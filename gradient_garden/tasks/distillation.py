@@ -11,14 +11,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from ..config import ConfigError, DistillationConfig, GlobalConfig
-from ..runtime import parse_dtype
-from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
-from .stages import IGNORE_INDEX
-from ..models.attention import additive_mask, attention_mask
 
 # %% auto #0
 __all__ = ['distillation_kl', 'load_teacher', 'teacher_vocab_size', 'check_vocab', 'load_teacher_tokenizer',
            'teacher_attention_mask', 'DistillationTask', 'wrap_with_distillation']
+
+# %% ../../nbs/34_distillation.ipynb #ecefaf60
+from ..runtime import parse_dtype
+from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
+from .stages import IGNORE_INDEX
+from ..models.attention import additive_mask, attention_mask
 
 # %% ../../nbs/34_distillation.ipynb #0850eee8
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
@@ -40,6 +42,7 @@ def load_teacher(name_or_path: str, dtype: str = "fp32", device="cpu"):
         raise ConfigError(f"distillation.teacher: got {str(name_or_path)!r}; AutoModelForCausalLM cannot load it ({first})") from None
     return teacher.to(device).eval().requires_grad_(False)
 
+# %% ../../nbs/34_distillation.ipynb #37af2694
 def teacher_vocab_size(teacher) -> int:
     "Rows of the teacher's output layer (its logits' last dimension)."
     out = teacher.get_output_embeddings()
@@ -69,6 +72,7 @@ def check_vocab(student_vocab: int, teacher_vocab: int, student_tokenizer=None, 
         raise ConfigError(f"distillation.teacher: the tokenizers disagree at id {bad} ({a[bad]!r} vs {b[bad]!r}); student "
                           f"vocab {student_vocab}, teacher vocab {teacher_vocab}: distillation needs the same ids for the shared tokens")
 
+# %% ../../nbs/34_distillation.ipynb #622bfdb6
 def load_teacher_tokenizer(name_or_path: str):
     "The tokenizer saved with the teacher, or None (with a warning) when there is none."
     from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
