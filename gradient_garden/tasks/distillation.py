@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 import torch
+from fastcore.basics import patch
 import torch.nn.functional as F
 from ..config import ConfigError, DistillationConfig, GlobalConfig
 
@@ -90,7 +91,7 @@ def teacher_attention_mask(batch: dict, dtype: torch.dtype) -> torch.Tensor:
     if mask is None: mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()[None, None]
     return additive_mask(mask, dtype).expand(ids.shape[0], -1, -1, -1)
 
-# %% ../../nbs/34_distillation.ipynb #5a0e26e2
+# %% ../../nbs/34_distillation.ipynb #9961ba6d
 class DistillationTask:
     "Wraps a causal task: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE, summed over supervised tokens."
     def __init__(self, dist_cfg: DistillationConfig, teacher, task=None, student_vocab: Optional[int] = None):
@@ -99,34 +100,42 @@ class DistillationTask:
         self.cfg, self.teacher, self.task = dist_cfg, teacher, task or CausalLMTask()
         if student_vocab is not None: check_vocab(student_vocab, teacher_vocab_size(teacher))
 
-    @torch.no_grad()
-    def teacher_logits(self, batch: dict) -> torch.Tensor:
-        "Teacher logits for the batch (packed rows: positions restart per document, attention stays inside it)."
-        mask = teacher_attention_mask(batch, next(self.teacher.parameters()).dtype)
-        return self.teacher(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), attention_mask=mask,
-                            use_cache=False).logits
+# %% ../../nbs/34_distillation.ipynb #9d5452fc
+@patch
+@torch.no_grad()
+def teacher_logits(self: DistillationTask, batch: dict) -> torch.Tensor:
+    "Teacher logits for the batch (packed rows: positions restart per document, attention stays inside it)."
+    mask = teacher_attention_mask(batch, next(self.teacher.parameters()).dtype)
+    return self.teacher(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), attention_mask=mask,
+                        use_cache=False).logits
 
-    def loss(self, model, batch: dict):
-        "Summed mixed loss over supervised tokens; metrics distill/kl and distill/ce (sums)."
-        kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        logits = model(batch["input_ids"], **kw)
-        ce = causal_lm_loss_sum(logits, batch["labels"])
-        kl = distillation_kl(logits, self.teacher_logits(batch), batch["labels"], self.cfg.temperature)
-        a = self.cfg.alpha
-        return a * kl + (1 - a) * ce, {"distill/kl": kl.detach(), "distill/ce": ce.detach()}
+# %% ../../nbs/34_distillation.ipynb #e9b09935
+@patch
+def count(self: DistillationTask, batch: dict) -> torch.Tensor:
+    "Supervised tokens (the wrapped task's count)."
+    return self.task.count(batch)
 
-    def count(self, batch: dict) -> torch.Tensor:
-        "Supervised tokens (the wrapped task's count)."
-        return self.task.count(batch)
+@patch(as_prop=True)
+def chat_prompts(self: DistillationTask) -> bool:
+    "Whether the trainer samples chat-formatted prompts: the wrapped task's answer."
+    return self.task.chat_prompts
 
-    @property
-    def chat_prompts(self) -> bool:
-        "Whether the trainer samples chat-formatted prompts: the wrapped task's answer."
-        return self.task.chat_prompts
+# %% ../../nbs/34_distillation.ipynb #e3742887
+@patch
+def baseline_loss(self: DistillationTask, train_loader) -> float | None:
+    "The wrapped task's reference loss for the summary."
+    return self.task.baseline_loss(train_loader)
 
-    def baseline_loss(self, train_loader) -> float | None:
-        "The wrapped task's reference loss for the summary."
-        return self.task.baseline_loss(train_loader)
+# %% ../../nbs/34_distillation.ipynb #ae76e6b1
+@patch
+def loss(self: DistillationTask, model, batch: dict):
+    "Summed mixed loss over supervised tokens; metrics distill/kl and distill/ce (sums)."
+    kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    logits = model(batch["input_ids"], **kw)
+    ce = causal_lm_loss_sum(logits, batch["labels"])
+    kl = distillation_kl(logits, self.teacher_logits(batch), batch["labels"], self.cfg.temperature)
+    a = self.cfg.alpha
+    return a * kl + (1 - a) * ce, {"distill/kl": kl.detach(), "distill/ce": ce.detach()}
 
 # %% ../../nbs/34_distillation.ipynb #dbad90ec
 def wrap_with_distillation(task, cfg: GlobalConfig, tokenizer=None, device="cpu"):
