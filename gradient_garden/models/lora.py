@@ -100,7 +100,13 @@ class LoRASlice(nn.Module):
         "The update's output for this projection's rows."
         return F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
-# %% ../../nbs/13_lora.ipynb #f05e1303
+# %% ../../nbs/13_lora.ipynb #939efce9
+def _starts(parts: dict[str, int]):
+    "`(name, rows, first row)` of each projection of a fused layer, in order."
+    start = 0
+    for name, rows in parts.items(): yield name, rows, start; start += rows
+
+# %% ../../nbs/13_lora.ipynb #f0c867e0
 class FusedLoRALinear(nn.Linear):
     "A fused `nn.Linear` (`wqkv`, `w13`) with a `LoRASlice` on some of its projections, each adapted on its own."
     @classmethod
@@ -118,28 +124,27 @@ class FusedLoRALinear(nn.Linear):
             start += rows
         return new
 
-    def delta_weight(self) -> torch.Tensor:
-        "Every slice's update in its rows (zeros elsewhere), shaped like `weight`."
-        delta = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
-        for a in self.adapters.values(): delta[a.start:a.stop] = a.delta_weight()
-        return delta
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        "The fused layer plus each slice's update in its rows (just the layer once merged)."
-        out = F.linear(x, self.weight, self.bias)
-        if self.merged: return out
-        pieces = []
-        for name, rows, start in _starts(self.parts):
-            piece = out[..., start:start + rows]
-            pieces.append(piece + self.adapters[name](x) if name in self.adapters else piece)
-        return torch.cat(pieces, -1)
-
     merge, unmerge, extra_repr = LoRALinear.merge, LoRALinear.unmerge, LoRALinear.extra_repr
 
-def _starts(parts: dict[str, int]):
-    "`(name, rows, first row)` of each projection of a fused layer, in order."
-    start = 0
-    for name, rows in parts.items(): yield name, rows, start; start += rows
+# %% ../../nbs/13_lora.ipynb #0a91c6d1
+@patch
+def delta_weight(self: FusedLoRALinear) -> torch.Tensor:
+    "Every slice's update in its rows (zeros elsewhere), shaped like `weight`."
+    delta = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+    for a in self.adapters.values(): delta[a.start:a.stop] = a.delta_weight()
+    return delta
+
+# %% ../../nbs/13_lora.ipynb #1d25ed41
+@patch
+def forward(self: FusedLoRALinear, x: torch.Tensor) -> torch.Tensor:
+    "The fused layer plus each slice's update in its rows (just the layer once merged)."
+    out = F.linear(x, self.weight, self.bias)
+    if self.merged: return out
+    pieces = []
+    for name, rows, start in _starts(self.parts):
+        piece = out[..., start:start + rows]
+        pieces.append(piece + self.adapters[name](x) if name in self.adapters else piece)
+    return torch.cat(pieces, -1)
 
 # %% ../../nbs/13_lora.ipynb #e950c14a
 def _matches(name: str, targets) -> bool:
