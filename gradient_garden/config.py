@@ -31,6 +31,7 @@ class RunConfig:
     name: str = "debug"
     notes: str = ""
 
+# %% ../nbs/00_config.ipynb #c810a7a0
 @dataclass
 class RuntimeConfig:
     "Where and how the computation runs."
@@ -186,14 +187,14 @@ class CheckpointingConfig:
     format: Literal["auto", "full", "sharded"] = "auto"  # auto: sharded on several ranks (or async_save), one .pt file on one process
     async_save: bool = False  # sharded only: write in the background while training continues
 
-# %% ../nbs/00_config.ipynb #2d1bef24
-# Kept whole: the small sections of the config, each a few typed fields, read as one table
+# %% ../nbs/00_config.ipynb #6752cb64
 @dataclass
 class TokenizerConfig:
     "Which tokenizer: a Hugging Face folder or hub id, or a tiktoken BPE file in the Llama 3 format."
     backend: Literal["huggingface", "tiktoken"] = "huggingface"
     path: str = "data/tokenizers/garden-bpe-4k"
 
+# %% ../nbs/00_config.ipynb #63446ad3
 @dataclass
 class LoraConfig:
     "Low-rank adapters on `target_modules`."
@@ -203,6 +204,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
 
+# %% ../nbs/00_config.ipynb #d8734bea
 @dataclass
 class DistillationConfig:
     "Distil from a Hugging Face causal LM teacher: KL at `temperature` mixed with cross-entropy by `alpha`."
@@ -212,6 +214,7 @@ class DistillationConfig:
     alpha: float = 0.5
     teacher_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
+# %% ../nbs/00_config.ipynb #ca6b7769
 @dataclass
 class DPOConfig:
     "Direct Preference Optimisation settings."
@@ -220,6 +223,7 @@ class DPOConfig:
     label_smoothing: float = 0.0
     reference: Literal["copy", "precomputed"] = "precomputed"
 
+# %% ../nbs/00_config.ipynb #c64e70b3
 @dataclass
 class RLConfig:
     "Reinforcement learning with verifiable rewards (GRPO family; TRL's names and defaults where they exist)."
@@ -310,6 +314,7 @@ def _coerce_union(value, args, path: str, bad):
         except ConfigError: pass
     raise bad()
 
+# %% ../nbs/00_config.ipynb #3eb11ce9
 def _coerce_sequence(value, origin, args, path: str, bad):
     "A list or tuple hint: each item checked against its own type, with its index in the path."
     if not isinstance(value, (list, tuple)): raise bad()
@@ -363,6 +368,7 @@ def from_plain(cls, data: dict, path: str = ""):
     kw = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     return cls(**kw)
 
+# %% ../nbs/00_config.ipynb #56829b8e
 def to_plain(obj) -> Any:
     "Turn a (nested) config dataclass into plain dicts and lists, ready for YAML or JSON."
     if is_dataclass(obj): return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
@@ -392,6 +398,7 @@ def _nonfinite(obj, path: str = "") -> str | None:
         if any(isinstance(x, float) and not math.isfinite(x) for x in items): return f"{p}: got {v!r}"
     return None
 
+# %% ../nbs/00_config.ipynb #7994baf9
 def _in(path: str, value, lo=None, hi=None, lo_open=False, hi_open=False, note: str = ""):
     "Raise unless `lo <= value <= hi` (strict where `*_open`); `None` bounds are unlimited."
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and (value >= hi if hi_open else value > hi))
@@ -456,6 +463,7 @@ def notice(msg: str):
     "Print a one-line note to stderr, once per job (rank 0 under torchrun)."
     if int(os.environ.get("RANK", 0)) == 0: print(f"note: {msg}", file=sys.stderr)
 
+# %% ../nbs/00_config.ipynb #32c373d2
 def clamp_warmup(cfg: GlobalConfig) -> GlobalConfig:
     "Shorten any warmup longer than `training.max_steps` to 10% of the run (at least 1 step), saying so once."
     t = cfg.training
@@ -509,26 +517,7 @@ def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
     if r.fsdp and world_size > 1 and r.replicate and r.shard and r.replicate * r.shard != world_size:
         raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
 
-# %% ../nbs/00_config.ipynb #1da6c0b0
-# Kept whole: the checks that span several sections, one one-line error each
-def _check_stages(cfg: GlobalConfig, world_size: int):
-    "Checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA, DPO and validation."
-    c = cfg.checkpointing
-    if c.format == "auto": c.format = "sharded" if world_size > 1 or c.async_save else "full"
-    if c.async_save and c.format != "sharded":
-        raise ConfigError("checkpointing.async_save: got true; asynchronous saves need checkpointing.format: sharded")
-    if cfg.distillation.enabled and not cfg.distillation.teacher:
-        raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when distillation.enabled is true")
-    if not 0 <= cfg.distillation.alpha <= 1:
-        raise ConfigError(f"distillation.alpha: got {cfg.distillation.alpha}; must be in [0, 1]")
-    if cfg.lora.enabled: _positive("lora.rank", cfg.lora.rank)
-    if not 0 <= cfg.dpo.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
-    _positive("dpo.beta", cfg.dpo.beta)
-    _check_rl(cfg, world_size)
-    for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
-    _positive("checkpointing.every", c.every, allow_zero=True)
-
+# %% ../nbs/00_config.ipynb #d5916ed7
 def _check_rl(cfg: GlobalConfig, world_size: int):
     "Group size, clipping, passes, sampling and the batch in whole groups per rank, for the rl stage."
     rl = cfg.rl
@@ -552,6 +541,26 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     if rl.max_new_tokens >= t.seq_len:
         raise ConfigError(f"rl.max_new_tokens: got {rl.max_new_tokens}; must be < training.seq_len = {t.seq_len} (prompt + completion fit a row)")
 
+# %% ../nbs/00_config.ipynb #6da88fd0
+def _check_stages(cfg: GlobalConfig, world_size: int):
+    "Checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA, DPO and validation."
+    c = cfg.checkpointing
+    if c.format == "auto": c.format = "sharded" if world_size > 1 or c.async_save else "full"
+    if c.async_save and c.format != "sharded":
+        raise ConfigError("checkpointing.async_save: got true; asynchronous saves need checkpointing.format: sharded")
+    if cfg.distillation.enabled and not cfg.distillation.teacher:
+        raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when distillation.enabled is true")
+    if not 0 <= cfg.distillation.alpha <= 1:
+        raise ConfigError(f"distillation.alpha: got {cfg.distillation.alpha}; must be in [0, 1]")
+    if cfg.lora.enabled: _positive("lora.rank", cfg.lora.rank)
+    if not 0 <= cfg.dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
+    _positive("dpo.beta", cfg.dpo.beta)
+    _check_rl(cfg, world_size)
+    for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
+    _positive("checkpointing.every", c.every, allow_zero=True)
+
+# %% ../nbs/00_config.ipynb #d9ff300d
 def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     "Check the combinations of keys that no single type hint can express; return `cfg`."
     check_ranges(cfg)
@@ -572,6 +581,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e: raise ConfigError(f"--set {item}: cannot parse value {raw!r} ({e.problem})") from None
     return keys, value
 
+# %% ../nbs/00_config.ipynb #aeca764b
 def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     "Return a copy of nested dict `data` with each `a.b=value` override applied."
     data = copy.deepcopy(data)
@@ -598,6 +608,7 @@ class Recipe:
 
 RECIPE_KEYS = ("name", "description", "config", "data")
 
+# %% ../nbs/00_config.ipynb #6164f929
 def syntax_error_line(e: Exception) -> str:
     "A YAML or JSON syntax error as one line: what is wrong and where (line, column)."
     if isinstance(e, json.JSONDecodeError): return f"{e.msg} at line {e.lineno}, column {e.colno}"
@@ -615,6 +626,7 @@ def read_data_file(path, fmt: str = "yaml", flag: str = "") -> Any:
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise ConfigError(f"{where}: not valid {fmt.upper()}: {syntax_error_line(e)}") from None
 
+# %% ../nbs/00_config.ipynb #4131cbac
 def read_yaml(path) -> dict:
     "Read a YAML mapping from `path`, with a clear error when it is missing or not a mapping."
     p = Path(path)
@@ -669,6 +681,7 @@ def save_config(cfg: GlobalConfig, path) -> Path:
 # %% ../nbs/00_config.ipynb #a0998414
 SECRET_KEYS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
+# %% ../nbs/00_config.ipynb #970dac3f
 def load_dotenv(path=".env") -> list[str]:
     "Set variables from a `.env` file that are not already set; return the names that were set."
     p, set_ = Path(path), []
@@ -683,6 +696,7 @@ def load_dotenv(path=".env") -> list[str]:
             set_.append(k)
     return set_
 
+# %% ../nbs/00_config.ipynb #4bdc811c
 def redact(text: str) -> str:
     "Replace the value of every secret environment variable in `text` with `***`."
     for k in SECRET_KEYS:

@@ -11,12 +11,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
-import gradient_garden
-from tqdm.auto import tqdm
-from .config import ConfigError, GlobalConfig
-from .runtime import write_text_atomic
-from collections import defaultdict
-from contextlib import contextmanager
 
 # %% auto #0
 __all__ = ['FIXTURES_DIR', 'TASKS', 'HEAD_CHUNK', 'SPLIT_RATIO', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example',
@@ -26,9 +20,18 @@ __all__ = ['FIXTURES_DIR', 'TASKS', 'HEAD_CHUNK', 'SPLIT_RATIO', 'read_jsonl', '
            'model_max_len', 'pair_encoder', 'score_examples', 'mean_stderr', 'mc_metrics', 'sample_record',
            'evaluate_tasks', 'evaluate_from_config', 'validation_loss']
 
+# %% ../nbs/21_evals.ipynb #b2ed9ebb
+import gradient_garden
+from tqdm.auto import tqdm
+from .config import ConfigError, GlobalConfig
+from .runtime import write_text_atomic
+from collections import defaultdict
+from contextlib import contextmanager
+
 # %% ../nbs/21_evals.ipynb #c96db435
 FIXTURES_DIR = Path(gradient_garden.__file__).parent/"assets"/"evals"
 
+# %% ../nbs/21_evals.ipynb #b9e3c0b0
 def read_jsonl(path) -> list[dict]:
     "The rows of a JSON-lines file; a broken line is reported with its file and line number."
     p = Path(path)
@@ -48,6 +51,7 @@ class MCExample:
     gold: int
     lengths: list[float]
 
+# %% ../nbs/21_evals.ipynb #6ba51624
 def choices_example(context: str, choices: Sequence[str], gold: int, delimiter: str = " ") -> MCExample:
     "One context, one continuation per choice (lm-eval's `multiple_choice`)."
     return MCExample([(context, delimiter + c) for c in choices], gold, [float(len(c)) for c in choices])
@@ -130,6 +134,7 @@ def eval_file(name: str, data_dir=None) -> Path:
                           f"fixture) or point --evals-dir / paths.evals at a folder holding {task.name}.jsonl")
     return p
 
+# %% ../nbs/21_evals.ipynb #09033da6
 def load_examples(name: str, data_dir=None) -> list[MCExample]:
     "Every row of task `name` as an `MCExample`, checked against the task's schema."
     task, path = get_task(name), eval_file(name, data_dir)
@@ -143,6 +148,7 @@ def load_examples(name: str, data_dir=None) -> list[MCExample]:
             raise ConfigError(f"{path}:{i}: not a valid {task.name} row ({type(e).__name__}: {e})") from None
     return out
 
+# %% ../nbs/21_evals.ipynb #9f5dedc2
 def sample_indices(n: int, k: Optional[int], seed: int) -> list[int]:
     "A seeded random subset of `k` of `range(n)`, ascending; all of them when `k` is None, 0 or >= n."
     if k is not None and k < 0: raise ConfigError(f"examples: got {k}; must be >= 0 (0 or None = all rows)")
@@ -251,6 +257,7 @@ class _Row:
     ends: Optional[list[int]] = None           # a token tree: token j is seen by the tokens before ends[j] (default: all)
     positions: Optional[list[int]] = None      # its position ids (default: 0, 1, 2, ...)
 
+# %% ../nbs/21_evals.ipynb #c17f8245
 def _plain_row(ctx: list[int], cont: list[int], req: int, max_len: Optional[int]) -> _Row:
     "One request as one row, left-truncated to `max_len` inputs like lm-eval."
     full = ctx + cont
@@ -314,6 +321,7 @@ def _logits(model, tokens: torch.Tensor, **kw) -> torch.Tensor:
     out = model(tokens, **kw)
     return out if isinstance(out, torch.Tensor) else out.logits
 
+# %% ../nbs/21_evals.ipynb #3aa61741
 def _forward_takes(model, *names: str) -> bool:
     "True when the model's forward names every one of `names` among its parameters."
     m = getattr(model, "module", model)
@@ -324,6 +332,7 @@ def _keeps_logits(model) -> bool:
     "True when the model's forward takes `logits_to_keep` (Tendril, `HFCausalLM`)."
     return _forward_takes(model, "logits_to_keep")
 
+# %% ../nbs/21_evals.ipynb #6367fa99
 def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, dict]:
     "Right-padded token ids `[B, T]` and, when a row is a tree, its attention mask and position ids for the forward."
     B, T = len(rows), max(len(r.tokens) for r in rows)
@@ -350,6 +359,7 @@ def _norm_and_head(model) -> Optional[tuple[torch.nn.Module, Callable]]:
         return m.norm, m.head
     return None
 
+# %% ../nbs/21_evals.ipynb #1988fbca
 @contextmanager
 def _hidden_at(norm: torch.nn.Module, flat_positions: torch.Tensor, store: list):
     "While active, `norm`'s output `[B, T, D]` is kept at `flat_positions` (b * T + t) in `store`; the head sees none."
@@ -363,6 +373,7 @@ def _hidden_at(norm: torch.nn.Module, flat_positions: torch.Tensor, store: list)
 # %% ../nbs/21_evals.ipynb #5ee4191d
 HEAD_CHUNK = 512     # scored positions per head matmul + log-softmax: a [512, vocab] block, not [every position, vocab]
 
+# %% ../nbs/21_evals.ipynb #8ec9f475
 def _scored_logprobs(head: Callable, hidden: torch.Tensor, where: torch.Tensor, tgt: torch.Tensor, greedy: bool = False,
                      chunk: int = HEAD_CHUNK) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     "Log-prob of each target `tgt[i]` at scored position `where[i]` (a row of `hidden`), and whether it was the argmax."
@@ -411,6 +422,7 @@ def model_max_len(model) -> Optional[int]:
         if isinstance(v, int) and v > 0: return v
     return None
 
+# %% ../nbs/21_evals.ipynb #c822c006
 def pair_encoder(tokenizer, add_bos: Optional[bool] = None) -> Callable[[str, str], tuple[list[int], list[int]]]:
     "`(context, continuation) -> (ids, ids)` as lm-eval encodes them; `add_bos` None = the tokenizer's defaults."
     encode, prefix = text_encoder(tokenizer), prefix_token_id(tokenizer)
@@ -430,6 +442,7 @@ def _prefix_key(pairs) -> tuple[int, ...]:
     seqs = [c + k for c, k in pairs]
     return tuple(seqs[0][:_common_prefix(seqs)])
 
+# %% ../nbs/21_evals.ipynb #9da7d04a
 def _group_rows(encoded, members: list[int], share_context: bool, max_len: Optional[int]):
     "Rows of examples `members`, request ids from 0, with each request's (example, choice): [(slots, row)]."
     slots = [(i, j) for i in members for j in range(len(encoded[i]))]
@@ -440,6 +453,7 @@ def _group_rows(encoded, members: list[int], share_context: bool, max_len: Optio
         if len(members) > 1: return [u for i in members for u in _group_rows(encoded, [i], share_context, max_len)]
     return [([s], _plain_row(*p, 0, max_len)) for s, p in zip(slots, pairs)]
 
+# %% ../nbs/21_evals.ipynb #6a2ae084
 def _length_batches(lengths: Sequence[int], per: int, split: float = 0.0) -> list[list[int]]:
     "Indices longest first, `per` at most per batch; with `split` > 0 also a new batch where a length < split x the first's."
     out: list[list[int]] = []
@@ -488,6 +502,7 @@ def _argmax(xs: Sequence[float]) -> int:
     "Index of the first maximum."
     return max(range(len(xs)), key=lambda i: (xs[i], -i))
 
+# %% ../nbs/21_evals.ipynb #53f42874
 def mean_stderr(xs: Sequence[float]) -> Optional[float]:
     "Standard error of the mean with the sample standard deviation (lm-eval's `mean_stderr`); None when n < 2."
     n = len(xs)
@@ -495,6 +510,7 @@ def mean_stderr(xs: Sequence[float]) -> Optional[float]:
     mu = sum(xs) / n
     return math.sqrt(sum((x - mu) ** 2 for x in xs) / (n - 1) / n)
 
+# %% ../nbs/21_evals.ipynb #38dc0f6e
 def mc_metrics(lls: Sequence[Sequence[float]], examples: Sequence[MCExample]) -> dict:
     "acc, acc_norm, their standard errors and n, from per-choice log-likelihoods."
     acc = [float(_argmax(ll) == ex.gold) for ll, ex in zip(lls, examples)]
@@ -551,6 +567,7 @@ def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, 
 # %% ../nbs/21_evals.ipynb #bc47cd0a
 _warned: set = set()
 
+# %% ../nbs/21_evals.ipynb #1d00640a
 def evaluate_from_config(model, tokenizer, cfg: GlobalConfig, env=None) -> dict[str, dict]:
     "The evals enabled in `cfg.evals`, on `env`'s rank and device (the trainer's hook)."
     ev, results = cfg.evals, {}

@@ -29,6 +29,8 @@ GPU_DATASHEET = [  # (name pattern, dense peak TFLOP/s per precision); most spec
     (r"\bV100\b", dict(fp16=125, fp32=15.7)),                               # no bf16 or TF32 tensor cores
     (r"\bT4\b", dict(fp16=65, fp32=8.1)),
 ]
+
+# %% ../nbs/06_hardware.ipynb #e96c974c
 GPU_PEAK_FLOPS = {p: v["bf16"] * 1e12 for p, v in GPU_DATASHEET if "bf16" in v}   # bf16 column, FLOP/s
 
 def gpu_datasheet_flops(name: str, precision: str = "bf16") -> float | None:
@@ -44,6 +46,7 @@ def compute_precision(device: torch.device, precision: str, tf32: bool = False) 
 # %% ../nbs/06_hardware.ipynb #7a97670a
 _MEASURED_PEAK: dict = {}
 
+# %% ../nbs/06_hardware.ipynb #a9c65647
 def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 1024, reps: int = 5, dtype=torch.float32,
                         refresh: bool = False) -> float:
     "Best observed FLOP/s of an n x n matmul on `device`, kept as the maximum over calls (`refresh` measures again)."
@@ -59,6 +62,7 @@ def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 102
     _MEASURED_PEAK[key] = max(_MEASURED_PEAK.get(key, 0.0), 2 * n**3 / best)
     return _MEASURED_PEAK[key]
 
+# %% ../nbs/06_hardware.ipynb #abdf08c8
 def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = False, tf32: bool = False) -> float:
     "Peak FLOP/s of one device in `precision`: the datasheet for known GPUs, otherwise measured (busy CPUs under-read: `refresh`)."
     precision = resolve_precision(device, precision)[0]

@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Optional
 import torch
 import torch.distributed as dist
+
+# %% auto #0
+__all__ = ['GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
+
+# %% ../nbs/49_lm_eval.ipynb #f909bc45
 from fastcore.basics import patch
 import lm_eval.models                                    # lm-eval's own models, registered before ours
 from lm_eval import utils as lm_utils
@@ -18,15 +23,14 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 import lm_eval
+
+# %% ../nbs/49_lm_eval.ipynb #13401e1e
 from .config import ConfigError
 from .runtime import parse_dtype
 from .evals import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id
 from .generation import generate
 from .engine.checkpoints import load_model_from_checkpoint
 from .tokenizer import LLAMA3_CHAT_TEMPLATE, init_tokenizer
-
-# %% auto #0
-__all__ = ['GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
 
 # %% ../nbs/49_lm_eval.ipynb #0c85b4e5
 def _flag(v) -> Optional[bool]:
@@ -131,6 +135,7 @@ def _sampling(kwargs: dict) -> dict:
     if not kwargs.get("do_sample", t > 0): t = 0.0
     return {"temperature": t, "top_p": float(kwargs.get("top_p", 1.0) or 1.0), "top_k": kwargs.get("top_k")}
 
+# %% ../nbs/49_lm_eval.ipynb #009e86ee
 @patch
 def generate_until(self: GardenLM, requests, disable_tqdm: bool = False) -> list[str]:
     "Greedy (or sampled) continuations of each context, cut at its stop strings; KV-cached, batched."
@@ -158,6 +163,7 @@ def apply_chat_template(self: GardenLM, chat_history: list[dict], add_generation
     if not add_generation_prompt and chat_history and ids[-1] == self.tokenizer.eot_id: ids = ids[:-1]
     return self.tokenizer.decode(ids)
 
+# %% ../nbs/49_lm_eval.ipynb #d969fec2
 @patch
 def chat_template(self: GardenLM, chat_template: bool | str = False) -> Optional[str]:
     "The Jinja form of the chat format (what an export's tokenizer carries), or None when templates are off."
@@ -172,6 +178,7 @@ def all_gather(self: GardenLM, tensor: torch.Tensor) -> torch.Tensor:
     dist.all_gather(parts, tensor)
     return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
+# %% ../nbs/49_lm_eval.ipynb #bfa5df88
 @patch
 def gather_object(self: GardenLM, obj, dst: int = 0):
     "Every rank's `obj` on rank `dst` (None elsewhere)."
@@ -180,6 +187,7 @@ def gather_object(self: GardenLM, obj, dst: int = 0):
     dist.gather_object(obj, parts, dst=dst)
     return parts
 
+# %% ../nbs/49_lm_eval.ipynb #53dd3f83
 @patch
 def barrier(self: GardenLM) -> None:
     "Wait for every rank."
@@ -199,6 +207,7 @@ def _metric_name(key: str) -> str:
     name, _, filt = key.partition(",")
     return name if filt in ("", "none") else f"{name}/{filt}"
 
+# %% ../nbs/49_lm_eval.ipynb #324477a0
 def lm_eval_scores(out: dict) -> dict[str, dict]:
     "`simple_evaluate` results as `gg evaluate` task entries."
     scores = {}
@@ -224,6 +233,7 @@ def lm_eval_task_manager(tasks: list[str], include_path=None):
                           "`lm_eval ls tasks` lists them; add --lm-eval-include DIR for your own YAMLs)")
     return tm
 
+# %% ../nbs/49_lm_eval.ipynb #696a02fd
 def run_lm_eval_tasks(model, tokenizer, tasks: list[str], *, batch_size: int = 16, add_bos=None, include_path=None,
                       limit: Optional[int] = None, num_fewshot: Optional[int] = None, samples: Optional[dict] = None,
                       task_manager=None, apply_chat_template: bool = False, fewshot_as_multiturn: bool = False) -> dict[str, dict]:

@@ -44,6 +44,7 @@ def cpu_bf16_units() -> list[str]:
     else: caps = {"amx_bf16": torch.cpu._is_amx_tile_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
     return [name for key, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512-BF16")) if caps.get(key)]
 
+# %% ../nbs/01_runtime.ipynb #4ca3b52f
 def resolve_precision(device: torch.device, precision: str) -> tuple[str, str]:
     "`runtime.precision` made concrete for `device`: (`fp32`|`bf16`|`fp16`, the reason)."
     if precision == "fp32": return "fp32", "runtime.precision: fp32, the default; auto picks bf16 where the device has it"
@@ -57,6 +58,7 @@ def resolve_precision(device: torch.device, precision: str) -> tuple[str, str]:
         return "fp32", f"auto: the CPU has neither AMX-BF16 nor AVX-512-BF16 (ATen kernels: {isa})"
     return "fp32", f"auto: no bf16 path is assumed fast on {device.type}"
 
+# %% ../nbs/01_runtime.ipynb #6b53b8c2
 def autocast_context(device: torch.device, precision: str):
     "Autocast for bf16/fp16 on `device` (`auto` resolved first); a no-op context for fp32."
     precision = resolve_precision(device, precision)[0]
@@ -73,6 +75,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         else: dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t
 
+# %% ../nbs/01_runtime.ipynb #1a28e08b
 def barrier():
     "Wait for every rank (no-op alone)."
     if dist.is_initialized() and dist.get_world_size() > 1: dist.barrier()
@@ -84,6 +87,7 @@ def broadcast_object(obj, src: int = 0):
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
+# %% ../nbs/01_runtime.ipynb #db455bf8
 def all_gather_objects(obj) -> list:
     "Gather one picklable object from every rank, in rank order."
     if not (dist.is_initialized() and dist.get_world_size() > 1): return [obj]
@@ -106,6 +110,7 @@ def fsync_dir(d: Path):
     except OSError: pass
     finally: os.close(fd)
 
+# %% ../nbs/01_runtime.ipynb #448a905a
 @contextlib.contextmanager
 def atomic_file(path, mode: str = "wb"):
     "Yield a file open on a temporary file beside `path`; on success sync it and rename it over `path`, on error remove it."
@@ -128,6 +133,7 @@ def write_bytes_atomic(path, data: bytes) -> Path:
     with atomic_file(path, "wb") as f: f.write(data)
     return Path(path)
 
+# %% ../nbs/01_runtime.ipynb #b8bed381
 def write_text_atomic(path, text: str) -> Path:
     "Write `text` (UTF-8) to `path` atomically."
     with atomic_file(path, "w") as f: f.write(text)
@@ -137,6 +143,7 @@ def write_json_atomic(path, obj, indent: int | None = 1) -> Path:
     "Write `obj` as JSON to `path` atomically."
     return write_text_atomic(path, json.dumps(obj, indent=indent))
 
+# %% ../nbs/01_runtime.ipynb #b454db3f
 def torch_save_atomic(obj, path) -> Path:
     "`torch.save(obj)` to `path` atomically."
     with atomic_file(path, "wb") as f: torch.save(obj, f)

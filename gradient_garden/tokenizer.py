@@ -11,6 +11,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+# %% auto #0
+__all__ = ['LLAMA3_PATTERN', 'LLAMA3_NUM_SPECIAL_TOKENS', 'BOS', 'EOS', 'EOT', 'START_HEADER', 'END_HEADER',
+           'REQUIRED_SPECIAL_TOKENS', 'PAD_CANDIDATES', 'TIKTOKEN_MAX_CHARS', 'TIKTOKEN_MAX_RUN', 'CHAT_ROLES',
+           'LLAMA3_CHAT_TEMPLATE', 'llama3_special_tokens', 'tiktoken_pieces', 'Tokenizer', 'load_tiktoken_ranks',
+           'TikTokenizer', 'HFTokenizer', 'train_bpe', 'init_tokenizer', 'ensure_tokenizer']
+
+# %% ../nbs/02_tokenizer.ipynb #724f2760
 import tiktoken
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
@@ -18,12 +25,6 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from .config import ConfigError, TokenizerConfig
 from .runtime import atomic_dir
 from fastcore.basics import patch
-
-# %% auto #0
-__all__ = ['LLAMA3_PATTERN', 'LLAMA3_NUM_SPECIAL_TOKENS', 'BOS', 'EOS', 'EOT', 'START_HEADER', 'END_HEADER',
-           'REQUIRED_SPECIAL_TOKENS', 'PAD_CANDIDATES', 'TIKTOKEN_MAX_CHARS', 'TIKTOKEN_MAX_RUN', 'CHAT_ROLES',
-           'LLAMA3_CHAT_TEMPLATE', 'llama3_special_tokens', 'tiktoken_pieces', 'Tokenizer', 'load_tiktoken_ranks',
-           'TikTokenizer', 'HFTokenizer', 'train_bpe', 'init_tokenizer', 'ensure_tokenizer']
 
 # %% ../nbs/02_tokenizer.ipynb #d479bd6b
 LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -34,6 +35,7 @@ START_HEADER, END_HEADER = "<|start_header_id|>", "<|end_header_id|>"
 REQUIRED_SPECIAL_TOKENS = (BOS, EOS, START_HEADER, END_HEADER, EOT)
 PAD_CANDIDATES = ("<|finetune_right_pad_id|>", "<|pad|>")
 
+# %% ../nbs/02_tokenizer.ipynb #124ee49f
 def llama3_special_tokens(n: int = LLAMA3_NUM_SPECIAL_TOKENS) -> list[str]:
     "The Llama 3 special tokens in id order: 12 named ones, then reserved slots up to `n`."
     named = [BOS, EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
@@ -49,6 +51,7 @@ def _split_runs(s: str, max_run: int) -> list[str]:
             for c in range(m.start() + max_run, m.end(), max_run)]
     return [s[a:b] for a, b in zip([0] + cuts, cuts + [len(s)])]
 
+# %% ../nbs/02_tokenizer.ipynb #9297351b
 def tiktoken_pieces(s: str) -> list[str]:
     "The pieces Meta's Llama 3 tokenizer encodes separately: 400k-character windows, long runs cut at 25k."
     if len(s) <= TIKTOKEN_MAX_RUN: return [s]
@@ -58,6 +61,7 @@ def tiktoken_pieces(s: str) -> list[str]:
 # %% ../nbs/02_tokenizer.ipynb #127cb70d
 _RESERVED = re.compile(r"<\|reserved_special_token_(\d+)\|>")
 
+# %% ../nbs/02_tokenizer.ipynb #8ead84cb
 def _pick_pad(special_ids: dict[str, int], eos_id: int, declared: int | None = None) -> int:
     "A pad id distinct from eos: a declared pad, then `<|finetune_right_pad_id|>`/`<|pad|>`, then a reserved token."
     if declared is not None and declared != eos_id: return declared
@@ -126,6 +130,7 @@ def _header(self: Tokenizer, role: str) -> list[int]:
                                + self._encode_one("\n\n"))
     return self._headers[role]
 
+# %% ../nbs/02_tokenizer.ipynb #6e79b9f3
 @patch
 def render_chat(self: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
     "Llama 3 chat ids and the mask of tokens to supervise (assistant content and its `<|eot_id|>`)."
@@ -244,6 +249,7 @@ def _encode_many(self: HFTokenizer, texts: list[str]) -> list[list[int]]:
     b = self._backend
     return [e.ids for e in getattr(b, "encode_batch_fast", b.encode_batch)(texts, add_special_tokens=False)]
 
+# %% ../nbs/02_tokenizer.ipynb #a049b534
 @patch
 def decode(self: HFTokenizer, ids: Sequence[int]) -> str:
     "Text of `ids`; special tokens decode to their names."
@@ -264,6 +270,7 @@ LLAMA3_CHAT_TEMPLATE = (
     "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
+# %% ../nbs/02_tokenizer.ipynb #8476b15a
 def _byte_decoder() -> dict[str, int]:
     "Inverse of the GPT-2 byte-level alphabet: printable character -> byte."
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -271,6 +278,7 @@ def _byte_decoder() -> dict[str, int]:
     bs = bs + [b for b in range(256) if b not in bs]
     return {chr(c): b for b, c in zip(bs, cs)}
 
+# %% ../nbs/02_tokenizer.ipynb #ac6e51cc
 def _new_bpe() -> tokenizers.Tokenizer:
     "An untrained byte-level BPE with the Llama 3 pre-tokenizer."
     tok = tokenizers.Tokenizer(models.BPE(ignore_merges=True))
@@ -316,6 +324,7 @@ def markup_tokens(self: Tokenizer) -> dict[str, int]:
     hf = getattr(self, "hf", None)
     return {t.content: i for i, t in hf.added_tokens_decoder.items()} if hf is not None else dict(self.special_ids)
 
+# %% ../nbs/02_tokenizer.ipynb #8989f351
 @patch
 def encode_markup(self: Tokenizer, text: str) -> list[int]:
     "Token ids of `text` with special-token text (`<|eot_id|>`) read as the special token, as Hugging Face encodes it."
@@ -344,11 +353,13 @@ def init_tokenizer(tok_cfg: TokenizerConfig) -> Tokenizer:
     if tok_cfg.backend == "tiktoken": return TikTokenizer(tok_cfg.path)
     raise ConfigError(f"tokenizer.backend={tok_cfg.backend!r}: allowed values are 'huggingface', 'tiktoken'")
 
+# %% ../nbs/02_tokenizer.ipynb #ac032667
 def _has_tokenizer(path: Path, backend: str) -> bool:
     "True if `path` already holds what `backend` loads."
     if backend == "tiktoken": return path.is_file() or (path / "tokenizer.model").is_file()
     return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
+# %% ../nbs/02_tokenizer.ipynb #dc634df0
 def ensure_tokenizer(tok_cfg: TokenizerConfig, texts_fn: Callable[[], Iterable[str]], vocab_size: int = 4096,
                      min_frequency: int = 2) -> Tokenizer:
     "Load the configured tokenizer, first training and saving a BPE from `texts_fn()` at `tok_cfg.path` if it is missing."

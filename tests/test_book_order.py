@@ -32,3 +32,15 @@ def test_relative_imports_resolve_from_packages_and_modules(tmp_path):
     import check_order
     found = check_order.inversions(nbs, tmp_path/"lib"/"pkg")
     assert sorted(found) == ["00_sub (sub) imports sub.leaf, built later in 01_leaf", "00_sub (sub) imports top, built later in 02_top"], found
+
+def test_the_index_lists_every_notebook_in_reading_order():
+    import re
+    from check_order import exported_module
+    cells = json.loads((ROOT/"nbs"/"index.ipynb").read_text())["cells"]
+    table = next("".join(c["source"]) for c in cells if "## The notebooks in reading order" in "".join(c["source"]))
+    rows = re.findall(r"^\| \[(\w+)\]\((\w+)\.ipynb\) \| `([\w.]+)` \| (.+?) \|$", table, re.M)
+    notebooks = sorted(p.stem for p in (ROOT/"nbs").glob("*.ipynb") if p.stem != "index")
+    assert [r[0] for r in rows] == notebooks, sorted(set(notebooks) ^ {r[0] for r in rows})
+    for name, link, module, summary in rows:
+        assert link == name and summary.strip(), name
+        assert module == f"gradient_garden.{exported_module(ROOT/'nbs'/f'{name}.ipynb')}", (name, module)

@@ -50,3 +50,12 @@ def test_the_checker_passes_a_notebook_that_follows_the_style(tmp_path):
     (tmp_path/"bad.ipynb").write_text(json.dumps(bad))
     r = check(tmp_path/"bad.ipynb")
     assert r.returncode == 1 and "cell 3 (one) is exported" in r.stdout
+
+def test_the_summary_gives_the_median_and_strict_refuses_kept_whole_cells(tmp_path):
+    kept = "#| export\n# Kept whole: one table\nTABLE = {\n" + "".join(f"    {i}: {i},\n" for i in range(40)) + "}\n"
+    nb = notebook(tmp_path/"nb.ipynb", ("code", kept), ("code", "test_eq(TABLE[3], 3)"), ("code", "x = 1\ny = 2\nx + y"))
+    s = check("--summary", nb)
+    assert s.returncode == 0 and "code cells: 3, median 3 lines, 1 over 40" in s.stdout, s.stdout
+    strict = check("--strict", nb)
+    assert strict.returncode == 1 and "cell 0 (TABLE) has 44 lines (over 40); split it" in strict.stdout, strict.stdout
+    assert "Kept whole" not in strict.stdout

@@ -1,19 +1,20 @@
 """Check the book's house style: short code cells, and every exported piece followed by a check.
 
-Usage: python tools/check_style.py [--summary] [NB ...]      (default: every nbs/*.ipynb)
+Usage: python tools/check_style.py [--summary] [--strict] [NB ...]      (default: every nbs/*.ipynb)
 
 Two rules from the house style (`/work/shared/style.md`, CONTRIBUTING notes in the README):
 - long: no code cell over 40 lines, unless its first line after the `#|` directives is a one-line reason,
-  `# Kept whole: <reason>`.
+  `# Kept whole: <reason>`; with `--strict` no reason excuses it.
 - unchecked: each `#| export` / `#| exporti` / `#| exports` cell is followed, within the next three cells, by a
   code cell that is not exported and checks or shows something: it calls `test_eq`/`test_close`/`test_fail`/
   `test_ne`/`test_is`, asserts, prints, displays, plots, ends in a bare expression, or has a stored output.
   A cell that only imports (or only defines `__all__`) defines nothing to check and is exempt.
 Cells marked `#| eval: false` never run, so they check nothing. Exit 1 with one line per problem, naming the
 notebook and the cell (its index among all cells, as Jupyter counts them from 0); `--summary` prints the counts per
-notebook instead.
+notebook instead, and the median length of the code cells checked (every source line, directives included; the
+house aims at 8 or fewer).
 """
-import argparse, ast, json, re, sys
+import argparse, ast, json, re, statistics, sys
 from pathlib import Path
 
 MAX_LINES = 40
@@ -86,8 +87,12 @@ def name_of(lines: list[str]) -> str:
         if m: return m.group(1) or m.group(2)
     return ""
 
-def problems(nb_path: Path) -> list[tuple[str, str]]:
-    "The notebook's style problems, as (kind, line) pairs with kind 'long' or 'unchecked'."
+def cell_lengths(nb_path: Path) -> list[int]:
+    "The number of source lines of each code cell (directives included, trailing blank lines not)."
+    return [len(source(c)) for c in json.loads(Path(nb_path).read_text())["cells"] if c["cell_type"] == "code"]
+
+def problems(nb_path: Path, strict: bool = False) -> list[tuple[str, str]]:
+    "The notebook's style problems, as (kind, line) pairs with kind 'long' or 'unchecked'; `strict`: no long cell kept whole."
     cells = json.loads(Path(nb_path).read_text())["cells"]
     out = []
     for i, cell in enumerate(cells):
@@ -96,9 +101,9 @@ def problems(nb_path: Path) -> list[tuple[str, str]]:
         what = name_of(lines)
         where = f"{nb_path}: cell {i}" + (f" ({what})" if what else "")
         rest = body(lines)
-        if len(lines) > MAX_LINES and not (rest and KEPT.match(rest[0].strip())):
-            out.append(("long", f"{where} has {len(lines)} lines (over {MAX_LINES}); split it, or start it with "
-                                f"'# Kept whole: <reason>'"))
+        if len(lines) > MAX_LINES and (strict or not (rest and KEPT.match(rest[0].strip()))):
+            out.append(("long", f"{where} has {len(lines)} lines (over {MAX_LINES}); split it" +
+                                ("" if strict else ", or start it with '# Kept whole: <reason>'")))
         if is_export(lines) and not defines_nothing(lines) and not any(checks(c) for c in cells[i+1:i+1+WINDOW]):
             out.append(("unchecked", f"{where} is exported but no check or visible output follows within "
                                      f"{WINDOW} cells"))
@@ -107,21 +112,27 @@ def problems(nb_path: Path) -> list[tuple[str, str]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Check the notebooks' house style (cell length, exported pieces checked).")
     p.add_argument("notebooks", nargs="*", type=Path, help="notebooks to check (default: nbs/*.ipynb)")
-    p.add_argument("--summary", action="store_true", help="print counts per notebook instead of one line per problem")
+    p.add_argument("--summary", action="store_true", help="print counts per notebook and the median cell length instead "
+                                                           "of one line per problem")
+    p.add_argument("--strict", action="store_true", help="a long cell is a problem even with a '# Kept whole:' reason")
     args = p.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
     nbs = args.notebooks or sorted((root/"nbs").glob("*.ipynb"))
     nbs = [nb.relative_to(Path.cwd()) if nb.resolve().is_relative_to(Path.cwd()) else nb for nb in map(Path.absolute, nbs)]
-    total = 0
+    total, lengths = 0, []
     for nb in nbs:
-        found = problems(nb)
+        found = problems(nb, args.strict)
+        lengths += cell_lengths(nb)
         total += len(found)
         if args.summary:
             long, unchecked = (sum(k == kind for k, _ in found) for kind in ("long", "unchecked"))
             if found: print(f"{nb}: {long} long, {unchecked} unchecked")
         else:
             for _, line in found: print(line)
-    if args.summary: print(f"total: {total} problems in {len(nbs)} notebooks")
+    if args.summary:
+        median = statistics.median(lengths) if lengths else 0
+        print(f"code cells: {len(lengths)}, median {median:g} lines, {sum(n > MAX_LINES for n in lengths)} over {MAX_LINES}")
+        print(f"total: {total} problems in {len(nbs)} notebooks")
     return 1 if total else 0
 
 if __name__ == "__main__":

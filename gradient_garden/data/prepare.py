@@ -11,11 +11,6 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union
 import numpy as np
 from tqdm.auto import tqdm
-from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_overrides, from_plain,
-                                    load_config, read_data_file, to_plain)
-from ..runtime import write_json_atomic
-from ..tokenizer import Tokenizer, ensure_tokenizer
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED', 'DEFAULT_PRETRAINING_DATA', 'PROGRESS_FILE',
@@ -26,11 +21,19 @@ __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED',
            'check_shard_version', 'tokenizer_info', 'check_tokenizer', 'clear_prepared', 'resume_point',
            'prepare_pretraining', 'tokenizer_texts']
 
+# %% ../../nbs/03_data.ipynb #5104e893
+from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_overrides, from_plain,
+                                    load_config, read_data_file, to_plain)
+from ..runtime import write_json_atomic
+from ..tokenizer import Tokenizer, ensure_tokenizer
+from fastcore.basics import patch
+
 # %% ../../nbs/03_data.ipynb #653aa8ae
 EMBEDDED_CORPORA = ("python-stdlib", "pydoc-topics")
 
 def _path_key(rel: str) -> bytes: return hashlib.blake2b(rel.encode(), digest_size=8).digest()
 
+# %% ../../nbs/03_data.ipynb #b5c19713
 def stdlib_files() -> list[str]:
     "The standard library's own `*.py` files (no site-packages), in a fixed pseudo-random order."
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -38,6 +41,7 @@ def stdlib_files() -> list[str]:
     rels = [r for r in rels if not {"site-packages", "dist-packages"} & set(r.split("/")) and r != "pydoc_data/topics.py"]
     return [str(root/r) for r in sorted(rels, key=_path_key)]
 
+# %% ../../nbs/03_data.ipynb #10e03c17
 def pydoc_topics() -> Iterator[dict]:
     "Rows `{'text': topic}` of the `pydoc` help topics, in sorted order."
     from pydoc_data.topics import topics  # lazy: 0.8 MB of help text, read only for the embedded corpus
@@ -56,6 +60,7 @@ class HubSource:
     revision: Optional[str] = None
     text_field: str = "text"
 
+# %% ../../nbs/03_data.ipynb #77545439
 @dataclass
 class LocalSource:
     "Local files (paths or glob patterns) read by the `datasets` text, json or parquet builder."
@@ -67,6 +72,7 @@ class LocalSource:
     sample_by: Literal["document", "paragraph", "line"] = "document"
     text_field: str = "text"
 
+# %% ../../nbs/03_data.ipynb #47297404
 @dataclass
 class EmbeddedSource:
     "Text every Python installation ships: the standard library sources or the pydoc help topics."
@@ -179,6 +185,7 @@ def load_mix_file(path) -> dict:
     if not isinstance(data, dict): raise ConfigError(f"--mix-file {p}: expected a JSON object with a 'mix' list, got {type(data).__name__}")
     return data
 
+# %% ../../nbs/03_data.ipynb #17f27c38
 def parse_mix_file_data(data: dict, path) -> PretrainingData:
     "`parse_pretraining_data` for the contents of a mix file, errors prefixed by the file name."
     try: return parse_pretraining_data(data, where="")
@@ -191,6 +198,7 @@ def _load_files(fmt: str, files: list[str], sample_by: str = "document") -> data
     kw = {"sample_by": sample_by, "encoding_errors": "replace"} if fmt == "text" else {}
     return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **kw)
 
+# %% ../../nbs/03_data.ipynb #736df924
 def open_source(src) -> datasets.IterableDataset:
     "Stream the rows of a source through `datasets`; the same code path for the hub, local files and the embedded corpus."
     import datasets  # lazy: about 1 s of import (measured), only when a source is read
@@ -328,6 +336,7 @@ def token_dtype(vocab_size: int) -> str:
     "`uint16` when every id fits in 16 bits, else `uint32`."
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
+# %% ../../nbs/03_data.ipynb #2ab96d81
 def encode_documents(tokenizer: Tokenizer, texts: list[str], val_fraction: float, dtype) -> dict:
     "Encode a batch (BOS + text + EOS per document, BOS as the family has it) and route each document to train or val."
     ids = tokenizer.encode_batch(texts, bos=tokenizer.adds_bos)
@@ -359,6 +368,7 @@ def next_source(sources: list, counts: dict, target_tokens: int, batch_chars: in
 # %% ../../nbs/03_data.ipynb #532f327f
 SHARD_FORMAT, SHARD_VERSION = "gradient-garden-shards", 2
 
+# %% ../../nbs/03_data.ipynb #398aca6e
 def check_shard_version(found: dict, where) -> None:
     "Refuse shards (their `meta.json` or `progress.json`) written in another format version than this one's."
     v = found.get("version")
@@ -375,6 +385,7 @@ def tokenizer_info(tokenizer: Tokenizer) -> dict:
     "What shards record about the tokenizer that made them."
     return {"identity": tokenizer.identity, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
 
+# %% ../../nbs/03_data.ipynb #63875a73
 def check_tokenizer(found: dict, tokenizer: Tokenizer, where) -> None:
     "Refuse shards made by another tokenizer, naming both."
     if found["identity"] != tokenizer.identity:
@@ -382,6 +393,7 @@ def check_tokenizer(found: dict, tokenizer: Tokenizer, where) -> None:
                           f"not by the configured {tokenizer.name!r} ({tokenizer.identity}); "
                           "use --overwrite or another paths.datasets")
 
+# %% ../../nbs/03_data.ipynb #5c80c7ee
 def clear_prepared(out_dir) -> None:
     "Remove the shards, progress and metadata of a prepared folder (for `--overwrite`)."
     out_dir = Path(out_dir)
@@ -408,6 +420,54 @@ def resume_point(out_dir: Path, spec: PretrainingData, tokenizer: Tokenizer) -> 
                           "use --overwrite or another paths.datasets")
     return progress
 
+# %% ../../nbs/03_data.ipynb #bea42b45
+def _resume_counts(spec: PretrainingData, state: dict | None) -> tuple[dict, dict]:
+    "Per-source counters and per-split token counts: zeroed, or where the committed progress `state` left them."
+    counts = {s.name: {"docs": 0, "train_docs": 0, "val_docs": 0, "tokens": 0, "train_tokens": 0,
+                       "val_tokens": 0, "chars": 0, "bytes": 0, "rows": 0, "missing_text": 0, "exhausted": False} for s in spec.mix}
+    if not state: return counts, {"train": 0, "val": 0}
+    counts.update({k: v for k, v in state["counts"].items() if k in counts})
+    return counts, state["n_tokens"]
+
+# %% ../../nbs/03_data.ipynb #1378e129
+def _take_texts(stream: SourceStream, c: dict, max_chars: int, max_missing_fraction: float) -> list[str]:
+    "The next texts of `stream`, counting its rows and rows without text in `c` (raises when too many lack text)."
+    rows0, missing0 = stream.n_rows, stream.n_missing
+    texts = stream.take(max_chars)
+    c["rows"] = c.get("rows", 0) + stream.n_rows - rows0
+    c["missing_text"] = c.get("missing_text", 0) + stream.n_missing - missing0
+    stream.check_missing(c["rows"], c["missing_text"], max_missing_fraction)
+    return texts
+
+# %% ../../nbs/03_data.ipynb #61bae938
+def _write_encoded(enc: dict, texts: list[str], writers: dict, c: dict) -> int:
+    "Write a batch encoded by `encode_documents` to the train/val writers and count it in `c`; return its tokens."
+    for split in ("train", "val"):
+        writers[split].write(enc[split])
+        c[f"{split}_tokens"] += len(enc[split]); c[f"{split}_docs"] += enc["docs"][split]
+    n = len(enc["train"]) + len(enc["val"])
+    c["tokens"] += n; c["docs"] += len(texts); c["chars"] += sum(map(len, texts)); c["bytes"] += enc["bytes"]
+    return n
+
+# %% ../../nbs/03_data.ipynb #fcb09303
+def _progress_record(spec: PretrainingData, tokenizer: Tokenizer, counts: dict, writers: dict, streams: dict) -> dict:
+    "What a commit records: the tokenizer and layout, the counts, each split's tokens, each open stream's position."
+    return {"version": SHARD_VERSION, "tokenizer": tokenizer_info(tokenizer), "layout": spec.layout(), "counts": counts,
+            "n_tokens": {s: w.n_tokens for s, w in writers.items()},
+            "streams": {n: st.state_dict() for n, st in streams.items() if not counts[n]["exhausted"]}}
+
+# %% ../../nbs/03_data.ipynb #6c17f31a
+def _prepare_batch(spec: PretrainingData, tokenizer: Tokenizer, dtype, counts: dict, streams: dict, writers: dict,
+                   batch_chars: int) -> int | None:
+    "Encode and write one batch of the source now due: its tokens, 0 when that source ran out, None when the mix is done."
+    if not (pick := next_source(spec.mix, counts, spec.target_tokens, batch_chars)): return None
+    name, max_chars = pick
+    texts = _take_texts(streams[name], counts[name], max_chars, spec.max_missing_fraction)
+    if not texts:
+        counts[name]["exhausted"] = True
+        return 0
+    return _write_encoded(encode_documents(tokenizer, texts, spec.val_fraction, dtype), texts, writers, counts[name])
+
 # %% ../../nbs/03_data.ipynb #bfa4ec6f
 def _meta(spec, tokenizer, dtype, counts, writers, stage, elapsed) -> dict:
     "The contents of `meta.json` for a finished (or extended) preparation."
@@ -421,8 +481,7 @@ def _meta(spec, tokenizer, dtype, counts, writers, stage, elapsed) -> dict:
             "documents": sum(s["documents"] for s in splits.values()), "target_tokens": spec.target_tokens,
             **spec.layout(), "sources": counts, "splits": splits, "elapsed_s": round(elapsed, 3)}
 
-# %% ../../nbs/03_data.ipynb #521abf6c
-# Kept whole: one streaming loop whose writer, counters and resumable progress its nested `commit` shares
+# %% ../../nbs/03_data.ipynb #b93e29a3
 def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *, stage: str = "pretraining",
                         overwrite: bool = False, progress: bool = True, batch_chars: int = 1 << 20,
                         commit_tokens: int | None = None) -> dict:
@@ -433,48 +492,24 @@ def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *,
     state = resume_point(out_dir, spec, tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
     commit_tokens = commit_tokens or min(1 << 22, spec.shard_tokens)
-    counts = {s.name: {"docs": 0, "train_docs": 0, "val_docs": 0, "tokens": 0, "train_tokens": 0,
-                       "val_tokens": 0, "chars": 0, "bytes": 0, "rows": 0, "missing_text": 0, "exhausted": False} for s in spec.mix}
-    n_split = {"train": 0, "val": 0}
-    if state:
-        counts.update({k: v for k, v in state["counts"].items() if k in counts})
-        n_split = state["n_tokens"]
-        meta = read_json(out_dir/META_FILE)
-        if meta and next_source(spec.mix, counts, spec.target_tokens, batch_chars) is None: return {**meta, "up_to_date": True}
+    counts, n_split = _resume_counts(spec, state)
+    if state and (meta := read_json(out_dir/META_FILE)) and next_source(spec.mix, counts, spec.target_tokens, batch_chars) is None:
+        return {**meta, "up_to_date": True}
     (out_dir/META_FILE).unlink(missing_ok=True)
     writers = {s: ShardWriter(out_dir/s, dtype, spec.shard_tokens, n_split[s]) for s in ("train", "val")}
     streams = {s.name: SourceStream(s, (state or {}).get("streams", {}).get(s.name))
                for s in spec.mix if not counts[s.name]["exhausted"]}
-
     def commit():
         for w in writers.values(): w.sync()
-        write_json_atomic(out_dir/PROGRESS_FILE, {
-            "version": SHARD_VERSION, "tokenizer": tokenizer_info(tokenizer), "layout": spec.layout(), "counts": counts,
-            "n_tokens": {s: w.n_tokens for s, w in writers.items()},
-            "streams": {n: st.state_dict() for n, st in streams.items() if not counts[n]["exhausted"]}})
+        write_json_atomic(out_dir/PROGRESS_FILE, _progress_record(spec, tokenizer, counts, writers, streams))
 
     start, done = time.time(), sum(c["tokens"] for c in counts.values())
     bar = tqdm(total=spec.target_tokens, initial=min(done, spec.target_tokens), unit="tok", unit_scale=True,
                desc=f"prepare {stage}", disable=not progress, dynamic_ncols=True)
     uncommitted = 0
     try:
-        while (pick := next_source(spec.mix, counts, spec.target_tokens, batch_chars)):
-            name, max_chars = pick
-            stream, c = streams[name], counts[name]
-            rows0, missing0 = stream.n_rows, stream.n_missing
-            texts = stream.take(max_chars)
-            c["rows"] = c.get("rows", 0) + stream.n_rows - rows0
-            c["missing_text"] = c.get("missing_text", 0) + stream.n_missing - missing0
-            stream.check_missing(c["rows"], c["missing_text"], spec.max_missing_fraction)
-            if not texts:
-                c["exhausted"] = True
-                continue
-            enc = encode_documents(tokenizer, texts, spec.val_fraction, dtype)
-            for split in ("train", "val"):
-                writers[split].write(enc[split])
-                c[f"{split}_tokens"] += len(enc[split]); c[f"{split}_docs"] += enc["docs"][split]
-            n = len(enc["train"]) + len(enc["val"])
-            c["tokens"] += n; c["docs"] += len(texts); c["chars"] += sum(map(len, texts)); c["bytes"] += enc["bytes"]
+        while (n := _prepare_batch(spec, tokenizer, dtype, counts, streams, writers, batch_chars)) is not None:
+            if not n: continue                                          # a source ran out
             bar.update(min(n, max(0, spec.target_tokens - bar.n)))
             uncommitted += n
             if uncommitted >= commit_tokens: commit(); uncommitted = 0

@@ -18,10 +18,12 @@ DECAY_SHAPES = {
     "1-sqrt": lambda t: 1 - math.sqrt(t),
 }
 
+# %% ../../nbs/40_schedules.ipynb #2c8afb8f
 def _warmup(step: int, max_lr: float, warmup_steps: int) -> float:
     "Linear warmup: `max_lr * (step + 1) / warmup_steps`."
     return max_lr * (step + 1) / warmup_steps
 
+# %% ../../nbs/40_schedules.ipynb #0e7acf76
 def _decay(step: int, start: int, max_steps: int, max_lr: float, min_lr: float, shape: str) -> float:
     "Decay from `max_lr` (before `start`) to `min_lr` (at step `max_steps - 1` and after) with `shape`."
     if shape not in DECAY_SHAPES:

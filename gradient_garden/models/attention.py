@@ -77,6 +77,7 @@ def positions_from_pad_mask(pad_mask: torch.Tensor) -> torch.Tensor:
     "Positions counted over real tokens only (`pad_mask` `[B, S]`, True = real); left pads get 0."
     return (pad_mask.long().cumsum(-1) - 1).clamp(min=0)
 
+# %% ../../nbs/10_attention.ipynb #0f11b112
 def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     "Position of each token inside its packed document (`doc_ids` `[B, T]`): 0 at every document start."
     idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand_as(doc_ids)
@@ -102,6 +103,7 @@ def attention_mask(seq_len: int, start_pos: int = 0, pad_mask: torch.Tensor | No
     if pad_mask is not None: mask = (mask & pad_mask.bool()[:, None, :]) | (kpos == qpos)[None]
     return mask[:, None]
 
+# %% ../../nbs/10_attention.ipynb #9ed2c594
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     "The boolean `mask` as the float mask SDPA adds to the scores: 0 where attending, -inf elsewhere."
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -119,7 +121,7 @@ class LayerKV:
         self.values[:, start_pos:end] = v
         return self.keys[:, :end].transpose(1, 2), self.values[:, :end].transpose(1, 2)
 
-# %% ../../nbs/10_attention.ipynb #10f589b5
+# %% ../../nbs/10_attention.ipynb #ce62ffb5
 class KVCache:
     "Preallocated keys and values per layer, `[batch, max_seq_len, n_kv_heads, head_dim]`, written in place."
     def __init__(self, n_layers: int, batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int):
@@ -127,27 +129,35 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
 
-    def allocate(self, dtype: torch.dtype, device) -> KVCache:
-        "Create every layer's buffers that do not exist yet, in `dtype` on `device`."
-        shape = (self.batch_size, self.max_seq_len, self.n_kv_heads, self.head_dim)
-        for i, t in enumerate(self.keys):
-            if t is None:
-                self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
-                self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
-        return self
+# %% ../../nbs/10_attention.ipynb #2c3de17f
+@patch
+def allocate(self: KVCache, dtype: torch.dtype, device) -> KVCache:
+    "Create every layer's buffers that do not exist yet, in `dtype` on `device`."
+    shape = (self.batch_size, self.max_seq_len, self.n_kv_heads, self.head_dim)
+    for i, t in enumerate(self.keys):
+        if t is None:
+            self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+    return self
 
-    def layer(self, i: int) -> LayerKV:
-        "The slot of layer `i` (its buffers must exist: `allocate` first)."
-        return LayerKV(self.keys[i], self.values[i])
+# %% ../../nbs/10_attention.ipynb #ad1c2f1f
+@patch
+def layer(self: KVCache, i: int) -> LayerKV:
+    "The slot of layer `i` (its buffers must exist: `allocate` first)."
+    return LayerKV(self.keys[i], self.values[i])
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        "Write layer `layer`'s `k`, `v` at `start_pos` (allocating in `k`'s dtype on first use); return all so far."
-        if self.keys[layer] is None: self.allocate(k.dtype, k.device)
-        return self.layer(layer).update(k, v, start_pos)
+# %% ../../nbs/10_attention.ipynb #2252b7eb
+@patch
+def update(self: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "Write layer `layer`'s `k`, `v` at `start_pos` (allocating in `k`'s dtype on first use); return all so far."
+    if self.keys[layer] is None: self.allocate(k.dtype, k.device)
+    return self.layer(layer).update(k, v, start_pos)
 
-    def nbytes(self) -> int:
-        "Memory held by the allocated buffers."
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+# %% ../../nbs/10_attention.ipynb #d0400493
+@patch
+def nbytes(self: KVCache) -> int:
+    "Memory held by the allocated buffers."
+    return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 # %% ../../nbs/10_attention.ipynb #faf526a0
 BLOCK_ATTENTION_MAX_BYTES = 32 * 2**20   # saved probabilities per layer, above which bf16 CPU training keeps SDPA
@@ -236,6 +246,7 @@ def attention_backend(device_type: str, setting: str = "auto") -> str:
     if setting != "auto": return setting
     return "flex" if device_type == "cuda" else "sdpa"
 
+# %% ../../nbs/10_attention.ipynb #3b3abd21
 def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128) -> BlockMask:
     "flex_attention's block-sparse mask for packed rows `doc_ids` `[B, T]`: causal, and within one document."
     B, T = doc_ids.shape
@@ -256,6 +267,7 @@ def compiled_flex_attention(backend: str | None = None):
     "`flex_attention` under `torch.compile` (`FLEX_COMPILE_BACKEND` by default; one compiled function per backend)."
     return compiled_once(flex_attention, backend or FLEX_COMPILE_BACKEND, _COMPILED_FLEX)
 
+# %% ../../nbs/10_attention.ipynb #eb2eaa18
 def flex_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, T, d]` under `block_mask`, K/V not repeated."
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -271,6 +283,7 @@ def plain_linear(m: nn.Module) -> bool:
 
 FUSED_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}   # a fused projection -> what it stacks, in row order
 
+# %% ../../nbs/10_attention.ipynb #6a43617e
 def fused_layout(model: nn.Module) -> dict[str, dict[str, int]]:
     "Each fused weight's name -> the names of the weights it stacks along dim -2, with their row counts, in order."
     out = {}
@@ -302,6 +315,7 @@ def fuse_state_dict(sd: dict) -> tuple[dict, bool]:
         else: out.update({f"{pre}{n}.weight": t for n, t in parts.items()})   # not a fusable group: left as it was
     return out, set(out) != set(sd)
 
+# %% ../../nbs/10_attention.ipynb #85dcc232
 def split_fused_state_dict(sd: dict, layout: dict[str, dict[str, int]]) -> dict:
     "A fused state dict with each fused weight of `layout` (see `fused_layout`) split back into its projections."
     out = {}
@@ -321,6 +335,7 @@ def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
     if w.dtype not in (torch.float32, torch.bfloat16): return None
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)   # 8: the row count it is tuned for (any count works)
 
+# %% ../../nbs/10_attention.ipynb #a0c760eb
 def packed_weight(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     "The prepacked weight `m` holds, if a matmul on `x` should take it: always in bf16, in fp32 above `PACKED_MIN_MACS`."
     w = m.__dict__.get("_packed_weight")
@@ -333,7 +348,6 @@ def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None 
     if not torch.is_grad_enabled() and (w := packed_weight(m, x)) is not None:
         return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None, "none", [], "")
     return m(x) if weight is None else F.linear(x, weight)
-
 
 # %% ../../nbs/10_attention.ipynb #23807300
 class Attention(nn.Module):

@@ -11,13 +11,15 @@ import torch
 from ..config import ConfigError, ModelConfig
 from .attention import fuse_state_dict, fused_layout, split_fused_state_dict
 from .tendril import Tendril, ffn_hidden_dim
-import copy
-from .lora import lora_modules, save_peft_adapter, unload_lora
 
 # %% auto #0
 __all__ = ['LLAMA_ARCHITECTURES', 'TOKENIZER_FILES', 'check_llama_compatible', 'hf_llama_config', 'model_config_from_hf',
            'to_hf_state_dict', 'from_hf_state_dict', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_files',
            'export_hf', 'load_hf', 'hf_module_name', 'export_hf_with_adapter']
+
+# %% ../../nbs/14_hf.ipynb #6be8a753
+import copy
+from .lora import lora_modules, save_peft_adapter, unload_lora
 
 # %% ../../nbs/14_hf.ipynb #dbbf3b82
 LLAMA_ARCHITECTURES = ("tendril",)
@@ -109,6 +111,7 @@ def _fused_layout(cfg: ModelConfig) -> dict:
     "The fused weights of the Tendril `cfg` describes and what they stack (the model built on the meta device: no memory)."
     with torch.device("meta"): return fused_layout(Tendril(cfg))
 
+# %% ../../nbs/14_hf.ipynb #75a10654
 def to_hf_state_dict(state_dict: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     "Split the fused weights of a Tendril state dict and rename it to `LlamaForCausalLM` names (no head when tied)."
     out = {}
@@ -152,6 +155,7 @@ def to_hf_model(model: Tendril, tokenizer=None):
     if missing or unexpected: raise RuntimeError(f"Llama conversion mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return hf.eval()
 
+# %% ../../nbs/14_hf.ipynb #7b6c1158
 def from_hf_model(hf_model) -> Tendril:
     "A Tendril with the weights (copied) of an in-memory `LlamaForCausalLM`."
     cfg = model_config_from_hf(hf_model.config, where=type(hf_model).__name__)
@@ -217,6 +221,7 @@ def hf_module_name(name: str) -> str:
     if hf is None: raise ConfigError(f"module {name!r} has no LlamaForCausalLM equivalent; a PEFT adapter can only adapt its layers")
     return hf[:-len(".weight")]
 
+# %% ../../nbs/14_hf.ipynb #2bd66e18
 def export_hf_with_adapter(model: Tendril, out_dir, tokenizer=None, tokenizer_dir=None,
                            dtype: torch.dtype | None = None) -> tuple[Path, Path]:
     "The base model (adapters dropped) as a Llama folder `out_dir`, and its LoRA adapter as a `peft` folder `out_dir/adapter`."

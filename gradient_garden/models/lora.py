@@ -11,14 +11,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pathlib import Path
-from ..config import ConfigError, LoraConfig
-from .attention import fused_layout
-
 
 # %% auto #0
 __all__ = ['LoRALinear', 'LoRASlice', 'FusedLoRALinear', 'lora_layers', 'lora_modules', 'projection_names', 'apply_lora',
            'merge_lora', 'unmerge_lora', 'merge_and_unload', 'lora_state_dict', 'load_lora_state_dict', 'has_lora',
            'unload_lora', 'peft_adapter', 'save_peft_adapter']
+
+# %% ../../nbs/13_lora.ipynb #7693f46c
+from ..config import ConfigError, LoraConfig
+from .attention import fused_layout
 
 # %% ../../nbs/13_lora.ipynb #ecd3023c
 class LoRALinear(nn.Linear):
@@ -63,6 +64,7 @@ def forward(self: LoRALinear, x: torch.Tensor) -> torch.Tensor:
     if self.merged: return out
     return out + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
+# %% ../../nbs/13_lora.ipynb #c2fc4595
 @patch
 @torch.no_grad()
 def merge(self: LoRALinear):
@@ -98,7 +100,13 @@ class LoRASlice(nn.Module):
         "The update's output for this projection's rows."
         return F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
 
-# %% ../../nbs/13_lora.ipynb #f05e1303
+# %% ../../nbs/13_lora.ipynb #939efce9
+def _starts(parts: dict[str, int]):
+    "`(name, rows, first row)` of each projection of a fused layer, in order."
+    start = 0
+    for name, rows in parts.items(): yield name, rows, start; start += rows
+
+# %% ../../nbs/13_lora.ipynb #f0c867e0
 class FusedLoRALinear(nn.Linear):
     "A fused `nn.Linear` (`wqkv`, `w13`) with a `LoRASlice` on some of its projections, each adapted on its own."
     @classmethod
@@ -116,39 +124,39 @@ class FusedLoRALinear(nn.Linear):
             start += rows
         return new
 
-    def delta_weight(self) -> torch.Tensor:
-        "Every slice's update in its rows (zeros elsewhere), shaped like `weight`."
-        delta = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
-        for a in self.adapters.values(): delta[a.start:a.stop] = a.delta_weight()
-        return delta
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        "The fused layer plus each slice's update in its rows (just the layer once merged)."
-        out = F.linear(x, self.weight, self.bias)
-        if self.merged: return out
-        pieces = []
-        for name, rows, start in _starts(self.parts):
-            piece = out[..., start:start + rows]
-            pieces.append(piece + self.adapters[name](x) if name in self.adapters else piece)
-        return torch.cat(pieces, -1)
-
     merge, unmerge, extra_repr = LoRALinear.merge, LoRALinear.unmerge, LoRALinear.extra_repr
 
-def _starts(parts: dict[str, int]):
-    "`(name, rows, first row)` of each projection of a fused layer, in order."
-    start = 0
-    for name, rows in parts.items(): yield name, rows, start; start += rows
+# %% ../../nbs/13_lora.ipynb #0a91c6d1
+@patch
+def delta_weight(self: FusedLoRALinear) -> torch.Tensor:
+    "Every slice's update in its rows (zeros elsewhere), shaped like `weight`."
+    delta = torch.zeros(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+    for a in self.adapters.values(): delta[a.start:a.stop] = a.delta_weight()
+    return delta
 
-# %% ../../nbs/13_lora.ipynb #76f558ec
-# Kept whole: how target names match fused and unfused layers, one set of rules
+# %% ../../nbs/13_lora.ipynb #1d25ed41
+@patch
+def forward(self: FusedLoRALinear, x: torch.Tensor) -> torch.Tensor:
+    "The fused layer plus each slice's update in its rows (just the layer once merged)."
+    out = F.linear(x, self.weight, self.bias)
+    if self.merged: return out
+    pieces = []
+    for name, rows, start in _starts(self.parts):
+        piece = out[..., start:start + rows]
+        pieces.append(piece + self.adapters[name](x) if name in self.adapters else piece)
+    return torch.cat(pieces, -1)
+
+# %% ../../nbs/13_lora.ipynb #e950c14a
 def _matches(name: str, targets) -> bool:
     "True when module `name` ends with one of `targets` at a dot boundary."
     return any(name == t or name.endswith("." + t) for t in targets)
 
+# %% ../../nbs/13_lora.ipynb #b276a991
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     "The adapted layers of `model` (`LoRALinear`, `FusedLoRALinear`), by qualified name."
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, FusedLoRALinear))}
 
+# %% ../../nbs/13_lora.ipynb #18658cbc
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     "The adapters of `model` by the name of what each adapts: `LoRALinear`s, and `LoRASlice`s as projections (`...attention.wq`)."
     out = {}
@@ -158,6 +166,7 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
         out.update({f"{parent}.{p}" if parent else p: a for p, a in m.adapters.items()})
     return out
 
+# %% ../../nbs/13_lora.ipynb #d2981df9
 def projection_names(model: nn.Module) -> list[str]:
     "Every linear layer's name, a fused layer's projections instead of it (`...attention.wq`, `wk`, `wv`)."
     layout, out = fused_layout(model), []
@@ -165,6 +174,7 @@ def projection_names(model: nn.Module) -> list[str]:
         if isinstance(m, nn.Linear): out += [k[:-len(".weight")] for k in layout.get(f"{n}.weight", {f"{n}.weight": 0})]
     return out
 
+# %% ../../nbs/13_lora.ipynb #8e56b745
 def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
     "Replace the target linear layers of `model` by `LoRALinear` in place, freeze the rest; returns `model`."
     if lora_cfg.rank <= 0: raise ConfigError(f"lora.rank: got {lora_cfg.rank}; must be > 0")
@@ -214,6 +224,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, lin)
     return model
 
+# %% ../../nbs/13_lora.ipynb #c825adbc
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     "Only the adapter tensors (`*.lora_A`, `*.lora_B`) of `model`'s state dict."
     return {k: v for k, v in model.state_dict().items() if "lora_" in k}

@@ -12,9 +12,6 @@ from fastcore.basics import patch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ..config import ConfigError, ModelConfig
-from .tendril import (FeedForward, Tendril, TrainableModel, TransformerBlock, ffn_hidden_dim,
-                                            flops_per_token, register_model)
 
 # %% auto #0
 __all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balancing_loss', 'router_z_loss', 'StackedLinear',
@@ -22,9 +19,15 @@ __all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balanc
            'MoEFeedForward', 'TendrilMoE', 'router_metrics_from_load', 'router_load_from_metrics', 'plot_router_load',
            'moe_active_matmul_params', 'moe_flops_per_token', 'upcycle']
 
+# %% ../../nbs/12_moe.ipynb #1c54333d
+from ..config import ConfigError, ModelConfig
+from .tendril import (FeedForward, Tendril, TrainableModel, TransformerBlock, ffn_hidden_dim,
+                                            flops_per_token, register_model)
+
 # %% ../../nbs/12_moe.ipynb #9c4c40fb
 ROUTERS = ("softmax_topk", "topk_softmax")
 
+# %% ../../nbs/12_moe.ipynb #1ed554ad
 def check_moe_config(cfg: ModelConfig) -> ModelConfig:
     "Raise `ConfigError` for MoE fields that cannot be built; return `cfg`."
     if cfg.n_experts < 1: raise ConfigError(f"model.n_experts: got {cfg.n_experts}; must be >= 1")
@@ -65,6 +68,7 @@ def _mask_weights(n: int, mask: torch.Tensor | None, device) -> torch.Tensor:
     "The 0/1 float weight of each of `n` tokens (all ones without a mask)."
     return torch.ones(n, device=device) if mask is None else mask.reshape(-1).float()
 
+# %% ../../nbs/12_moe.ipynb #fce9569b
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     "Switch/GShard balance loss `E * sum_i f_i P_i` over the tokens where `mask` is true (1 when uniform)."
     n_experts, k = probs.shape[-1], experts.shape[-1]
@@ -103,6 +107,7 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
+# %% ../../nbs/12_moe.ipynb #2e44e01b
 @torch.compiler.disable
 def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     "`F.grouped_mm` run outside any compiled graph."
@@ -141,6 +146,7 @@ def expert(self: GroupedExperts, e: int) -> FeedForward:
         for name in ("w13", "w2"): getattr(ff, name).weight.copy_(getattr(self, name).weight[e])
     return ff
 
+# %% ../../nbs/12_moe.ipynb #a6cdd6a4
 @patch(cls_method=True)
 def from_feed_forwards(cls: GroupedExperts, ffs: list[FeedForward]) -> GroupedExperts:
     "Stack the weights of `FeedForward`s of one shape into a `GroupedExperts`."
@@ -239,6 +245,7 @@ def forward(self: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     else: self._accumulate(experts, mask)
     return y.view(shape)
 
+# %% ../../nbs/12_moe.ipynb #97a27735
 @patch
 @torch.no_grad()
 def _accumulate(self: MoEFeedForward, experts: torch.Tensor, mask: torch.Tensor | None):
@@ -309,6 +316,7 @@ def router_stats(self: TendrilMoE) -> torch.Tensor | None:
     "The protocol's local statistics: `router_counts()`, for the engine to sum over ranks."
     return self.router_counts()
 
+# %% ../../nbs/12_moe.ipynb #5d1d67d7
 @patch
 def router_load(self: TendrilMoE, counts: torch.Tensor | None = None) -> torch.Tensor | None:
     "Share of routed assignments per layer and expert `[n_layers, n_experts]` of `counts` (this process's when None)."
@@ -338,6 +346,7 @@ def router_metrics_from_load(load: torch.Tensor, per_expert: bool = True) -> dic
         if per_expert: out |= {f"moe/layer{i}/load/expert{j}": v for j, v in enumerate(load[i].tolist())}
     return out
 
+# %% ../../nbs/12_moe.ipynb #e6f17eab
 def router_load_from_metrics(metrics: dict) -> torch.Tensor | None:
     "Rebuild the `[L, E]` load from a `router_metrics` record (e.g. a `metrics.jsonl` row); None without per-expert keys."
     keys = [k.split("/") for k in metrics if k.startswith("moe/layer") and "/load/expert" in k]
@@ -345,6 +354,7 @@ def router_load_from_metrics(metrics: dict) -> torch.Tensor | None:
     L, E = max(int(k[1][5:]) for k in keys) + 1, max(int(k[3][6:]) for k in keys) + 1
     return torch.tensor([[metrics.get(f"moe/layer{i}/load/expert{j}", 0.0) for j in range(E)] for i in range(L)])
 
+# %% ../../nbs/12_moe.ipynb #fc873621
 def plot_router_load(load: torch.Tensor, ax=None, title: str | None = None):
     "Heatmap of the share of routed assignments per layer (rows) and expert (columns); balanced is 1 / n_experts."
     import matplotlib.pyplot as plt  # lazy: only for the figure
@@ -361,6 +371,7 @@ def moe_active_matmul_params(cfg: ModelConfig) -> int:
     hidden = ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier)
     return (cfg.n_experts_per_token + cfg.n_shared_experts) * 3 * cfg.dim * hidden + cfg.dim * cfg.n_experts
 
+# %% ../../nbs/12_moe.ipynb #efeb8ab1
 def moe_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     "Training FLOPs per token of `tendril_moe`: the dense count with the feed-forward replaced by the active experts."
     dense = flops_per_token(dataclasses.replace(cfg, architecture="tendril"), seq_len)

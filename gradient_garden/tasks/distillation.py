@@ -9,16 +9,19 @@ import warnings
 from pathlib import Path
 from typing import Optional
 import torch
+from fastcore.basics import patch
 import torch.nn.functional as F
 from ..config import ConfigError, DistillationConfig, GlobalConfig
-from ..runtime import parse_dtype
-from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
-from .stages import IGNORE_INDEX
-from ..models.attention import additive_mask, attention_mask
 
 # %% auto #0
 __all__ = ['distillation_kl', 'load_teacher', 'teacher_vocab_size', 'check_vocab', 'load_teacher_tokenizer',
            'teacher_attention_mask', 'DistillationTask', 'wrap_with_distillation']
+
+# %% ../../nbs/34_distillation.ipynb #ecefaf60
+from ..runtime import parse_dtype
+from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
+from .stages import IGNORE_INDEX
+from ..models.attention import additive_mask, attention_mask
 
 # %% ../../nbs/34_distillation.ipynb #0850eee8
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
@@ -40,6 +43,7 @@ def load_teacher(name_or_path: str, dtype: str = "fp32", device="cpu"):
         raise ConfigError(f"distillation.teacher: got {str(name_or_path)!r}; AutoModelForCausalLM cannot load it ({first})") from None
     return teacher.to(device).eval().requires_grad_(False)
 
+# %% ../../nbs/34_distillation.ipynb #37af2694
 def teacher_vocab_size(teacher) -> int:
     "Rows of the teacher's output layer (its logits' last dimension)."
     out = teacher.get_output_embeddings()
@@ -69,6 +73,7 @@ def check_vocab(student_vocab: int, teacher_vocab: int, student_tokenizer=None, 
         raise ConfigError(f"distillation.teacher: the tokenizers disagree at id {bad} ({a[bad]!r} vs {b[bad]!r}); student "
                           f"vocab {student_vocab}, teacher vocab {teacher_vocab}: distillation needs the same ids for the shared tokens")
 
+# %% ../../nbs/34_distillation.ipynb #622bfdb6
 def load_teacher_tokenizer(name_or_path: str):
     "The tokenizer saved with the teacher, or None (with a warning) when there is none."
     from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
@@ -86,7 +91,7 @@ def teacher_attention_mask(batch: dict, dtype: torch.dtype) -> torch.Tensor:
     if mask is None: mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()[None, None]
     return additive_mask(mask, dtype).expand(ids.shape[0], -1, -1, -1)
 
-# %% ../../nbs/34_distillation.ipynb #5a0e26e2
+# %% ../../nbs/34_distillation.ipynb #9961ba6d
 class DistillationTask:
     "Wraps a causal task: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE, summed over supervised tokens."
     def __init__(self, dist_cfg: DistillationConfig, teacher, task=None, student_vocab: Optional[int] = None):
@@ -95,34 +100,42 @@ class DistillationTask:
         self.cfg, self.teacher, self.task = dist_cfg, teacher, task or CausalLMTask()
         if student_vocab is not None: check_vocab(student_vocab, teacher_vocab_size(teacher))
 
-    @torch.no_grad()
-    def teacher_logits(self, batch: dict) -> torch.Tensor:
-        "Teacher logits for the batch (packed rows: positions restart per document, attention stays inside it)."
-        mask = teacher_attention_mask(batch, next(self.teacher.parameters()).dtype)
-        return self.teacher(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), attention_mask=mask,
-                            use_cache=False).logits
+# %% ../../nbs/34_distillation.ipynb #9d5452fc
+@patch
+@torch.no_grad()
+def teacher_logits(self: DistillationTask, batch: dict) -> torch.Tensor:
+    "Teacher logits for the batch (packed rows: positions restart per document, attention stays inside it)."
+    mask = teacher_attention_mask(batch, next(self.teacher.parameters()).dtype)
+    return self.teacher(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), attention_mask=mask,
+                        use_cache=False).logits
 
-    def loss(self, model, batch: dict):
-        "Summed mixed loss over supervised tokens; metrics distill/kl and distill/ce (sums)."
-        kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        logits = model(batch["input_ids"], **kw)
-        ce = causal_lm_loss_sum(logits, batch["labels"])
-        kl = distillation_kl(logits, self.teacher_logits(batch), batch["labels"], self.cfg.temperature)
-        a = self.cfg.alpha
-        return a * kl + (1 - a) * ce, {"distill/kl": kl.detach(), "distill/ce": ce.detach()}
+# %% ../../nbs/34_distillation.ipynb #e9b09935
+@patch
+def count(self: DistillationTask, batch: dict) -> torch.Tensor:
+    "Supervised tokens (the wrapped task's count)."
+    return self.task.count(batch)
 
-    def count(self, batch: dict) -> torch.Tensor:
-        "Supervised tokens (the wrapped task's count)."
-        return self.task.count(batch)
+@patch(as_prop=True)
+def chat_prompts(self: DistillationTask) -> bool:
+    "Whether the trainer samples chat-formatted prompts: the wrapped task's answer."
+    return self.task.chat_prompts
 
-    @property
-    def chat_prompts(self) -> bool:
-        "Whether the trainer samples chat-formatted prompts: the wrapped task's answer."
-        return self.task.chat_prompts
+# %% ../../nbs/34_distillation.ipynb #e3742887
+@patch
+def baseline_loss(self: DistillationTask, train_loader) -> float | None:
+    "The wrapped task's reference loss for the summary."
+    return self.task.baseline_loss(train_loader)
 
-    def baseline_loss(self, train_loader) -> float | None:
-        "The wrapped task's reference loss for the summary."
-        return self.task.baseline_loss(train_loader)
+# %% ../../nbs/34_distillation.ipynb #ae76e6b1
+@patch
+def loss(self: DistillationTask, model, batch: dict):
+    "Summed mixed loss over supervised tokens; metrics distill/kl and distill/ce (sums)."
+    kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    logits = model(batch["input_ids"], **kw)
+    ce = causal_lm_loss_sum(logits, batch["labels"])
+    kl = distillation_kl(logits, self.teacher_logits(batch), batch["labels"], self.cfg.temperature)
+    a = self.cfg.alpha
+    return a * kl + (1 - a) * ce, {"distill/kl": kl.detach(), "distill/ce": ce.detach()}
 
 # %% ../../nbs/34_distillation.ipynb #dbad90ec
 def wrap_with_distillation(task, cfg: GlobalConfig, tokenizer=None, device="cpu"):

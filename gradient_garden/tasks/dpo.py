@@ -11,11 +11,20 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+# %% auto #0
+__all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'dpo_loss', 'tokenize_pair', 'iter_source_pairs',
+           'prepare_dpo', 'PairDataset', 'collate_pairs', 'sequence_logps', 'PrecomputedReference', 'ModelReference',
+           'DPOLoader', 'DPOTask', 'preference_accuracy', 'dpo_dir', 'build_dpo']
+
+# %% ../../nbs/33_dpo.ipynb #9a890c46
 from tqdm.auto import tqdm
 from ..config import ConfigError, DPOConfig, GlobalConfig
 from ..runtime import all_reduce, atomic_dir, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
+
+# %% ../../nbs/33_dpo.ipynb #02e75e41
 from .stages import (IGNORE_INDEX, SplitStream, StageParts, check_identity, check_messages, check_source,
                                           check_stream_state, datasets_progress, load_ragged, load_rows, open_split, save_ragged,
                                           stage_sources, stream_positions)
@@ -23,14 +32,10 @@ from ..models.tendril import unwrap_model
 from ..tokenizer import init_tokenizer
 from fastcore.basics import patch   # the reference and the loader are built up method by method below
 
-# %% auto #0
-__all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'dpo_loss', 'tokenize_pair', 'iter_source_pairs',
-           'prepare_dpo', 'PairDataset', 'collate_pairs', 'sequence_logps', 'PrecomputedReference', 'ModelReference',
-           'DPOLoader', 'DPOTask', 'preference_accuracy', 'dpo_dir', 'build_dpo']
-
 # %% ../../nbs/33_dpo.ipynb #e8ad4800
 DPO_LOSSES = ("sigmoid", "ipo", "conservative")
 
+# %% ../../nbs/33_dpo.ipynb #6c8817f0
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
     "Per-pair DPO losses and the chosen/rejected implicit rewards, from summed response log-probs."
@@ -48,6 +53,7 @@ def _split_implicit(chosen: list, rejected: list) -> tuple[list, list, list]:
     while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]: k += 1
     return chosen[:k], chosen[k:], rejected[k:]
 
+# %% ../../nbs/33_dpo.ipynb #2cdb1328
 def tokenize_pair(tokenizer, prompt, chosen, rejected, chat: bool = True, where: str = "pair"):
     "(prompt ids, chosen response ids, rejected response ids) of one preference pair."
     if prompt is None:
@@ -78,6 +84,7 @@ PAIR_SOURCE_KEYS = {
 }
 DEFAULT_DPO_SOURCES = [{"type": "verifiable", "train": 4000, "val": 300, "seed": 1}]
 
+# %% ../../nbs/33_dpo.ipynb #b6827d38
 def iter_source_pairs(src: dict, split: str, where: str):
     "(row label, prompt, chosen, rejected, chat) of one pair source for `split`."
     if src["type"] == "verifiable":
@@ -138,6 +145,7 @@ class PairDataset:
         n = {k: np.diff(off) for k, (_, off) in self.parts.items()}
         return n["prompt"] + np.maximum(n["chosen"], n["rejected"])
 
+# %% ../../nbs/33_dpo.ipynb #818fb236
 def collate_pairs(ds: PairDataset, idx: np.ndarray, pad_id: int, seq_len: int) -> dict:
     "Batch of pairs `idx`: `[2B, T]` inputs and labels (chosen rows first), and `pair_index`."
     seqs = []
@@ -161,6 +169,7 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     nll = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     return -nll.view(batch["labels"].shape).sum(-1)
 
+# %% ../../nbs/33_dpo.ipynb #46807512
 def _plain_module(model):
     "The module to run forwards on: FSDP2 modules as they are, DDP / compile wrappers unwrapped."
     return model if is_fsdp(model) else unwrap_model(model)
@@ -205,12 +214,14 @@ def table(self: PrecomputedReference, split: str) -> torch.Tensor:
         self.model = None  # the policy moves on; the table is the reference now
     return self.tables[split]
 
+# %% ../../nbs/33_dpo.ipynb #0c061733
 @patch
 def attach(self: PrecomputedReference, batch: dict, split: str) -> dict:
     "Add `ref_logps` (`[2B]`, chosen first) to a pair batch."
     t = self.table(split)[batch["pair_index"]]
     return batch | {"ref_logps": torch.cat([t[:, 0], t[:, 1]])}
 
+# %% ../../nbs/33_dpo.ipynb #6c46d436
 @patch
 def logps(self: PrecomputedReference, batch: dict) -> torch.Tensor: return batch["ref_logps"]
 @patch
@@ -255,12 +266,14 @@ def _take(self: DPOLoader, epoch: int, cursor: int, shuffle: bool):
     b = collate_pairs(self.data, idx, self.pad_id, self.seq_len)
     return (self.reference.attach(b, self.split) if self.reference is not None else b), epoch, cursor
 
+# %% ../../nbs/33_dpo.ipynb #cb26646d
 @patch
 def next_batch(self: DPOLoader) -> dict:
     "The next `batch_size` pairs of this rank (`[2B, T]` rows)."
     b, self.epoch, self.cursor = self._take(self.epoch, self.cursor, self.shuffle)
     return b
 
+# %% ../../nbs/33_dpo.ipynb #9df9f5a7
 @patch
 def fixed_batches(self: DPOLoader, n: int) -> list[dict]:
     "`n` batches of this rank from the start of the unshuffled stream, the same at every call (validation)."
@@ -279,6 +292,7 @@ def state_dict(self: DPOLoader) -> dict:
     if self.reference is not None: d["reference"] = self.reference.state_dict()
     return d
 
+# %% ../../nbs/33_dpo.ipynb #9469f007
 @patch
 def load_state_dict(self: DPOLoader, d: dict):
     "Resume at the saved stream position, any world size (and with the saved reference)."

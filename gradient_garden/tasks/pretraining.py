@@ -11,10 +11,12 @@ from ..config import GlobalConfig
 import numpy as np
 from ..data.loaders import load_meta, open_shards, pretraining_loaders
 from ..models.tendril import trainable
-from .stages import StageParts
 
 # %% auto #0
 __all__ = ['MODEL_INPUTS', 'causal_lm_loss_sum', 'CausalLMTask', 'build_pretraining', 'unigram_baseline']
+
+# %% ../../nbs/31_pretraining.ipynb #728dd1f3
+from .stages import StageParts
 
 # %% ../../nbs/31_pretraining.ipynb #0f43a562
 MODEL_INPUTS = ("doc_ids", "position_ids", "attn_mask")
@@ -23,6 +25,7 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     "Sum of next-token cross-entropy over positions whose label is not -100 (fp32)."
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
+# %% ../../nbs/31_pretraining.ipynb #cdb15abd
 class CausalLMTask:
     "Next-token prediction; `loss` returns the summed loss, `count` the number of supervised tokens."
     def loss(self, model, batch: dict):

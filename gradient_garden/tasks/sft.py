@@ -11,6 +11,13 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+# %% auto #0
+__all__ = ['DEFAULT_INSTRUCT_SOURCES', 'turn_cuts', 'tokenize_chat', 'write_split', 'SFTDataset', 'iter_source_chats',
+           'prepare_instruct', 'prepared_matches', 'prepare_stage_dir', 'collate_rows', 'pack_rows', 'SFTLoader',
+           'SFTTask', 'instruct_dir', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
+
+# %% ../../nbs/32_sft.ipynb #5352b234
 from ..config import ConfigError, GlobalConfig
 from ..runtime import all_gather_objects, atomic_dir
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
@@ -18,21 +25,19 @@ from ..data.verifiable import (sample_conversations, heldout_examples, exact_mat
 from ..tokenizer import init_tokenizer
 from ..generation import generate
 from .pretraining import CausalLMTask
+
+# %% ../../nbs/32_sft.ipynb #348b3223
 from .stages import (IGNORE_INDEX, StageParts, SplitStream, check_identity, check_messages,
                                           check_source, check_stream_state, datasets_progress, load_ragged, load_rows,
                                           open_split, save_ragged, stage_sources, stream_positions)
 from fastcore.basics import patch   # the loader is built up method by method below
-
-# %% auto #0
-__all__ = ['DEFAULT_INSTRUCT_SOURCES', 'turn_cuts', 'tokenize_chat', 'write_split', 'SFTDataset', 'iter_source_chats',
-           'prepare_instruct', 'prepared_matches', 'prepare_stage_dir', 'collate_rows', 'pack_rows', 'SFTLoader',
-           'SFTTask', 'instruct_dir', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
 
 # %% ../../nbs/32_sft.ipynb #46a633bc
 def turn_cuts(mask: Sequence[int]) -> list[int]:
     "Token counts after each supervised run (assistant turn + its eot): the places a chat may be cut."
     return [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
 
+# %% ../../nbs/32_sft.ipynb #59b7fc83
 def tokenize_chat(tokenizer, messages: list[dict], max_len: Optional[int] = None):
     "(ids, mask, cuts) of a chat, cut after the last whole assistant turn within `max_len`; None if none fits."
     ids, mask = tokenizer.render_chat(messages)
@@ -148,6 +153,7 @@ def prepare_stage_dir(cfg: GlobalConfig, data: Optional[dict], stage: str, prepa
 # %% ../../nbs/32_sft.ipynb #af613eda
 def _round_up(n: int, k: int = 8) -> int: return -(-n // k) * k
 
+# %% ../../nbs/32_sft.ipynb #9916c3c2
 def collate_rows(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, pad_id: int, packing: bool) -> dict:
     "Build a batch from rows of (ids, mask) documents: inputs, shifted labels, and for packing doc/position ids."
     T = seq_len if packing else min(seq_len, _round_up(max(len(ids) - 1 for r in rows for ids, _ in r)))
@@ -212,12 +218,14 @@ def _rows(self: SFTLoader, n_rows: int, epoch: int, cursor: int, shuffle: bool):
     rows = [[self.data.example(i, int(self.lengths[i])) for i in self._epoch_rows(e, shuffle)[c]] for e, c in mine]
     return rows, epoch, cursor
 
+# %% ../../nbs/32_sft.ipynb #3ecc7998
 @patch
 def next_batch(self: SFTLoader) -> dict:
     "The next micro-batch of this rank."
     rows, self.epoch, self.cursor = self._rows(self.batch_size, self.epoch, self.cursor, self.shuffle)
     return collate_rows(rows, self.seq_len, self.pad_id, self.packing)
 
+# %% ../../nbs/32_sft.ipynb #5d92408b
 @patch
 def fixed_batches(self: SFTLoader, n: int) -> list[dict]:
     "`n` batches of this rank from the start of the unshuffled stream, identical at every call (validation)."
@@ -235,6 +243,7 @@ def state_dict(self: SFTLoader) -> dict:
                 rank=self.rank, world_size=self.world_size, packing=self.packing, pack_window=self.pack_window,
                 seq_len=self.seq_len, n_docs=len(self.docs))
 
+# %% ../../nbs/32_sft.ipynb #709fff61
 @patch
 def load_state_dict(self: SFTLoader, d: dict):
     "Resume at the saved stream position (any world size); refuse a state from different data, length or packing."

@@ -32,6 +32,7 @@ IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
+# %% ../../nbs/30_stages.ipynb #71217241
 def check_messages(messages, where: str = "messages") -> list[dict]:
     "Validate (and normalise ShareGPT `from`/`value`) chat messages; raise `ConfigError` naming `where`."
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -45,7 +46,6 @@ def check_messages(messages, where: str = "messages") -> list[dict]:
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
-
 # %% ../../nbs/30_stages.ipynb #8325fd63
 def save_ragged(folder: Path, name: str, seqs: Sequence[Sequence[int]], dtype) -> None:
     "Write a list of int sequences as `name.npy` (flat) and `name_offsets.npy`."
@@ -54,10 +54,12 @@ def save_ragged(folder: Path, name: str, seqs: Sequence[Sequence[int]], dtype) -
     np.save(folder/f"{name}.npy", flat)
     np.save(folder/f"{name}_offsets.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
 
+# %% ../../nbs/30_stages.ipynb #5c9df0fb
 def load_ragged(folder: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
     "Memory-map `name.npy` and load its offsets."
     return np.load(folder/f"{name}.npy", mmap_mode="r"), np.load(folder/f"{name}_offsets.npy")
 
+# %% ../../nbs/30_stages.ipynb #54eab8b1
 def open_split(data_dir, split: str, what: str, stage: str) -> tuple[Path, dict]:
     "The folder and `meta.json` of one prepared split of `stage`, or one line saying how to prepare it."
     folder = Path(data_dir)/split
@@ -66,7 +68,6 @@ def open_split(data_dir, split: str, what: str, stage: str) -> tuple[Path, dict]
                           f"(or `gg prepare --recipe recipes/{stage}/debug.yaml`) first")
     return folder, json.loads((folder/"meta.json").read_text())
 
-
 # %% ../../nbs/30_stages.ipynb #8ee6669f
 SOURCE_KEYS = {
     "verifiable": {"type", "train", "val", "tasks", "seed", "max_turns", "system_prob"},
@@ -74,6 +75,7 @@ SOURCE_KEYS = {
     "json": {"type", "path", "column", "max_examples", "val_fraction"},
 }
 
+# %% ../../nbs/30_stages.ipynb #c69998d3
 def check_source(src, where: str, kinds=SOURCE_KEYS) -> dict:
     "Validate one `data.sources` entry against the keys its `type` allows."
     if not isinstance(src, dict) or src.get("type") not in kinds:
@@ -84,13 +86,13 @@ def check_source(src, where: str, kinds=SOURCE_KEYS) -> dict:
     if src["type"] in ("hub", "json") and not src.get("path"): raise ConfigError(f"{where}.path: required for type {src['type']!r}")
     return src
 
-
 # %% ../../nbs/30_stages.ipynb #facdd88b
 def _in_val(tag: str, i: int, fraction: float) -> bool:
     "Stable assignment of row `i` of source `tag` to the validation split."
     h = int.from_bytes(hashlib.sha1(f"{tag}|{i}".encode()).digest()[:4], "little")
     return h % 1_000_000 < fraction * 1_000_000
 
+# %% ../../nbs/30_stages.ipynb #b9d44ab7
 def load_rows(src: dict, split: str):
     "Rows of a hub or JSON source for `split` (train/val), through `datasets.load_dataset`."
     import datasets  # lazy: about 1 s of import (measured), only when a source is read
@@ -110,6 +112,7 @@ def load_rows(src: dict, split: str):
         n += 1
         yield i, row
 
+# %% ../../nbs/30_stages.ipynb #d814f79d
 @contextlib.contextmanager
 def datasets_progress(enabled: bool):
     "Silence the `datasets` progress bars inside the block unless `enabled`."
@@ -173,6 +176,7 @@ def check_stream_state(saved: dict, mine: dict, keys):
             raise ConfigError(f"loader state: {k} was {saved.get(k)!r} when saved, is {mine[k]!r} now; "
                               "exact resume needs the same data and settings (or resume with --reset-loader)")
 
+# %% ../../nbs/30_stages.ipynb #a50926c3
 def check_identity(tokenizer, data_identity: Optional[str], where: Path, tok_path: str):
     "Refuse data prepared with a different tokenizer than the run's."
     ident = getattr(tokenizer, "identity", None)
