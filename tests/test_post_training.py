@@ -192,7 +192,7 @@ def test_merged_lora_logits_equal_unmerged_and_only_adapters_train():
     assert len(lora_state_dict(model)) == 2 * 7 * 2
     from gradient_garden.engine.checkpoints import base_weights
     plain = tiny_tendril(seed=5)
-    plain.load_state_dict(base_weights({"model": model.state_dict(), "config": {"lora": {"alpha": 8}}}))
+    plain.load_state_dict(base_weights({"model": model.state_dict(), "config": {"lora": {"alpha": 8}}}, plain))
     with torch.no_grad(): assert torch.allclose(plain.eval()(x), ref, atol=1e-5)
     with torch.no_grad(): assert torch.allclose(merge_and_unload(model)(x), ref, atol=1e-5)
 
