@@ -3,13 +3,18 @@
 The bare step is `--accum` forward + cross-entropy + backward passes on a fixed micro-batch, clipping and AdamW. The
 trainer step is `Trainer.train_step` with everything it does around that: reading `--accum` micro-batches from the
 memory-mapped shards (through the prefetching loader with `--workers`), counting them on the host, copying each to
-the device just before its forward, the schedule, exact-mean accumulation bookkeeping, clipping and metrics. Both
-alternate in one process and the medians are compared. Target: trainer >= 0.95 x bare at accumulation 8. Last
-line: one JSON object.
+the device just before its forward, the schedule, exact-mean accumulation bookkeeping, clipping and metrics.
 
-    python bench/train_loop.py [--steps 6] [--repeats 5] [--accum 8] [--workers 0] [--device cpu]
+Both models are built from the same seed and do the same arithmetic. After `--warmup` steps of each (optimizer state,
+allocator; not counted), the two steps alternate one by one for `--rounds` rounds, the order swapped every round, so
+a load change on a shared machine hits both alike. Each step is timed by the wall clock and by the process's CPU
+time (which a busy machine's waiting leaves out; a prefetch thread's work is in it). `ratio` and `cpu_ratio` are
+bare over trainer seconds per step (= trainer over bare tokens/s) on the medians; `pair_ratio` the median of the
+rounds' own ratios. Target: trainer >= 0.95 x bare at accumulation 8. Last line: one JSON object.
+
+    python bench/train_loop.py [--rounds 5] [--warmup 2] [--accum 8] [--workers 0] [--device cpu] [--set KEY=VALUE ...]
 """
-import argparse, json, statistics, time
+import argparse, json, os, statistics, time
 import torch
 from gradient_garden.config import load_config
 from gradient_garden.engine.distributed import DistEnv, resolve_device
@@ -17,22 +22,27 @@ from gradient_garden.engine.optim import build_optimizers
 from gradient_garden.engine.trainer import Trainer
 from gradient_garden.models.tendril import build_model
 from gradient_garden.tasks.pretraining import CausalLMTask
+from gradient_garden.data.loaders import pretraining_loaders
 
-def main():
+
+def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="recipes/pretraining/debug.yaml")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed (bare, trainer) pairs")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
     ap.add_argument("--workers", type=int, default=0, help="runtime.num_workers: micro-batches prepared ahead by a thread")
     ap.add_argument("--set", nargs="*", default=[], dest="overrides")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    a = parse()
     cfg, _ = load_config(recipe=a.recipe, overrides=a.overrides + [f"runtime.device={a.device}", f"training.total_batch_size={a.accum * 8 * 256}",
                                                                    f"runtime.num_workers={a.workers}",
                                                                    "training.micro_batch_size=8", "training.seq_len=256"])
     dev = resolve_device(a.device)
-    env = DistEnv(device=dev)
     t = cfg.training
     tokens_per_step = a.accum * t.micro_batch_size * t.seq_len
 
@@ -40,38 +50,53 @@ def main():
     bare_model = build_model(cfg.model).to(dev)
     bare_opts = build_optimizers(bare_model, cfg.optimizers, dev.type)
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), device=dev)
+    inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()   # as the loader hands them out
     def bare_step():
         for _ in range(a.accum):   # the model's own (fused) loss, as the trainer uses it
-            (bare_model(x[:, :-1], labels=x[:, 1:]) / (a.accum * x[:, 1:].numel())).backward()
+            (bare_model(inputs, labels=labels) / (a.accum * labels.numel())).backward()
         torch.nn.utils.clip_grad_norm_(bare_model.parameters(), 1.0)
         for o in bare_opts: o.step(); o.zero_grad(set_to_none=True)
 
-    from gradient_garden.data.loaders import pretraining_loaders
     torch.manual_seed(0)
     model = build_model(cfg.model).to(dev)
     train, _ = pretraining_loaders(cfg)
-    trainer = Trainer(cfg, model, CausalLMTask(), train, None, env=env, log_to_console=False)
-    def trainer_step(): trainer.train_step()
+    trainer = Trainer(cfg, model, CausalLMTask(), train, None, env=DistEnv(device=dev), log_to_console=False)
+    fetch = []
+    def trainer_step():
+        trainer._fetch_s = 0.0
+        trainer.train_step()
+        fetch.append(trainer._fetch_s)
 
-    def timed(fn):
-        for _ in range(2): fn()  # warm-up
+    def timed(fn) -> tuple[float, float]:
+        "Wall and CPU seconds of one step, the device's queue drained at both ends."
         if dev.type == "cuda": torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(a.steps): fn()
+        w, c = time.perf_counter(), time.process_time()
+        fn()
         if dev.type == "cuda": torch.cuda.synchronize()
-        return a.steps * tokens_per_step / (time.perf_counter() - t0)
+        return time.perf_counter() - w, time.process_time() - c
 
-    bare, loop = [], []
-    for r in range(a.repeats):
-        pair = [(bare, bare_step), (loop, trainer_step)]
-        for lst, fn in (pair if r % 2 == 0 else pair[::-1]): lst.append(timed(fn))
+    load_before = os.getloadavg()[0]
+    for _ in range(a.warmup): bare_step(); trainer_step()
+    fetch.clear()
+    runs = {"bare": [], "trainer": []}
+    for r in range(a.rounds):
+        pair = [("bare", bare_step), ("trainer", trainer_step)]
+        for name, fn in (pair if r % 2 == 0 else pair[::-1]): runs[name].append(timed(fn))
+    med = {k: [statistics.median(s[i] for s in v) for i in (0, 1)] for k, v in runs.items()}
     res = dict(bench="train_loop", device=str(dev), model_dim=cfg.model.dim, n_layers=cfg.model.n_layers,
-               micro_batch=t.micro_batch_size, seq_len=t.seq_len, grad_accum=trainer.grad_accum, workers=a.workers, bare_tokens_per_s=statistics.median(bare),
-               trainer_tokens_per_s=statistics.median(loop))
-    res["ratio"] = res["trainer_tokens_per_s"] / res["bare_tokens_per_s"]
-    res["target"] = 0.95
-    print(f"bare step    {res['bare_tokens_per_s']:,.0f} tokens/s  (runs: {[round(v) for v in bare]})")
-    print(f"trainer step {res['trainer_tokens_per_s']:,.0f} tokens/s  (runs: {[round(v) for v in loop]})")
+               micro_batch=t.micro_batch_size, seq_len=t.seq_len, grad_accum=trainer.grad_accum, workers=a.workers,
+               rounds=a.rounds, warmup=a.warmup, threads=torch.get_num_threads(),
+               bare_tokens_per_s=tokens_per_step / med["bare"][0], trainer_tokens_per_s=tokens_per_step / med["trainer"][0],
+               ratio=med["bare"][0] / med["trainer"][0], cpu_ratio=med["bare"][1] / med["trainer"][1],
+               bare_cpu_s=med["bare"][1], trainer_cpu_s=med["trainer"][1],
+               pair_ratio=statistics.median(b[0] / tr[0] for b, tr in zip(runs["bare"], runs["trainer"])),
+               trainer_fetch_ms=1e3 * statistics.median(fetch), load_avg=[load_before, os.getloadavg()[0]], target=0.95,
+               wall_s={k: [round(s[0], 3) for s in v] for k, v in runs.items()},
+               cpu_s={k: [round(s[1], 3) for s in v] for k, v in runs.items()})
+    for k in ("bare", "trainer"):
+        print(f"{k:8s} {res[k + '_tokens_per_s']:>9,.0f} tokens/s   wall s/step {[round(s[0], 2) for s in runs[k]]}   "
+              f"cpu s/step {[round(s[1], 2) for s in runs[k]]}")
     print(json.dumps(res))
+
 
 if __name__ == "__main__": main()

@@ -434,72 +434,121 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
             ("report", str(self.run_dir/"report.ipynb") if (self.run_dir/"report.ipynb").exists() else None)]
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
 
-# %% ../../nbs/47_trainer.ipynb #8251b0d9
-# Kept whole: one reading of the loop top to bottom; each step's work is a named, checked method above
+# %% ../../nbs/47_trainer.ipynb #a2e88da4
+@patch
+def _score_before(self: Trainer) -> dict:
+    "The stage's score before training (a fresh run with a final evaluation), for the summary; else {}."
+    if self.final_evaluate is None or self.state.step: return {}
+    return self.final_evaluate(self.model if is_fsdp(self.model) else unwrap_model(self.model))
+
+# %% ../../nbs/47_trainer.ipynb #85641ffc
+@patch
+def _start_interval(self: Trainer, tokens: int):
+    "Start a logging interval now, at `tokens` seen; its untimed seconds start at 0."
+    self._interval, self._untimed_s = (time.perf_counter(), tokens), 0.0
+
+@patch
+def _logs(self: Trainer, step: int) -> bool:
+    "Whether `step` is a logging step: every `log_every`, the first and the last."
+    t = self.cfg.training
+    return step % t.log_every == 0 or step in (1, t.max_steps)
+
+# %% ../../nbs/47_trainer.ipynb #21c7be8b
+@patch
+def _interval_record(self: Trainer, out: dict) -> dict | None:
+    "On a logging step, the record of the interval since the last one (and a new interval starts); else None."
+    if not self._logs(self.state.step): return None
+    if self.env.device.type == "cuda": torch.cuda.synchronize()   # the interval's queued work is done: its time is real
+    t0, tokens0 = self._interval
+    rec = self._step_record(out, self.state.tokens_seen - tokens0, time.perf_counter() - t0 - self._untimed_s, self._peak)
+    self._start_interval(self.state.tokens_seen)
+    return rec
+
+# %% ../../nbs/47_trainer.ipynb #d98c542e
+@patch
+def _validate_due(self: Trainer, step: int) -> bool:
+    "Whether `step` validates: every `validation.every` steps and the last, when there is a validation loader."
+    v = self.cfg.validation
+    return v.enabled and self.val_loader is not None and (step % v.every == 0 or step == self.cfg.training.max_steps)
+
+# %% ../../nbs/47_trainer.ipynb #69eaa4d4
+@patch
+def _validate_untimed(self: Trainer, step: int, rec: dict | None) -> tuple[float, dict]:
+    "`_validate_into`, left out of the throughput (the peak MFU divides by stays the one measured at the start). The loss and the extended record."
+    with self._untimed(): return self._validate_into(step, rec)
+
+# %% ../../nbs/47_trainer.ipynb #a6eaa4a2
+@patch
+def _evaluate_and_sample(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
+    "The evals, final evaluation and samples due at `step`, untimed; the record unchanged on steps with none."
+    g = self.cfg.generation
+    sample = bool(g.every and step % g.every == 0 and self.tokenizer is not None)
+    if not (self._evals_due(step, last) or sample): return rec
+    with self._untimed():
+        rec = self._evaluate_into(step, last, rec)
+        if sample: self._write_samples()
+    return rec
+
+# %% ../../nbs/47_trainer.ipynb #b68c4d6d
+@patch
+def _stop_or_save(self: Trainer, step: int, last: bool, val_loss: float | None, stop) -> bool:
+    "True once every rank agrees to stop (this step checkpointed first); else the scheduled save or a background commit."
+    c = self.cfg.checkpointing
+    if stop is not None and stop.agreed(self.env):
+        with self._untimed(): self.save_checkpoint(val_loss)
+        return True
+    if c.every and (step % c.every == 0 or (last and c.save_final)):
+        with self._untimed(): self.save_checkpoint(val_loss)
+    elif self.ckpt_manager is not None: self.ckpt_manager.poll(self.env)   # commit a save finished on every rank
+    return False
+
+# %% ../../nbs/47_trainer.ipynb #e5dc3808
+@patch
+def _fit_result(self: Trainer, start_step: int, last_val, stopped_early: bool, stopped_by) -> dict:
+    "`fit`'s result: the step reached, why it stopped, the losses, the tokens and the latest checkpoint."
+    ckpt = self.ckpt_manager.latest() if self.ckpt_manager is not None else None
+    return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
+                stopped_early=stopped_early, stopped_by=stopped_by, tokens_seen=self.settle_tokens(),
+                start_step=start_step, checkpoint=str(ckpt) if ckpt else None)
+
+# %% ../../nbs/47_trainer.ipynb #a5016fab
 @patch
 def fit(self: Trainer) -> dict:
     "Train to `training.max_steps` (or early stop, or a stop request); log, validate, sample, evaluate, checkpoint, summarise."
-    cfg, env = self.cfg, self.env
-    t, v, g, c = cfg.training, cfg.validation, cfg.generation, cfg.checkpointing
+    cfg, env, t = self.cfg, self.env, self.cfg.training
     stop = getattr(self, "stop_request", None)  # e.g. `engine.run.StopRequest`: SIGTERM/SIGUSR1/Ctrl-C, agreed by all ranks
     logger = MetricsLogger(self.run_dir, enabled=env.is_main, wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
-    peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
-    before = {}
-    if self.final_evaluate is not None and self.state.step == 0:  # the stage's score before training, for the summary
-        before = self.final_evaluate(self.model if is_fsdp(self.model) else unwrap_model(self.model))
-    progress = Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
-    prof = make_profiler(cfg, self.run_dir, env)
-    stopped_early, stopped_by, last_val, latest = False, None, None, {}
+    self._peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
+    before, progress = self._score_before(), Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
+    prof, stopped_early, stopped_by, last_val, latest = make_profiler(cfg, self.run_dir, env), False, None, None, {}
     start_step, start_tokens, t_start = self.state.step, self.settle_tokens(), time.perf_counter()
-    self.model.train()
-    t_last, tok_mark, self._untimed_s = time.perf_counter(), self.settle_tokens(), 0.0
+    self.model.train(); self._start_interval(start_tokens)
     try:
         with (prof if prof is not None else contextlib.nullcontext()):
             while self.state.step < t.max_steps:
-                out = self.train_step()
+                out, val_loss = self.train_step(), None
                 if not self._warm: self._warm = True; set_collective_timeout(env, cfg.runtime.collective_timeout_s)
                 if prof is not None: prof.step()
-                step, rec, val_loss = self.state.step, None, None
-                if step % t.log_every == 0 or step == t.max_steps or step == 1:
-                    if env.device.type == "cuda": torch.cuda.synchronize()
-                    rec = self._step_record(out, self.state.tokens_seen - tok_mark, time.perf_counter() - t_last - self._untimed_s, peak)
-                    t_last, tok_mark, self._untimed_s = time.perf_counter(), self.state.tokens_seen, 0.0
+                step, rec = self.state.step, self._interval_record(out)
                 progress.update(step, rec)
-                if v.enabled and self.val_loader is not None and (step % v.every == 0 or step == t.max_steps):
-                    with self._untimed():
-                        val_loss, rec = self._validate_into(step, rec); last_val = val_loss
+                if self._validate_due(step):
+                    val_loss, rec = self._validate_untimed(step, rec); last_val = val_loss
                     progress.write(f"step {step}: val_loss {val_loss:.4f}")
-                    if self.early and self.early.update(step, val_loss): stopped_early = True
+                    stopped_early = bool(self.early and self.early.update(step, val_loss))
                 last = step == t.max_steps or stopped_early
-                sample = bool(g.every and step % g.every == 0 and self.tokenizer is not None)
-                if self._evals_due(step, last) or sample:   # no device wait on the steps that do neither
-                    with self._untimed():
-                        rec = self._evaluate_into(step, last, rec)
-                        if sample: self._write_samples()
+                rec = self._evaluate_and_sample(step, last, rec)
                 if rec is not None: logger.log(rec); latest.update(rec)
                 for cb in self.callbacks: cb(self, rec)
-                # every step: one process reads its own flag; ranks agree through the CPU group, never waiting for the device
-                if stop is not None and stop.agreed(env):
-                    stopped_by = stop.name
-                    with self._untimed(): self.save_checkpoint(val_loss)
-                    break
-                if c.every and (step % c.every == 0 or (last and c.save_final)):
-                    with self._untimed(): self.save_checkpoint(val_loss)
-                elif self.ckpt_manager is not None: self.ckpt_manager.poll(env)  # commit a save finished on every rank
+                if self._stop_or_save(step, last, val_loss, stop): stopped_by = stop.name; break
                 if stopped_early:
                     progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
                     break
         if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
         barrier()
-    finally:
-        progress.close()
-        logger.close()
-    ckpt = self.ckpt_manager.latest() if self.ckpt_manager is not None else None
-    res = dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
-               stopped_early=stopped_early, stopped_by=stopped_by, tokens_seen=self.settle_tokens(),
-               start_step=start_step, checkpoint=str(ckpt) if ckpt else None)
+    finally: progress.close(); logger.close()
+    res = self._fit_result(start_step, last_val, stopped_early, stopped_by)
     if self.log_to_console:
-        print(self._summary(res, latest, before, time.perf_counter() - t_start, res["tokens_seen"] - start_tokens, peak), flush=True)
+        print(self._summary(res, latest, before, time.perf_counter() - t_start, res["tokens_seen"] - start_tokens, self._peak), flush=True)
     return res | {f"{k}_before": x for k, x in before.items() if isinstance(x, (int, float))}
 
 # %% ../../nbs/47_trainer.ipynb #6bc5dbda
