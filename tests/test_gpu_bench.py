@@ -1,13 +1,13 @@
 """`bench/gpu.sh --smoke`: the script a lent GPU runs, run whole on the CPU (tiny shapes, gloo, no install), so that it
 cannot rot between GPU sessions: one JSON line, every leg present and none failed, MFU computed for every leg."""
-import json, os, subprocess
+import json, os, subprocess, sys
 from conftest import ROOT
 
 LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention"]
 
 def test_gpu_bench_smoke_has_every_leg():
     r = subprocess.run(["bash", "bench/gpu.sh", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable})
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1, r.stdout[-3000:]
