@@ -185,9 +185,9 @@ def test_training_step_never_syncs(kind):
     assert d.total == 0, f"{kind}: host syncs in one training step:\n{d.report()}"
 
 
-# -- FSDP2: one reduce-scatter per unit per optimizer step ------------------------------------------------------------
-def _fsdp_reduce_scatters(rank, world, out_dir):
-    "Two micro-steps of an FSDP2 Tendril; write how many reduce-scatters each optimizer step ran."
+# -- FSDP2: reduce-scatters per unit per micro-step (the default) or once per optimizer step (no_sync) -----------------
+def _fsdp_reduce_scatters(rank, world, out_dir, mode):
+    "Two micro-steps of an FSDP2 Tendril under `runtime.fsdp_accumulation=mode`; write how many reduce-scatters each optimizer step ran."
     import json
     import torch.distributed as dist
     from gradient_garden.engine.distributed import DistEnv, apply_fsdp
@@ -195,6 +195,7 @@ def _fsdp_reduce_scatters(rank, world, out_dir):
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tasks.pretraining import CausalLMTask
     cfg = tiny_cfg(total_batch_size=2 * 2 * T * world)            # micro-batches of 2 x 16, 2 per rank per step
+    cfg.runtime.fsdp_accumulation = mode
     torch.manual_seed(0)
     model = apply_fsdp(build_model(cfg.model))
     tr = Trainer(cfg, model, CausalLMTask(), ListLoader(causal_batches(seed=rank)), env=DistEnv(rank, rank, world),
@@ -214,15 +215,17 @@ def _fsdp_reduce_scatters(rank, world, out_dir):
                                                                  ddp_broadcasts_buffers=ddp.broadcast_buffers)))
 
 
-def test_fsdp2_reduce_scatters_once_per_optimizer_step(tmp_path):
-    "With gradient accumulation FSDP2 reduce-scatters each unit's gradients once per optimizer step, not per micro-step."
+@pytest.mark.parametrize("mode", ["reduce_scatter", "no_sync"])
+def test_fsdp2_reduce_scatters_per_accumulation_mode(tmp_path, mode):
+    "FSDP2 reduce-scatters each unit's gradients on every micro-step by default (sharded gradients), once per optimizer step under no_sync."
     import json
     from gloo_ranks import run_ranks
-    run_ranks(_fsdp_reduce_scatters, 2, tmp_path / "pg", str(tmp_path))
+    run_ranks(_fsdp_reduce_scatters, 2, tmp_path / "pg", str(tmp_path), mode)
     for r in range(2):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert res["grad_accum"] == 2
-        assert res["per_step"] == [res["units"]] * 2, res     # one per FSDP unit (the blocks and the root)
+        per_micro_step = res["grad_accum"] if mode == "reduce_scatter" else 1
+        assert res["per_step"] == [res["units"] * per_micro_step] * 2, res     # per FSDP unit (the blocks and the root)
         assert res["ddp_broadcasts_buffers"] is False          # the RoPE tables are the same on every rank
 
 
