@@ -7,6 +7,7 @@ the `grpo`, `dr_grpo` and `dapo` normalisations, an optional k3 KL to the starti
 # %% ../../nbs/35_rl.ipynb #fe91bc48
 from __future__ import annotations
 import contextlib, math, time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 import numpy as np
@@ -458,14 +459,17 @@ def loss(self: RLTask, model, batch: dict):
 
 @patch
 def _heldout(self: RLTask, model, batch: dict):
-    "Misses of this rank's held-out prompts (the validation 'loss'), with greedy hits and pass@k as metrics."
+    "Misses of this rank's held-out prompts (the validation 'loss'), with greedy hits (overall and per task) and pass@k as metrics."
     rl, exs = self.rl, [self.heldout[i] for i in batch["heldout"]]
     dev = next(model.parameters()).device
     if not exs and not self.lockstep: z = torch.zeros((), device=dev); return z, {}
     hits, khits = heldout_hits(model, self.tok, exs, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p, rl.plain_prompts,
                                self.seed, lockstep=self.lockstep, n_rows=batch.get("n_rows"))
     t = lambda x: torch.tensor(float(x), dtype=torch.float64, device=dev)
-    return t(len(exs) - sum(hits)), {"exact_match": t(sum(hits)), f"pass@{rl.eval_k}": t(sum(k > 0 for k in khits))}
+    out = {"exact_match": t(sum(hits)), f"pass@{rl.eval_k}": t(sum(k > 0 for k in khits))}
+    for task, n in sorted(Counter(e.task for e in self.heldout).items()):   # x all / n: the engine divides by all prompts
+        out[f"exact_match/{task}"] = t(sum(h for e, h in zip(exs, hits) if e.task == task) * len(self.heldout) / n)
+    return t(len(exs) - sum(hits)), out
 
 # %% ../../nbs/35_rl.ipynb #a0fc1210
 class HeldoutLoader:
