@@ -234,6 +234,7 @@ class RLConfig:
     epsilon_high: float = 0.2
     beta: float = 0.0                        # k3 KL to the starting model
     num_iterations: int = 1                  # optimizer steps per batch of rollouts (mu)
+    sampling_rounds: int = 1                 # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Optional[int] = None
@@ -525,7 +526,7 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
         raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of one prompt)")
     for k in ("epsilon_low", "epsilon_high", "beta"):
         if getattr(rl, k) < 0: raise ConfigError(f"rl.{k}: got {getattr(rl, k)}; must be >= 0")
-    for k in ("num_iterations", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
+    for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
     _positive("rl.eval_k", rl.eval_k, allow_zero=True)
     if rl.temperature < 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be >= 0")
     if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")

@@ -229,3 +229,10 @@ def test_gg_evaluate_generative_flags():
     assert generative_sets(args) == ["exact_match", "gsm8k"] and evaluation_plan(args) == ([], [])
     hf = p.parse_args(["--hf-checkpoint", "d", "--exact-match"])
     with pytest.raises(ConfigError, match="need --checkpoint"): generative_exact_match(hf, None, None, GlobalConfig(), None)
+
+
+def test_sampling_rounds_below_one_is_one_line():
+    cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
+                                    "rl": {"sampling_rounds": 0}})
+    with pytest.raises(ConfigError, match=r"rl.sampling_rounds: got 0") as e: validate(cfg)
+    _one_line(e)

@@ -6,16 +6,18 @@ the `grpo`, `dr_grpo` and `dapo` normalisations, an optional k3 KL to the starti
 
 # %% ../../nbs/35_rl.ipynb #fe91bc48
 from __future__ import annotations
-import contextlib, importlib, math, numbers, re, time
-from dataclasses import dataclass, field
+import contextlib, math, time
+from collections import Counter
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
 from ..config import ConfigError, GlobalConfig
 from ..runtime import all_reduce, all_gather_objects, is_fsdp
-from ..data.verifiable import VerifiableExample, sample_examples, heldout_examples, exact_match, SYSTEM_PROMPT
+from ..data.verifiable import heldout_examples
+from .rewards import (RLExample, Rewarder, correctness, from_verifiable, load_prompts, DEFAULT_RL_SOURCES,
+                                           gsm8k_final, numeric_match, call_reward, load_reward_function)
 from ..generation import (_left_padded, _no_grad_mode, decode_step, decode_step_applies, hold_decode_weights,
                           sample_next)
 from ..models.tendril import unwrap_model
@@ -23,11 +25,9 @@ from .stages import StageParts
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'GSM8K_ANSWER', 'NUMBER', 'RL_SOURCE_KEYS', 'DEFAULT_RL_SOURCES', 'IGNORE_INDEX',
-           'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts', 'RLExample', 'gsm8k_final', 'last_number',
-           'numeric_match', 'correctness', 'well_formed', 'load_reward_function', 'call_reward', 'Rewarder',
-           'gsm8k_examples', 'load_prompts', 'expand_groups', 'group_rollouts', 'collate_rollouts', 'completion_logps',
-           'encode_prompt', 'RolloutLoader', 'heldout_hits', 'summarize_hits', 'heldout_examples_for',
+__all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IGNORE_INDEX', 'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts',
+           'expand_groups', 'cut_at_stop', 'group_rollouts', 'collate_rollouts', 'completion_logps', 'encode_prompt',
+           'RolloutLoader', 'differs', 'choose_groups', 'heldout_hits', 'summarize_hits', 'heldout_examples_for',
            'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start',
            'ReferenceModel', 'rl_dir', 'build_rl']
 
@@ -70,135 +70,7 @@ def loss_parts(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_
     if loss_type == "dapo": return (per_token * m).sum(), mask.sum()
     raise ConfigError(f"rl.loss_type: got {loss_type!r}; allowed: {', '.join(RL_LOSSES)}")
 
-# %% ../../nbs/35_rl.ipynb #d4fe6d30
-@dataclass(frozen=True)
-class RLExample:
-    "A prompt and what its verifier needs: `kind` (verifiable, gsm8k), the answer and the row's other fields."
-    kind: str
-    task: str
-    prompt: str
-    answer: str
-    fields: dict = field(default_factory=dict, hash=False, compare=False)
-
-GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
-NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
-
-def gsm8k_final(answer: str) -> Optional[str]:
-    "The number after `####` at the end of a GSM8K answer, commas removed (None if it has none)."
-    m = GSM8K_ANSWER.search(answer.strip())
-    return m.group(1).replace(",", "") if m else None
-
-def last_number(text: str) -> Optional[float]:
-    "The last number written in `text` (commas as thousands separators), or None."
-    found = NUMBER.findall(text)
-    if not found: return None
-    try: return float(found[-1].replace(",", "").rstrip("."))
-    except ValueError: return None
-
-def numeric_match(completion: str, answer: str) -> bool:
-    "True when the last number of `completion` equals the final number of a GSM8K `answer`."
-    want, got = gsm8k_final(answer), last_number(completion)
-    return want is not None and got is not None and abs(got - float(want)) < 1e-6
-
-# %% ../../nbs/35_rl.ipynb #856feceb
-def correctness(ex: RLExample, completion: str) -> float:
-    "1.0 when `completion` answers `ex` (exact match for verifiable tasks, the final number for GSM8K), else 0.0."
-    if ex.kind == "gsm8k": return float(numeric_match(completion, ex.answer))
-    return float(exact_match(completion, ex.answer))
-
-def well_formed(ex: RLExample, completion: str, stopped: bool) -> float:
-    "1.0 for an answer in the expected form: stopped, one line (verifiable), or ending `#### n` (GSM8K)."
-    if not stopped: return 0.0
-    if ex.kind == "gsm8k": return float(gsm8k_final(completion) is not None)
-    return float(bool(completion.strip()) and "\n" not in completion.strip())
-
-# %% ../../nbs/35_rl.ipynb #ef9c3d95
-def load_reward_function(path: str, where: str) -> Callable:
-    "The function named `module:function`, or one line naming what is missing."
-    mod, _, name = path.partition(":")
-    if not mod or not name: raise ConfigError(f"{where}: got {path!r}; expected 'module:function'")
-    try: module = importlib.import_module(mod)
-    except ImportError as e: raise ConfigError(f"{where}: cannot import module {mod!r} of reward function {path!r} ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn): raise ConfigError(f"{where}: module {mod!r} has no function {name!r} (reward function {path!r})")
-    return fn
-
-def call_reward(fn: Callable, path: str, ex: RLExample, completion: str) -> float:
-    "`fn(prompt=, completion=, **fields)` checked to be a finite number; one line naming `path` otherwise."
-    try: r = fn(prompt=ex.prompt, completion=completion, **ex.fields)
-    except Exception as e:
-        raise ConfigError(f"rl.reward_functions: {path} raised {type(e).__name__}: {e} (prompt {ex.prompt[:60]!r})") from None
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r):
-        raise ConfigError(f"rl.reward_functions: {path} returned {r!r} for prompt {ex.prompt[:60]!r}; a reward must be a finite number")
-    return float(r)
-
-# %% ../../nbs/35_rl.ipynb #8ab4f2e5
-class Rewarder:
-    "Sum of correctness (weight `correct`), form (weight `format_reward`) and user functions, with each part's mean kept."
-    def __init__(self, format_weight: float = 0.0, functions: tuple = (), correct_weight: float = 1.0):
-        self.format_weight, self.correct_weight = format_weight, correct_weight
-        self.functions = [(p, load_reward_function(p, f"rl.reward_functions[{i}]")) for i, p in enumerate(functions)]
-
-    def __call__(self, ex: RLExample, completion: str, stopped: bool) -> dict:
-        "The reward of one completion and its parts."
-        parts = {"correct": correctness(ex, completion)}
-        if self.format_weight: parts["format"] = well_formed(ex, completion, stopped)
-        for p, fn in self.functions: parts[p] = call_reward(fn, p, ex, completion)
-        total = self.correct_weight * parts["correct"] + self.format_weight * parts.get("format", 0.0)
-        return parts | {"total": total + sum(parts[p] for p, _ in self.functions)}
-
-# %% ../../nbs/35_rl.ipynb #189d5eda
-# Kept whole: the source keys, their checks and the loader read as one table of what a source may say
-RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob"},
-                  "gsm8k": {"type", "path", "name", "split", "val_split", "max_examples", "max_val_examples", "revision"}}
-DEFAULT_RL_SOURCES = [{"type": "verifiable", "train": 4000, "seed": 2}]
-
-def _gsm8k_rows(src: dict, split_key: str, where: str) -> list[dict]:
-    "Rows of a GSM8K-schema source: a local JSON/JSONL file, or a hub dataset (through `datasets`)."
-    import datasets  # lazy: about 1 s of import, only when a GSM8K source is read
-    p = Path(str(src["path"])).expanduser()
-    if p.suffix in (".json", ".jsonl") or p.exists():
-        if not p.exists(): raise ConfigError(f"{where}.path: {p} not found")
-        ds = datasets.load_dataset("json", data_files=str(p), split="train")
-    else: ds = datasets.load_dataset(src["path"], src.get("name", "main"), split=src.get(split_key, "train" if split_key == "split" else "test"),
-                                     revision=src.get("revision"))
-    for c in ("question", "answer"):
-        if c not in ds.column_names: raise ConfigError(f"{where}: the rows have no {c!r} column (columns: {', '.join(ds.column_names)}); GSM8K's schema is question, answer ending '#### n'")
-    return list(ds)
-
-def gsm8k_examples(src: dict, split: str, where: str) -> list[RLExample]:
-    "GSM8K-schema rows as examples (`val`: the `val_split` file or split); rows without a final `#### n` refused."
-    if split == "val" and not src.get("val_split"): return []
-    s = dict(src, path=src["val_split"]) if split == "val" and Path(str(src["val_split"])).suffix in (".json", ".jsonl") else src
-    rows = _gsm8k_rows(s, "val_split" if split == "val" and s is src else "split", where)
-    limit = src.get("max_examples" if split == "train" else "max_val_examples")
-    out = []
-    for i, row in enumerate(rows[:limit] if limit else rows):
-        if gsm8k_final(row["answer"]) is None: raise ConfigError(f"{where}: row {i} answer does not end in '#### <number>': {row['answer'][-60:]!r}")
-        out.append(RLExample("gsm8k", "gsm8k", row["question"], row["answer"], dict(row)))
-    return out
-
-def load_prompts(sources: Optional[list], split: str = "train") -> list[RLExample]:
-    "The examples of every source for `split` (train; val: held-out verifiable problems and GSM8K `val_split` rows)."
-    srcs = sources or DEFAULT_RL_SOURCES
-    if not isinstance(srcs, list): raise ConfigError(f"data.sources: got {type(srcs).__name__}; expected a list")
-    out = []
-    for i, src in enumerate(srcs):
-        where = f"data.sources[{i}]"
-        if not isinstance(src, dict) or src.get("type") not in RL_SOURCE_KEYS:
-            raise ConfigError(f"{where}.type: got {src.get('type') if isinstance(src, dict) else src!r}; allowed for the rl stage: {', '.join(RL_SOURCE_KEYS)}")
-        unknown = sorted(set(src) - RL_SOURCE_KEYS[src["type"]])
-        if unknown: raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys for type {src['type']!r}: {', '.join(sorted(RL_SOURCE_KEYS[src['type']]))}")
-        if src["type"] == "gsm8k":
-            if not src.get("path"): raise ConfigError(f"{where}.path: required for type 'gsm8k' (a hub id such as openai/gsm8k, or a local .jsonl)")
-            out += gsm8k_examples(src, split, where)
-        elif split == "train":
-            out += [RLExample("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer, "task": e.task})
-                    for e in sample_examples(src.get("train", 4000), "train", src.get("tasks"), src.get("seed", 2))]
-    return out
-
-# %% ../../nbs/35_rl.ipynb #9f8f4978
-# Kept whole: one pass over the prefilled cache, G copies per row; splitting it would hide the shapes
+# %% ../../nbs/35_rl.ipynb #39305d8a
 def expand_groups(cache, logits: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor, group_size: int):
     "A prefilled `[P, ...]` KV cache, last logits, tokens and padding mask repeated for `P x group_size` rows."
     rep = lambda t: t.repeat_interleave(group_size, 0)
@@ -207,6 +79,16 @@ def expand_groups(cache, logits: torch.Tensor, tokens: torch.Tensor, real: torch
     cache.batch_size *= group_size
     return cache, rep(logits), rep(tokens), rep(real)
 
+# %% ../../nbs/35_rl.ipynb #593b0034
+def cut_at_stop(rows: list[list[int]], stop_set: set) -> tuple[list[list[int]], list[bool]]:
+    "Each row up to and including its first stop token, and whether it has one."
+    outs, stopped = [], []
+    for row in rows:
+        cut = next((i for i, t in enumerate(row) if t in stop_set), None)
+        outs.append(row if cut is None else row[:cut + 1]); stopped.append(cut is not None)
+    return outs, stopped
+
+# %% ../../nbs/35_rl.ipynb #974438ac
 @torch.no_grad()
 def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: Optional[int] = None, stop_ids=(), pad_id: int = 0,
@@ -238,11 +120,7 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
             new.append(nxt)
             finished |= torch.isin(nxt, stop)
             if not lockstep and bool(finished.all()): break
-    outs, stopped, stop_set = [], [], set(stop.tolist())
-    for row in torch.stack(new, 1).tolist():
-        cut = next((i for i, t in enumerate(row) if t in stop_set), None)
-        outs.append(row if cut is None else row[:cut + 1]); stopped.append(cut is not None)
-    return outs, stopped
+    return cut_at_stop(torch.stack(new, 1).tolist(), set(stop.tolist()))
 
 # %% ../../nbs/35_rl.ipynb #d36e0f8a
 IGNORE_INDEX = -100
@@ -341,8 +219,7 @@ def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tu
             if k != "total": parts[k] = parts.get(k, 0.0) + v
     return torch.tensor(rewards, dtype=torch.float32), parts
 
-# %% ../../nbs/35_rl.ipynb #f25f5cdd
-# Kept whole: the step's figures and the one all-reduce that makes them global, read together
+# %% ../../nbs/35_rl.ipynb #af806801
 def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
                   parts: dict, seconds: float, group_size: int) -> dict:
     "Step figures over every rank's rollouts: reward mean/std, zero-variance groups, lengths, rollout tokens/s."
@@ -358,6 +235,7 @@ def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tens
                truncated=sums[5].item() / N, rollout_tokens_per_s=sums[4].item() / max(secs.item(), 1e-9))
     return out | {f"reward/{k}": sums[6 + i].item() / N for i, k in enumerate(sorted(parts))}
 
+# %% ../../nbs/35_rl.ipynb #ec7b9539
 @patch
 @torch.no_grad()
 def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
@@ -369,31 +247,71 @@ def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
         if self.reference is not None: batch["ref_logps"] = completion_logps(self.reference, b)[0].cpu()
     return batch
 
+# %% ../../nbs/35_rl.ipynb #a9070f2f
 @patch
-def _rollout_round(self: RolloutLoader):
-    "Sample, score and batch this rank's prompts of the next round; fill `buffer` with the step's micro-batches."
-    rl, G = self.rl, self.rl.group_size
+def _next_prompts(self: RolloutLoader) -> list[int]:
+    "This rank's share of the next `prompts_per_rank x world_size` prompts of the global stream."
     mine, self.epoch, self.cursor = stream_positions(self.epoch, self.cursor, self.prompts_per_rank, self.rank,
                                                      self.world_size, lambda e: len(self.examples))
-    idx = [int(self._order_for(e)[c]) for e, c in mine]
-    outs, stopped, secs = self._sample(idx)
-    rewards, parts = self._score(idx, outs, stopped)
-    batch_std = None
-    if rl.scale_rewards == "batch":
-        s = all_reduce(torch.tensor([rewards.numel(), rewards.double().sum(), (rewards.double() ** 2).sum()], dtype=torch.float64))
-        m = s[1] / s[0]
-        batch_std = torch.sqrt((s[2] / s[0] - m ** 2).clamp(min=0) * s[0] / (s[0] - 1)).float()
-    adv, zero = group_advantages(rewards, G, rl.scale_rewards, batch_std)
-    stop_t, lens = torch.tensor(stopped), torch.tensor([len(o) for o in outs])
-    stats = _global_stats(rewards, zero, lens, stop_t, parts, secs, G)
-    keep = torch.ones_like(stop_t) if not rl.mask_truncated else stop_t
-    rows = [self.prompt_ids[i] for i in idx for _ in range(G)]
+    return [int(self._order_for(e)[c]) for e, c in mine]
+
+def differs(rewards: torch.Tensor) -> bool:
+    "Whether a group's rewards are not all equal (its advantages are not all zero)."
+    return bool((rewards != rewards[0]).any())
+
+# %% ../../nbs/35_rl.ipynb #5650dbe6
+@patch
+def _sample_groups(self: RolloutLoader) -> tuple:
+    "Groups `(prompt, completions, stopped, rewards)` of up to `rl.sampling_rounds` rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose rewards differ."
+    G, P, groups, parts, secs = self.rl.group_size, self.prompts_per_rank, [], {}, 0.0
+    for n in range(1, self.rl.sampling_rounds + 1):
+        idx = self._next_prompts()
+        outs, stopped, s = self._sample(idx)
+        rewards, p = self._score(idx, outs, stopped)
+        self.round, secs = self.round + 1, secs + s
+        parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
+        groups += [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+        good = sum(differs(g[3]) for g in groups)
+        short, found = all_reduce(torch.tensor([max(P - good, 0), good], dtype=torch.float64)).tolist()
+        if short == 0: break
+    return groups, parts, secs, n, found > 0
+
+# %% ../../nbs/35_rl.ipynb #aba3b2c1
+def choose_groups(groups: list, n: int, rounds: int) -> tuple[list, list[bool]]:
+    "The step's `n` groups and which are fillers: all in order for one round, else differing ones first, then equal ones."
+    if rounds == 1: return groups[:n], [False] * len(groups[:n])
+    good = [g for g in groups if differs(g[3])][:n]
+    rest = [g for g in groups if not differs(g[3])][:n - len(good)]
+    return good + rest, [False] * len(good) + [True] * len(rest)
+
+# %% ../../nbs/35_rl.ipynb #d1f6f6ab
+@patch
+def _batch_std(self: RolloutLoader, rewards: torch.Tensor) -> torch.Tensor:
+    "The standard deviation of the step's rewards over every rank (`rl.scale_rewards: batch`)."
+    s = all_reduce(torch.tensor([rewards.numel(), rewards.double().sum(), (rewards.double() ** 2).sum()], dtype=torch.float64))
+    m = s[1] / s[0]
+    return torch.sqrt((s[2] / s[0] - m ** 2).clamp(min=0) * s[0] / (s[0] - 1)).float()
+
+# %% ../../nbs/35_rl.ipynb #9044a95d
+@patch
+def _rollout_round(self: RolloutLoader):
+    "Sample, score and choose this rank's groups of the next step; fill `buffer` with the step's micro-batches."
+    rl, G = self.rl, self.rl.group_size
+    groups, parts, secs, rounds, found = self._sample_groups()
+    chosen, filler = choose_groups(groups, self.prompts_per_rank, rl.sampling_rounds)
+    rewards = torch.cat([g[3] for g in chosen])
+    adv, _ = group_advantages(rewards, G, rl.scale_rewards, self._batch_std(rewards) if rl.scale_rewards == "batch" else None)
+    every = torch.cat([g[3] for g in groups])
+    stats = _global_stats(every, group_advantages(every, G)[1], torch.tensor([len(o) for g in groups for o in g[1]]),
+                          torch.tensor([s for g in groups for s in g[2]]), parts, secs, G) | {"sampling_rounds": rounds}
+    outs, stopped = [o for g in chosen for o in g[1]], torch.tensor([s for g in chosen for s in g[2]])
+    keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G)
+    rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
     self.buffer = []
     for s in range(0, len(rows), self.micro):
         b = collate_rollouts(rows[s:s + self.micro], outs[s:s + self.micro], self.seq_len, self.pad_id)
         b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "stats": stats}
         self.buffer.append(self._extra_logps(b))
-    self.round += 1
     self.pos, self.passes_left = 0, rl.num_iterations
 
 # %% ../../nbs/35_rl.ipynb #38f4d3b7
@@ -427,8 +345,7 @@ def load_state_dict(self: RolloutLoader, d: dict):
     self.pos, self.passes_left, self.buffer = int(d.get("pos", 0)), int(d.get("passes_left", 0)), list(d.get("buffer", []))
     if self.reference is not None and d.get("reference"): self.reference.model.load_state_dict(d["reference"])
 
-# %% ../../nbs/35_rl.ipynb #75e983e2
-# Kept whole: greedy and sampled answers share one prefill and one lockstep rule
+# %% ../../nbs/35_rl.ipynb #814ea3b2
 @torch.no_grad()
 def heldout_hits(model, tokenizer, examples: list[RLExample], k: int = 4, max_new_tokens: int = 24,
                  temperature: float = 1.0, top_p: float = 1.0, plain: bool = False, seed: int = 0,
@@ -458,6 +375,7 @@ def heldout_hits(model, tokenizer, examples: list[RLExample], k: int = 4, max_ne
     khits = [sum(correctness(e, text(o)) for o in sampled[i * k:(i + 1) * k]) for i, e in enumerate(examples)] if k else [0] * len(examples)
     return hits, khits
 
+# %% ../../nbs/35_rl.ipynb #cb8ff6e9
 def summarize_hits(examples: list[RLExample], hits: list, khits: list, k: int) -> dict:
     "exact_match (greedy), pass@k and sampled accuracy, overall and per task."
     out, n = {}, max(len(examples), 1)
@@ -476,8 +394,7 @@ def heldout_examples_for(sources: Optional[list], n_per_task: int = 20, seed: in
     srcs, out = sources or DEFAULT_RL_SOURCES, []
     for s in srcs:
         if isinstance(s, dict) and s.get("type") == "verifiable":
-            out += [RLExample("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer, "task": e.task})
-                    for e in heldout_examples(n_per_task, s.get("tasks"), seed)]
+            out += [from_verifiable(e) for e in heldout_examples(n_per_task, s.get("tasks"), seed)]
     return list({(e.task, e.prompt): e for e in out}.values()) + load_prompts([s for s in srcs if s.get("type") == "gsm8k"], "val")
 
 def evaluate_generative(model, tokenizer, examples: list[RLExample], k: int = 4, max_new_tokens: int = 24,
@@ -542,14 +459,17 @@ def loss(self: RLTask, model, batch: dict):
 
 @patch
 def _heldout(self: RLTask, model, batch: dict):
-    "Misses of this rank's held-out prompts (the validation 'loss'), with greedy hits and pass@k as metrics."
+    "Misses of this rank's held-out prompts (the validation 'loss'), with greedy hits (overall and per task) and pass@k as metrics."
     rl, exs = self.rl, [self.heldout[i] for i in batch["heldout"]]
     dev = next(model.parameters()).device
     if not exs and not self.lockstep: z = torch.zeros((), device=dev); return z, {}
     hits, khits = heldout_hits(model, self.tok, exs, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p, rl.plain_prompts,
                                self.seed, lockstep=self.lockstep, n_rows=batch.get("n_rows"))
     t = lambda x: torch.tensor(float(x), dtype=torch.float64, device=dev)
-    return t(len(exs) - sum(hits)), {"exact_match": t(sum(hits)), f"pass@{rl.eval_k}": t(sum(k > 0 for k in khits))}
+    out = {"exact_match": t(sum(hits)), f"pass@{rl.eval_k}": t(sum(k > 0 for k in khits))}
+    for task, n in sorted(Counter(e.task for e in self.heldout).items()):   # x all / n: the engine divides by all prompts
+        out[f"exact_match/{task}"] = t(sum(h for e, h in zip(exs, hits) if e.task == task) * len(self.heldout) / n)
+    return t(len(exs) - sum(hits)), out
 
 # %% ../../nbs/35_rl.ipynb #a0fc1210
 class HeldoutLoader:

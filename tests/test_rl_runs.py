@@ -1,0 +1,150 @@
+"""The RL stage run by the engine at small scale: exact resume (weights and rollout sampling), FSDP2 on 2 gloo ranks,
+and activation checkpointing, torch.compile and LoRA composed with it. A tiny BPE trained on the verifiable chats and
+a random two-layer Tendril prompted in the plain mode (`rl.plain_prompts`: no chat checkpoint needed)."""
+import json, os
+from pathlib import Path
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parity_reward(prompt, completion, **fields):
+    "A reward a random model's samples differ in (the parity of the completion's length), so every group has a gradient."
+    return float(len(completion) % 2)
+RECIPE = str(ROOT/"recipes"/"rl"/"debug.yaml")
+
+
+@pytest.fixture(scope="module")
+def rl_inputs(tmp_path_factory):
+    "A 768-token BPE and the RL prompts (train and held-out) prepared with it; returns the overrides that point at them."
+    from gradient_garden.config import load_config
+    from gradient_garden.data.verifiable import WORDS, sample_conversations
+    from gradient_garden.tasks.rl import prepare_rl, rl_dir
+    from gradient_garden.tokenizer import train_bpe
+    base = tmp_path_factory.mktemp("rl_inputs")
+    texts = [m["content"] for c in sample_conversations(300, seed=0) for m in c] + [" ".join(WORDS)] * 2
+    tok = train_bpe(texts, 768, base/"tok")
+    sets = [f"tokenizer.path={tok}", f"paths.datasets={base/'datasets'}", "rl.eval_per_task=2"]
+    cfg, _ = load_config(recipe=RECIPE, overrides=sets)
+    prepare_rl({"sources": [{"type": "verifiable", "train": 64, "tasks": ["add", "first_letter"], "seed": 0}]}, cfg,
+               rl_dir(cfg), progress=False)
+    return sets
+
+
+def small(rl_inputs, out: Path, **extra) -> list[str]:
+    """2 layers of 64, plain prompts, G 4, 16 rows per step (4 prompts) in micro-batches of 8, 6 new tokens, fp32 on the
+    CPU, 4 steps, checkpoints every 2 (all kept), validation (held-out exact match) every 2."""
+    s = {"paths.runs": out/"runs", "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.vocab_size": 768, "model.max_seq_len": 64, "training.seq_len": 32, "training.micro_batch_size": 8,
+         "training.total_batch_size": 32 * 16, "training.max_steps": 4, "training.log_every": 1, "rl.group_size": 4,
+         "rl.max_new_tokens": 6, "rl.plain_prompts": "true", "rl.temperature": 1.0, "rl.eval_k": 2, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
+         "optimizers.adamw.max_lr": 3e-3, "optimizers.adamw.warmup_steps": 1, "validation.every": 2,
+         "checkpointing.every": 2, "checkpointing.keep_last": 10, "runtime.device": "cpu", "runtime.precision": "fp32",
+         **extra}
+    return rl_inputs + [f"{k}={v}" for k, v in s.items()]
+
+
+def train(overrides, checkpoint=None, world: int = 1):
+    from gradient_garden.config import load_config
+    from gradient_garden.engine.run import run_training
+    cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
+    return run_training(cfg, checkpoint=checkpoint)
+
+
+def records(out: Path) -> dict:
+    "step -> the training record of the run under `out`."
+    recs = [json.loads(l) for l in (out/"runs"/"rl"/"debug"/"metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in recs if "loss" in r}
+
+
+def last_weights(out: Path) -> dict:
+    from gradient_garden.engine.checkpoints import load_checkpoint
+    ck = sorted((out/"runs"/"rl"/"debug"/"checkpoints").glob("step_*"))[-1]
+    return load_checkpoint(ck)["model"]
+
+
+ROLLOUT_FIGURES = ("reward_mean", "reward_std", "zero_std_groups", "completion_len", "entropy", "clip_fraction", "loss")
+
+
+def test_resume_is_bit_exact_weights_and_rollouts(rl_inputs, tmp_path):
+    "Resumed from its step-2 checkpoint, the run samples the same rollouts and ends with the same weights, bit for bit."
+    from gradient_garden.engine.checkpoints import load_checkpoint
+    full, resumed = tmp_path/"full", tmp_path/"resumed"
+    train(small(rl_inputs, full))
+    ckpt = full/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt"
+    assert ckpt.is_file()
+    train(small(rl_inputs, resumed), checkpoint=ckpt)
+    a, b = records(full), records(resumed)
+    assert sorted(b) == [3, 4]
+    for s in b:
+        for k in ROLLOUT_FIGURES: assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+    wa, wb = last_weights(full), last_weights(resumed)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], v) for k, v in load_checkpoint(ckpt)["model"].items())   # steps 3-4 changed them
+    ck = load_checkpoint(ckpt)
+    rounds = a[1]["sampling_rounds"] + a[2]["sampling_rounds"]     # the recipe's dynamic sampling: 1 to 4 rounds a step
+    assert (ck.get("loaders") or [ck.get("loader")])[0]["round"] == rounds and a[3]["reward_std"] > 0
+
+
+def test_resume_refuses_another_group_size(rl_inputs, tmp_path):
+    from gradient_garden.config import ConfigError
+    train(small(rl_inputs, tmp_path, **{"training.max_steps": 2}))
+    ckpt = tmp_path/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt"
+    with pytest.raises(ConfigError, match="loader state: group_size was 4 when saved, is 8 now"):
+        train(small(rl_inputs, tmp_path/"other", **{"rl.group_size": 8}), checkpoint=ckpt)
+
+
+def _fsdp_world(rank, world, overrides):
+    train(overrides, world=world)
+
+
+@pytest.mark.slow
+def test_fsdp2_rl_run_on_two_gloo_ranks(rl_inputs, tmp_path):
+    "FSDP2 on 2 ranks: each rank samples its share of the prompts, the run trains, validates and checkpoints."
+    from gloo_ranks import run_ranks
+    run_ranks(_fsdp_world, 2, tmp_path/"init", small(rl_inputs, tmp_path, **{"runtime.fsdp": "true", "checkpointing.format": "sharded"}))
+    recs = records(tmp_path)
+    assert sorted(recs) == [1, 2, 3, 4]
+    for r in recs.values():
+        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ROLLOUT_FIGURES)
+        assert r["rollout_tokens_per_s"] > 0 and "update_tokens_per_s" in r
+    vals = [json.loads(l) for l in (tmp_path/"runs"/"rl"/"debug"/"metrics.jsonl").read_text().splitlines()]
+    assert any("val_exact_match" in v for v in vals)
+    assert (tmp_path/"runs"/"rl"/"debug"/"checkpoints"/"step_0000004").is_dir()
+
+
+def test_activation_checkpointing_gives_the_same_run(rl_inputs, tmp_path):
+    "Full activation checkpointing recomputes the same forward: the same rollouts and losses as without it."
+    plain, ac = tmp_path/"plain", tmp_path/"ac"
+    train(small(rl_inputs, plain, **{"training.max_steps": 2, "checkpointing.every": 0}))
+    train(small(rl_inputs, ac, **{"training.max_steps": 2, "checkpointing.every": 0, "runtime.activation_checkpointing": "full"}))
+    a, b = records(plain), records(ac)
+    for s in (1, 2):
+        assert a[s]["reward_mean"] == b[s]["reward_mean"]
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-6 * max(1.0, abs(a[s]["loss"])), (s, a[s]["loss"], b[s]["loss"])
+
+
+def test_lora_trains_only_the_adapters(rl_inputs, tmp_path):
+    "With LoRA the RL stage runs and trains the adapters (their B matrices start at zero)."
+    train(small(rl_inputs, tmp_path, **{"training.max_steps": 2, "lora.enabled": "true", "lora.rank": 4}))
+    recs = records(tmp_path)
+    assert sorted(recs) == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in recs.values())
+    from gradient_garden.engine.checkpoints import load_checkpoint
+    ck = load_checkpoint(tmp_path/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt")
+    lora = [k for k in ck["model"] if "lora_" in k]
+    assert lora, "no adapter weights in the checkpoint"
+    assert any(ck["model"][k].abs().sum() > 0 for k in lora if "lora_B" in k)   # B starts at zero: it was trained
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GG_HEAVY") != "1", reason="GG_HEAVY=1: compiling the blocks takes minutes on 2 cores")
+def test_compiled_blocks_follow_eager(rl_inputs, tmp_path):
+    "`runtime.compile=true` (each block compiled): the same rollouts at step 1 and losses within 1e-4 of eager."
+    eager, compiled = tmp_path/"eager", tmp_path/"compiled"
+    train(small(rl_inputs, eager, **{"training.max_steps": 2, "checkpointing.every": 0, "validation.enabled": "false"}))
+    train(small(rl_inputs, compiled, **{"training.max_steps": 2, "checkpointing.every": 0, "validation.enabled": "false",
+                                        "runtime.compile": "true"}))
+    a, b = records(eager), records(compiled)
+    assert a[1]["reward_mean"] == b[1]["reward_mean"] and a[1]["completion_len"] == b[1]["completion_len"]
+    for s in (1, 2): assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-4 * max(1.0, abs(a[s]["loss"])), (s, a[s]["loss"], b[s]["loss"])
