@@ -93,7 +93,7 @@ def _trace(cfg: ModelConfig, batch: int, seq: int, dtype) -> dict:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None), \
          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), KeepSelected():
         model.layers[0](x, cos, sin, None)
-    weights = sum(v for k, v in saved.items() if k in copies)   # e.g. the fused projections' concatenated weights
+    weights = sum(v for k, v in saved.items() if k in copies)   # e.g. autocast's half-precision casts of the weights
     return dict(none=sum(saved.values()), selective=sum(kept.values()), weight_copies=weights)
 
 # %% ../../nbs/46_plan.ipynb #c1bb0a24
