@@ -11,6 +11,11 @@ MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (
     python bench/model_step.py                       # CPU fp32, the issue's shape
     python bench/model_step.py --dtype bf16                        # CPU bf16 autocast, with an fp32 Tendril beside it
     python bench/model_step.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
+    git worktree add /tmp/base <commit> && python bench/model_step.py --no-compile --no-memory --against /tmp/base
+
+With `--against DIR`, `tendril_against` is the Tendril of another checkout of the project (an earlier commit, say),
+imported beside this one in the same process, given the same weights (fused projections split where it keeps them
+apart), and timed in the same rotation: a change's speed measured side by side, under the same load.
 
 With `--dtype bf16`, `tendril_fp32` (the same model without autocast) runs beside the bf16 contenders, so the bf16
 speed-up is measured side by side; its MFU is quoted against the fp32 peak, the others' against the bf16 peak. On CPU
@@ -47,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "compiled", "liger"],
                    help="the fused loss of the tendril contenders (auto: eager on CPU, Liger or compiled chunks on CUDA)")
+    p.add_argument("--against", default=None, help="another checkout of the project: time its Tendril beside this one")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -55,13 +61,33 @@ def model_config(args) -> ModelConfig:
     return ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
                        max_seq_len=max(256, args.seq_len), tie_embeddings=False)
 
+def other_tendril(path: str, cfg: ModelConfig, base: torch.nn.Module) -> torch.nn.Module:
+    "The Tendril of the checkout at `path` (its own package, imported beside this one) with `base`'s weights."
+    ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "gradient_garden"}
+    sys.path.insert(0, str(path))
+    try:
+        from gradient_garden.config import ModelConfig as OtherConfig
+        from gradient_garden.models.tendril import Tendril as OtherTendril
+        if not sys.modules["gradient_garden"].__file__.startswith(os.path.abspath(path)): raise SystemExit(f"--against: {path}: no gradient_garden there")
+        model = OtherTendril(OtherConfig(**{k: getattr(cfg, k) for k in OtherConfig.__dataclass_fields__}))
+    finally:   # its modules stay alive through the objects that use them; ours come back under the package's name
+        sys.path.remove(str(path))
+        for k in [k for k in sys.modules if k.split(".")[0] == "gradient_garden"]: del sys.modules[k]
+        sys.modules.update(ours)
+    from gradient_garden.models.attention import fused_layout, split_fused_state_dict
+    sd = base.state_dict()
+    if "layers.0.attention.wqkv.weight" not in model.state_dict(): sd = split_fused_state_dict(sd, fused_layout(base))
+    model.load_state_dict(sd)
+    return model
+
 def make_contenders(cfg, args, names):
     "name -> (model, optimizer); all start from the same weights."
     torch.manual_seed(0)
     base = Tendril(cfg).to(args.device)
     out = {}
     for name in names:
-        if name.startswith("tendril"): m = copy.deepcopy(base)
+        if name == "tendril_against": m = other_tendril(args.against, cfg, base).to(args.device)
+        elif name.startswith("tendril"): m = copy.deepcopy(base)
         else: m = to_hf_model(base).to(args.device).train()
         m.train()
         fwd = m
@@ -150,6 +176,7 @@ def main(argv=None):
     names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
     if dtype != "fp32": names.append("tendril_fp32")
     if dtype == "bf16" and dev_type == "cpu": names.insert(1, "tendril_sdpa")
+    if args.against: names.insert(1, "tendril_against")
     dtype_of = lambda n: None if n.endswith("_fp32") else autocast_dtype   # the contender's autocast dtype
     contenders = make_contenders(cfg, args, names)
     x, y = make_batch(cfg, args)
@@ -188,7 +215,8 @@ def main(argv=None):
     datasheet = None
     if dev_type == "cuda":
         datasheet = gpu_datasheet_flops(torch.cuda.get_device_name(), dtype)
-    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, dtype_of(n), dev_type) for n in names}
+    mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, dtype_of(n), dev_type) for n in names
+                                     if n != "tendril_against"}   # a child process builds this checkout's models only
 
     print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s} {'cpu ms':>8s} {'vs llama':>9s}  (IQR ms)")
     for n in names:
@@ -199,6 +227,12 @@ def main(argv=None):
     print(f"params {count_parameters(contenders['tendril'][0]):,}; {fpt/1e6:.1f} MFLOP/token; "
           f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f" (fp32 {peak_fp32/1e12:.3f})" if dtype != "fp32" else "")
           + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
+    against = None
+    if args.against:   # per-round ratios: each round times both under the same load
+        paired = lambda t: statistics.median(a / b for a, b in zip(t["tendril"], t["tendril_against"]))
+        against = dict(path=args.against, step_ratio=round(paired(times), 3), cpu_step_ratio=round(paired(cpu_times), 3))
+        print(f"tendril / tendril_against ({args.against}), median of per-round ratios: wall {against['step_ratio']:.3f}, "
+              f"CPU time {against['cpu_step_ratio']:.3f}")
     if "tendril_fp32" in names:
         print("vs tendril_fp32 (median step): " + ", ".join(f"{n} {med['tendril_fp32']/med[n]:.2f}x" for n in names if n != "tendril_fp32"))
     result = dict(bench="model_step", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
@@ -218,7 +252,7 @@ def main(argv=None):
                   matmul_peak_tflops=round(peak / 1e12, 4), matmul_peak_fp32_tflops=round(peak_fp32 / 1e12, 4), flops_per_token=fpt,
                   ratio_vs_tendril_fp32={n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()} if "tendril_fp32" in med else None,
                   peak_memory_mb={n: round(v, 1) for n, v in mem.items()},
-                  first_loss=first, first_loss_max_diff=max(first.values()) - min(first.values()))
+                  first_loss=first, first_loss_max_diff=max(first.values()) - min(first.values()), against=against)
     print(json.dumps(result))
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ follow every tensor storage the step allocates. The peak total bytes (max over r
 
 With `--accum N` each step is the trainer's: gradients set to None, N micro-steps under `grad_sync` (FSDP2
 accumulating as `--accumulation` says: `reduce_scatter`, the default, or `no_sync`, the behaviour before it), then
-the optimizer; the rows go to bench/results/plan_memory_accum.json, both accumulation modes side by side.
+the optimizer; the rows go to bench/results/plan_memory_accum.json, both accumulation modes side by side, each with
+the tracker's category breakdown at the peak and `peak_at`: the phase (micro-step forward or backward, optimizer step)
+in which the peak was reached, and the innermost module running then.
 
     python bench/plan_memory.py               # all rows (about 10 minutes on 2 busy cores)
     python bench/plan_memory.py --sizes 10m   # one size
@@ -58,14 +60,27 @@ def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
     def step():
         (model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel()).backward()
         for o in opts: o.step()
-    live = []                  # the tracker while it runs: its per-module stats are reset per micro-step (its peak is kept)
+    live, where = [], {}       # the tracker while it runs; where its peak was reached (phase and innermost module)
+    def mark(phase, reset=True):
+        "Note `phase` (and the innermost module active then) when the tracker's peak rose during it."
+        if not live: return
+        tr = live[0]
+        peak = tr.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        if peak > where.get("bytes", 0):
+            mods = [(len(m.mod_fqn), m.mod_fqn) for m in tr.memory_tracking.values()
+                    if m.local_peak.get(torch.device("cpu"), 0) == peak]
+            where.update(bytes=peak, phase=phase, module=max(mods)[1] if mods else None)
+        if reset: tr.reset_mod_stats()   # per-module stats per micro-step (the peak itself is kept)
     def accumulating_step():   # the trainer's step: fresh gradients, `accum` micro-steps, the optimizer
         for o in opts: o.zero_grad(set_to_none=True)
         for i in range(accum):
-            for t in live: t.reset_mod_stats()
             with grad_sync(model, sync=i == accum - 1, fsdp_accumulation=cfg.runtime.fsdp_accumulation):
-                (model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel() / accum).backward()
+                loss = model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel() / accum
+                mark(f"micro-step {i} forward", reset=False)
+                loss.backward(); del loss
+                mark(f"micro-step {i} backward")
         for o in opts: o.step()
+        mark("optimizer step")
     if accum > 1: step = accumulating_step
     step()                     # gradients and optimizer state now exist; the measured step accumulates onto them
     tracker = FSDPMemTracker(model, opts[0]) if world > 1 else MemTracker()
@@ -75,7 +90,8 @@ def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
     with tracker: step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return dict(total=peak["Total"], seconds=time.perf_counter() - t0,
-                breakdown={str(k).split(".")[-1]: round(v / 2**20, 1) for k, v in peak.items() if k != "Total"})
+                breakdown={str(k).split(".")[-1]: round(v / 2**20, 1) for k, v in peak.items() if k != "Total"},
+                peak_at={k: v for k, v in where.items() if k != "bytes"})
 
 def _rank(rank, world, init, cfg, out, accum=1):
     torch.set_num_threads(1)
@@ -91,7 +107,7 @@ def measure(cfg, world: int, accum: int = 1) -> dict:
         mp.spawn(_rank, args=(world, f"{d}/init", cfg, f"{d}/out", accum), nprocs=world, join=True)
         ranks = [json.loads(Path(f"{d}/out.{r}").read_text()) for r in range(world)]
     worst = max(ranks, key=lambda r: r["total"])
-    return dict(total=worst["total"], seconds=max(r["seconds"] for r in ranks), breakdown=worst["breakdown"])
+    return dict(total=worst["total"], seconds=max(r["seconds"] for r in ranks), breakdown=worst["breakdown"], peak_at=worst["peak_at"])
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -118,7 +134,7 @@ def main(argv=None):
                     row = dict(size=size, parameters=parameter_counts(cfg)["total"], ranks=world, activation_checkpointing=mode,
                                measured_mib=round(got["total"] / 2**20, 1), plan_mib=round(plan / 2**20, 1),
                                plan_over_measured=round(plan / got["total"], 3), step_s=round(got["seconds"], 1))
-                    if args.accum > 1: row["measured_breakdown_mib"] = got["breakdown"]
+                    if args.accum > 1: row |= dict(measured_breakdown_mib=got["breakdown"], peak_at=got["peak_at"])
                     if args.accum > 1: row |= dict(accumulation=acc, unsharded_gradients_mib=round(mp_["unsharded_gradients"] / 2**20, 1))
                     rows.append(row)
                     print(json.dumps(row), flush=True)

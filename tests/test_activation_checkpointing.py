@@ -63,7 +63,11 @@ def test_compile_and_checkpointing(mode="selective"):
 def _wrapped_rank(rank, world, out, cfg, fsdp, mode):
     "One rank: its half of the batch through parallelize (FSDP2 or DDP) with checkpointing; rank 0 saves the gradients."
     model = parallelize(fresh(cfg), RuntimeConfig(device="cpu", fsdp=fsdp, activation_checkpointing=mode),
-                        DistEnv(rank=rank, local_rank=rank, world_size=world))
+                        DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world))
+    if fsdp:  # every rank on one node: FSDP2 shards each parameter over both ranks (not replicated, as HSDP over 2 nodes would)
+        for n, p in model.named_parameters():
+            assert [type(q).__name__ for q in p.placements] == ["Shard"], f"{n}: {p.placements}"
+            assert p.to_local().shape[0] == len(torch.arange(p.shape[0]).chunk(world)[rank]) < p.shape[0], n
     toks = tokens()
     half = toks.shape[0] // world
     # each rank's loss is a sum over its half; DDP/FSDP2 average gradients over ranks, so scale by world to get the sum

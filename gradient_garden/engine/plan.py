@@ -93,7 +93,7 @@ def _trace(cfg: ModelConfig, batch: int, seq: int, dtype) -> dict:
     with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None), \
          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), KeepSelected():
         model.layers[0](x, cos, sin, None)
-    weights = sum(v for k, v in saved.items() if k in copies)   # e.g. the fused projections' concatenated weights
+    weights = sum(v for k, v in saved.items() if k in copies)   # e.g. autocast's half-precision casts of the weights
     return dict(none=sum(saved.values()), selective=sum(kept.values()), weight_copies=weights)
 
 # %% ../../nbs/46_plan.ipynb #c1bb0a24
@@ -342,13 +342,25 @@ def fit_message(p: Plan) -> str | None:
             f"activation checkpointing {p.mode}); " + (f"try {fix}" if fix else "no single change makes it fit"))
 
 # %% ../../nbs/46_plan.ipynb #d995c4f7
-# Kept whole: the plan's table: one row per term, in the order it prints
-PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32)"),
+PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32)"),   # one row per term, in print order
              ("unsharded_gradients", "unsharded gradients (no_sync)"), ("optimizer", "optimizer state"),
              ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),
              ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging"),
              ("muon_buffers", "Muon step buffers (optimizer step)")]
 
+# %% ../../nbs/46_plan.ipynb #7ecb852d
+def _memory_table(p: Plan) -> list[str]:
+    "The memory table's lines: one row per term and per checkpointing mode (the run's own marked `*`), one column per layout."
+    g = lambda b: f"{b / GiB:8.2f}"
+    lines = [f"{'GiB per rank':38s}" + "".join(f"{name:>9s}" for name in p.memory)]
+    row = lambda label, vals, mark="": lines.append(f"{label + mark:38s}" + "".join(f"{g(v)} " for v in vals))
+    for key, label in PLAN_ROWS: row(label, [m[key] for m in p.memory.values()])
+    for kind in ("activations", "total"):
+        for mode in ("none", "selective", "full"):
+            row(f"{kind}, checkpointing {mode}", [m[kind][mode] for m in p.memory.values()], " *" if mode == p.mode else "")
+    return lines
+
+# %% ../../nbs/46_plan.ipynb #6855261d
 def _accumulation_line(p: Plan) -> str:
     "How the run's layout accumulates gradients over its micro-steps, and what it costs."
     steps, m = grad_accum_steps(p.cfg, p.world), p.memory[p.layout]
@@ -358,27 +370,27 @@ def _accumulation_line(p: Plan) -> str:
                 f"micro-step, {m['unsharded_gradients'] / GiB:.2f} GiB per rank (reduce_scatter would save it)")
     return f"gradient accumulation {steps}, runtime.fsdp_accumulation=reduce_scatter: gradients sharded every micro-step"
 
+# %% ../../nbs/46_plan.ipynb #da0cc139
+def _muon_lines(p: Plan) -> list[str]:
+    "Muon's Newton-Schulz GFLOP and step buffers per rank, distributed and gathered; no line without Muon matrices."
+    mu = muon_plan(p.cfg, p.layout if p.world > 1 else "single", p.world, None, "cpu" if p.device.name == "cpu" else "cuda")
+    if not mu["gathered"]["ns_flops"]: return []
+    return [f"Muon per rank ({p.layout}): Newton-Schulz {mu['distributed']['ns_flops'] / 1e9:,.0f} GFLOP per step "
+            f"({mu['gathered']['ns_flops'] / 1e9:,.0f} gathered), step buffers {mu['distributed']['bytes'] / GiB:.2f} GiB "
+            f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
+
+# %% ../../nbs/46_plan.ipynb #666817f7
 def format_plan(p: Plan) -> str:
     "The plan as a table (one row per term, one column per layout) and a few lines of text."
-    c, t, g = p.counts, p.cfg.training, lambda b: f"{b / GiB:8.2f}"
+    c, t = p.counts, p.cfg.training
     lines = [f"{p.cfg.run.name}: {c['total']:,} parameters ({c['trainable']:,} trainable; Muon {c['muon']:,}, AdamW {c['adamw']:,})",
              f"target: {p.world} x {p.device.name} ({p.nodes} node{'s' * (p.nodes > 1)} x {p.gpus_per_node}), "
              f"{p.device.memory / GiB:.0f} GiB each, {p.budget / GiB:.1f} GiB usable; precision {p.cfg.runtime.precision}, "
-             f"micro batch {t.micro_batch_size} x {t.seq_len}, grad accumulation {grad_accum_steps(p.cfg, p.world)}",
-             "", f"{'GiB per rank':38s}" + "".join(f"{name:>9s}" for name in p.memory)]
-    row = lambda label, vals, mark="": lines.append(f"{label + mark:38s}" + "".join(f"{g(v)} " for v in vals))
-    for key, label in PLAN_ROWS: row(label, [m[key] for m in p.memory.values()])
-    for kind in ("activations", "total"):
-        for mode in ("none", "selective", "full"):
-            row(f"{kind}, checkpointing {mode}", [m[kind][mode] for m in p.memory.values()], " *" if mode == p.mode else "")
+             f"micro batch {t.micro_batch_size} x {t.seq_len}, grad accumulation {grad_accum_steps(p.cfg, p.world)}", ""]
     host = p.memory[p.layout]["staging_host"]
-    lines += ["", _accumulation_line(p)] + ([f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of "
-                                             f"host memory per rank, allocated once (pinned on CUDA)"] if host else [])
-    mu = muon_plan(p.cfg, p.layout if p.world > 1 else "single", p.world, None, "cpu" if p.device.name == "cpu" else "cuda")
-    if mu["gathered"]["ns_flops"]:
-        lines += [f"Muon per rank ({p.layout}): Newton-Schulz {mu['distributed']['ns_flops'] / 1e9:,.0f} GFLOP per step "
-                  f"({mu['gathered']['ns_flops'] / 1e9:,.0f} gathered), step buffers {mu['distributed']['bytes'] / GiB:.2f} GiB "
-                  f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
+    staging = [f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of host memory per rank, "
+               f"allocated once (pinned on CUDA)"] if host else []
+    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p)
     lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
               f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "
