@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gradient_garden.config import ConfigError, TokenizerConfig
+from gradient_garden import eval_data as D
 from gradient_garden import evals as E
 from gradient_garden.cli import evaluate as CE, prepare as CP
 
@@ -16,7 +17,7 @@ LLAMA3_MODEL = Path(sys.prefix)/"lib"/f"python{sys.version_info.major}.{sys.vers
 
 def _train_bpe(vocab_size=600):
     from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders
-    texts = [s for n in E.TASKS for ex in E.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,8 +58,8 @@ def slow_loglikelihood(model, encode, context, continuation, max_len=None):
 def _edge_task():
     "A task whose contexts end in whitespace (or are empty) and whose answers are single tokens."
     def to_example(doc):
-        return E.choices_example(doc["q"], doc["choices"], doc["gold"], delimiter="")
-    return E.MCTask("edge_cases", "local/edge", None, "test", ("q", "choices", "gold"), to_example)
+        return D.choices_example(doc["q"], doc["choices"], doc["gold"], delimiter="")
+    return D.MCTask("edge_cases", "local/edge", None, "test", ("q", "choices", "gold"), to_example)
 
 EDGE_ROWS = [
     {"q": "Question: Which planet is closest to the Sun?\nAnswer: ", "choices": ["the", "a", "Mercury"], "gold": 2},
@@ -101,7 +102,7 @@ def test_text_encoder_adapts_every_tokenizer(tok):
 
 @pytest.mark.parametrize("name", ["hellaswag", "winogrande", "arc_challenge", "edge_cases"])
 def test_batched_scorer_matches_one_forward_per_choice(name, model, tok):
-    exs = _edge_examples() if name == "edge_cases" else E.load_examples(name)[:10]
+    exs = _edge_examples() if name == "edge_cases" else D.load_examples(name)[:10]
     enc = E.text_encoder(tok)
     if name == "edge_cases":
         pairs = [E.encode_pair(enc, c, k, E.prefix_token_id(tok)) for ex in exs for c, k in ex.requests]
@@ -124,7 +125,7 @@ def _slow_after_prefix(model, prefix, cont):
     return sum(logp[k, t].item() for k, t in enumerate(cont))
 
 def test_truncation_matches_lm_eval(model, tok):
-    exs = E.load_examples("hellaswag")[:4]
+    exs = D.load_examples("hellaswag")[:4]
     enc = E.text_encoder(tok)
     assert max(len(enc(c + k)) for ex in exs for c, k in ex.requests) > 48    # so truncation happens
     slow = [[slow_loglikelihood(model, enc, c, k, max_len=48) for c, k in ex.requests] for ex in exs]
@@ -140,7 +141,7 @@ def test_metrics_are_lm_eval_definitions():
     for i in range(50):
         k = int(rng.integers(2, 6))
         chs.append(["x" * int(rng.integers(1, 30)) for _ in range(k)])
-        exs.append(E.choices_example("ctx", chs[-1], int(rng.integers(0, k))))
+        exs.append(D.choices_example("ctx", chs[-1], int(rng.integers(0, k))))
         lls.append(list(rng.normal(-20, 5, size=k)))
     acc = np.array([float(np.argmax(l) == ex.gold) for l, ex in zip(lls, exs)])
     # lm-eval: completion_len = [len(choice) for choice in doc_to_choice(doc)]; pred_norm = argmax(lls / completion_len)
@@ -155,37 +156,37 @@ def test_metrics_are_lm_eval_definitions():
 # -- data, errors, registry ------------------------------------------------------------------------------------------
 
 def test_fixtures_follow_the_hub_schemas():
-    hs = E.read_jsonl(E.FIXTURES_DIR/"hellaswag.jsonl")
+    hs = D.read_jsonl(D.FIXTURES_DIR/"hellaswag.jsonl")
     assert all(isinstance(r["label"], str) and isinstance(r["ind"], int) and len(r["endings"]) == 4 for r in hs)
     assert set(hs[0]) == {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type", "label"}
-    wg = E.read_jsonl(E.FIXTURES_DIR/"winogrande.jsonl")
+    wg = D.read_jsonl(D.FIXTURES_DIR/"winogrande.jsonl")
     assert all(set(r) == {"sentence", "option1", "option2", "answer"} and r["answer"] in ("1", "2") and r["sentence"].count("_") == 1
                for r in wg)
-    arc = E.read_jsonl(E.FIXTURES_DIR/"arc_challenge.jsonl")
+    arc = D.read_jsonl(D.FIXTURES_DIR/"arc_challenge.jsonl")
     assert all(set(r) == {"id", "question", "choices", "answerKey"} and set(r["choices"]) == {"text", "label"} for r in arc)
-    for n in ("hellaswag", "winogrande", "arc_challenge"): assert 30 <= len(E.load_examples(n)) <= 60
+    for n in ("hellaswag", "winogrande", "arc_challenge"): assert 30 <= len(D.load_examples(n)) <= 60
 
 def test_bad_input_is_named(tmp_path):
     (tmp_path/"arc_challenge.jsonl").write_text('{"id": "1", "question": "Q?", "choices": {"text": ["a"], "label": ["A"]}, "answerKey": "B"}\n')
-    with pytest.raises(ConfigError, match=r"arc_challenge.jsonl:1: not a valid arc_challenge row"): E.load_examples("arc_challenge", tmp_path)
+    with pytest.raises(ConfigError, match=r"arc_challenge.jsonl:1: not a valid arc_challenge row"): D.load_examples("arc_challenge", tmp_path)
     (tmp_path/"hellaswag.jsonl").write_text("{not json\n")
-    with pytest.raises(ConfigError, match=r"hellaswag.jsonl:1: not valid JSON"): E.load_examples("hellaswag", tmp_path)
-    with pytest.raises(ConfigError, match="gg prepare --winogrande"): E.load_examples("winogrande", tmp_path)
-    with pytest.raises(ConfigError, match="expected one of hellaswag, winogrande, arc_challenge"): E.get_task("mmlu")
+    with pytest.raises(ConfigError, match=r"hellaswag.jsonl:1: not valid JSON"): D.load_examples("hellaswag", tmp_path)
+    with pytest.raises(ConfigError, match="gg prepare --winogrande"): D.load_examples("winogrande", tmp_path)
+    with pytest.raises(ConfigError, match="expected one of hellaswag, winogrande, arc_challenge"): D.get_task("mmlu")
 
 def test_prepare_offline_and_hub_path(tmp_path, monkeypatch):
     import datasets
     calls = []
     def fake(path, name=None, split=None):
         calls.append((path, name, split))
-        return datasets.Dataset.from_list(E.read_jsonl(E.FIXTURES_DIR/"hellaswag.jsonl"))
+        return datasets.Dataset.from_list(D.read_jsonl(D.FIXTURES_DIR/"hellaswag.jsonl"))
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    E.prepare_evals(["hellaswag"], tmp_path, from_hub=True)
+    D.prepare_evals(["hellaswag"], tmp_path, from_hub=True)
     assert calls == [("Rowan/hellaswag", None, "validation")]
-    assert E.read_jsonl(tmp_path/"hellaswag.jsonl") == E.read_jsonl(E.FIXTURES_DIR/"hellaswag.jsonl")
+    assert D.read_jsonl(tmp_path/"hellaswag.jsonl") == D.read_jsonl(D.FIXTURES_DIR/"hellaswag.jsonl")
     def offline(*a, **k): raise ConnectionError("no network")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(ConfigError, match="cannot load from the hub.*--evals-offline"): E.prepare_evals(["winogrande"], tmp_path)
+    with pytest.raises(ConfigError, match="cannot load from the hub.*--evals-offline"): D.prepare_evals(["winogrande"], tmp_path)
     args = CP.add_prepare_eval_args(argparse.ArgumentParser()).parse_args(["--winogrande", "--arc-challenge", "--evals-offline",
                                                                          "--evals-dir", str(tmp_path)])
     assert CP.run_prepare_evals(args) == 0
@@ -196,7 +197,7 @@ def test_prepare_offline_and_hub_path(tmp_path, monkeypatch):
 
 def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
     model.model.save_pretrained(tmp_path/"hf"); tok.save_pretrained(tmp_path/"hf")
-    E.prepare_evals(["hellaswag", "winogrande", "arc_challenge"], tmp_path/"evals", from_hub=False)
+    D.prepare_evals(["hellaswag", "winogrande", "arc_challenge"], tmp_path/"evals", from_hub=False)
     argv = ["--hf-checkpoint", str(tmp_path/"hf"), "--hellaswag", "--hellaswag-examples", "10", "--winogrande",
             "--winogrande-examples", "10", "--arc-challenge", "--arc-challenge-examples", "0", "--evals-dir", str(tmp_path/"evals"),
             "--batch-size", "4", "--device", "cpu", "--seed", "3", "--output-file-name", str(tmp_path/"res.json")]
@@ -212,7 +213,7 @@ def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
         CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--validation"]))
 
 def test_a_new_task_plugs_in(tmp_path, model, tok):
-    task = E.register_task(_edge_task())
+    task = D.register_task(_edge_task())
     try:
         with open(tmp_path/"edge_cases.jsonl", "w") as f:
             for r in EDGE_ROWS: f.write(json.dumps(r) + "\n")
@@ -221,11 +222,16 @@ def test_a_new_task_plugs_in(tmp_path, model, tok):
         args = CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--edge-cases",
                                                                           "--edge-cases-examples", "3"])
         assert CP.selected_tasks(args) == ["edge_cases"] and args.edge_cases_examples == 3
-    finally: E.TASKS.pop(task.name)
+    finally: D.TASKS.pop(task.name)
 
 def test_subsets_are_seeded_random():
-    a, b = E.sample_indices(1000, 100, 1), E.sample_indices(1000, 100, 2)
-    assert a == E.sample_indices(1000, 100, 1) and a != b and a != list(range(100)) and len(set(a)) == 100
+    a, b = D.sample_indices(1000, 100, 1), D.sample_indices(1000, 100, 2)
+    assert a == D.sample_indices(1000, 100, 1) and a != b and a != list(range(100)) and len(set(a)) == 100
+
+def test_evals_still_exports_the_data_names():
+    "The rows and tasks moved to eval_data; `from gradient_garden.evals import load_examples` and the like still work."
+    assert D.__all__ and set(D.__all__) <= set(E.__all__)
+    for name in D.__all__: assert getattr(E, name) is getattr(D, name), name
 
 # -- ranks: two processes, gloo, FSDP2, unequal shares ------------------------------------------------------------
 
@@ -283,7 +289,7 @@ def test_tendril_batched_and_shared_match_reference(tok):
                                         max_seq_len=256)).eval()
     enc = E.text_encoder(tok)
     for name in ("hellaswag", "winogrande"):
-        exs = E.load_examples(name)[:6]
+        exs = D.load_examples(name)[:6]
         slow = [[slow_loglikelihood(m, enc, c, k) for c, k in ex.requests] for ex in exs]
         for share in (False, True):
             got = E.score_examples(m, tok, exs, batch_size=4, share_context=share)
@@ -295,7 +301,7 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
     from gradient_garden.engine.checkpoints import save_checkpoint
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tokenizer import train_bpe, init_tokenizer
-    texts = [s for n in E.TASKS for ex in E.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     cfg = GlobalConfig()
     cfg.tokenizer.path = str(train_bpe(texts, 600, tmp_path/"tok"))
     cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, multiple_of=16, max_seq_len=128)
@@ -310,7 +316,7 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
         seen.update(steps=steps, identity=tokenizer.identity)
         return batches
     monkeypatch.setattr(CE, "_validation_batches", fake_batches)
-    E.prepare_evals(["arc_challenge"], tmp_path/"evals", from_hub=False)
+    D.prepare_evals(["arc_challenge"], tmp_path/"evals", from_hub=False)
     argv = ["--checkpoint", str(ckpt), "--validation", "--validation-steps", "3", "--arc-challenge", "--arc-challenge-examples", "8",
             "--evals-dir", str(tmp_path/"evals"), "--device", "cpu", "--output-file-name", str(tmp_path/"res.json")]
     assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
@@ -332,7 +338,7 @@ class _LogitsOnly(torch.nn.Module):
 
 
 def test_with_and_without_logits_to_keep_give_the_reference(model, tok):
-    exs = E.load_examples("hellaswag")[:6]
+    exs = D.load_examples("hellaswag")[:6]
     enc = E.text_encoder(tok)
     slow = [[slow_loglikelihood(model, enc, c, k) for c, k in ex.requests] for ex in exs]
     assert E._keeps_logits(model) and not E._keeps_logits(_LogitsOnly(model))
@@ -343,7 +349,7 @@ def test_with_and_without_logits_to_keep_give_the_reference(model, tok):
 
 def test_default_prefix_follows_the_tokenizer(tmp_path, tok):
     from gradient_garden.tokenizer import train_bpe, init_tokenizer
-    texts = [s for n in E.TASKS for ex in E.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     platform = init_tokenizer(TokenizerConfig(path=str(train_bpe(texts, 600, tmp_path/"tok"))))
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(tmp_path/"tok")                       # the same folder, as lm-eval loads it
@@ -367,7 +373,7 @@ def test_evaluate_numbers_out_of_range_are_one_line_errors():
                       (["--num-fewshot", "-1"], "gg evaluate --num-fewshot: got -1; must be >= 0")]:
         with pytest.raises(ConfigError) as e: CE.run_evaluate(parse(*argv))
         assert str(e.value) == msg
-    with pytest.raises(ConfigError, match="examples: got -3"): E.sample_indices(10, -3, 0)
+    with pytest.raises(ConfigError, match="examples: got -3"): D.sample_indices(10, -3, 0)
 
 
 def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok):
@@ -376,7 +382,7 @@ def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok)
     from gradient_garden.models.tendril import build_model
     torch.manual_seed(0)
     m = build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok), multiple_of=16)).eval()
-    exs = E.load_examples("hellaswag")[:5]
+    exs = D.load_examples("hellaswag")[:5]
     pair = E.pair_encoder(tok)
     scored = sum(len({p for _, p, _ in E._shared_row([pair(c, k) for c, k in ex.requests], 0).targets}) for ex in exs)
     rows_seen, head_rows = [], []

@@ -13,6 +13,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
+from gradient_garden import eval_data as D
 from gradient_garden import evals as E
 from gradient_garden.cli import evaluate as CE
 from gradient_garden.cli import main as gg
@@ -48,7 +49,7 @@ def _checkpoint(folder: Path, cfg: GlobalConfig, seed=0, prepare=None) -> Path:
 def setup(tmp_path_factory):
     "A tiny Tendril checkpoint with the platform's Llama 3-style BPE, its `gg export` folder, lm-eval's HF model on it."
     d = tmp_path_factory.mktemp("parity")
-    texts = [s for n in E.TASKS for ex in E.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     cfg = GlobalConfig()
     cfg.tokenizer.path = str(train_bpe(texts, 600, d/"tok"))
     cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, multiple_of=16, max_seq_len=256)
@@ -65,12 +66,12 @@ def setup(tmp_path_factory):
             dataset_name: null
             dataset_kwargs:
               data_files:
-                {split}: {E.FIXTURES_DIR/(name + '.jsonl')}
+                {split}: {D.FIXTURES_DIR/(name + '.jsonl')}
             training_split: null
             validation_split: {split if split == 'validation' else 'null'}
             test_split: {split if split == 'test' else 'null'}
             """))
-    E.prepare_evals(list(BUILTIN), d/"evals", from_hub=False)
+    D.prepare_evals(list(BUILTIN), d/"evals", from_hub=False)
     model, cfg = load_model_from_checkpoint(ckpt)
     return dict(d=d, ckpt=ckpt, cfg=cfg, model=model, tok=init_tokenizer(cfg.tokenizer),
                 hf=HFLM(pretrained=str(d/"hf"), device="cpu", batch_size=16, dtype="float32"),
@@ -133,7 +134,7 @@ def test_gg_evaluate_equals_lm_eval_on_the_bundled_fixtures(setup, lm_eval_runs,
 
 def test_special_token_choices_follow_lm_eval(setup):
     "Empty contexts score after one BOS; --no-add-bos equals lm-eval's add_bos_token=False."
-    exs = [E.choices_example("", ["The river froze.", "Ice"], 0), E.choices_example("Question: What melts?\nAnswer:", ["ice"], 0)]
+    exs = [D.choices_example("", ["The river froze.", "Ice"], 0), D.choices_example("Question: What melts?\nAnswer:", ["ice"], 0)]
     reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(r for ex in exs for r in ex.requests)]
     ours = sum(E.score_examples(setup["model"], setup["tok"], exs, batch_size=4), [])
     np.testing.assert_allclose(ours, [ll for ll, _ in setup["hf"].loglikelihood(reqs)], atol=1e-4, rtol=0)
@@ -149,7 +150,7 @@ def test_log_samples_can_be_diffed_with_lm_eval(setup, lm_eval_runs):
     argv = ["--checkpoint", str(setup["ckpt"]), "--winogrande", "--winogrande-examples", "0", "--evals-dir", str(setup["d"]/"evals"),
             "--device", "cpu", "--log-samples", "--output-file-name", str(res_file)]
     assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
-    logged = E.read_jsonl(setup["d"]/"logged"/"res_samples_winogrande.jsonl")
+    logged = D.read_jsonl(setup["d"]/"logged"/"res_samples_winogrande.jsonl")
     theirs = {s["doc_id"]: s for s in lm_eval_runs["samples"]["fx_winogrande"]}
     for r in logged:
         t = theirs[r["doc_id"]]
@@ -226,7 +227,7 @@ def chat_tasks(setup):
     "A multiple-choice and a generation task in plain text (`c_arc`, `c_qa`), and the same with chat markup in the prompt."
     d = setup["d"]/"chat_tasks"
     d.mkdir()
-    arc = E.read_jsonl(E.FIXTURES_DIR/"arc_challenge.jsonl")[:10]
+    arc = D.read_jsonl(D.FIXTURES_DIR/"arc_challenge.jsonl")[:10]
     (d/"arc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arc))
     (d/"qa.jsonl").write_text("".join(json.dumps({"question": r["question"], "answer": r["choices"]["text"][0]}) + "\n" for r in arc))
     common = lambda f: f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d/f}\ntest_split: test\n"
