@@ -332,6 +332,7 @@ def encode_markup(self: Tokenizer, text: str) -> list[int]:
         toks = self.markup_tokens
         self._markup = re.compile("|".join(map(re.escape, sorted(toks, key=len, reverse=True)))), toks
     pattern, toks = self._markup
+    if not toks: return self._encode_one(text)          # no added tokens: plain text (an empty pattern matches everywhere)
     ids, at = [], 0
     for m in pattern.finditer(text):
         ids += self._encode_one(text[at:m.start()]) + [toks[m.group()]]

@@ -396,9 +396,10 @@ def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok)
     Instance = pytest.importorskip("lm_eval.api.instance").Instance      # GardenLM: one row per context too
     from gradient_garden.lm_eval_model import GardenLM
     class Tok:                                                             # the platform tokenizer surface GardenLM reads
-        eos_id, bos_id, pad_id, special_ids, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, "bpe"
+        eos_id, bos_id, pad_id, special_ids, markup_tokens, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, {}, "bpe"
         def encode(self, s): return tok.encode(s, add_special_tokens=False)
         def decode(self, ids): return tok.decode(ids)
+        def encode_markup(self, s): return self.encode(s)
     reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(r for ex in exs for r in ex.requests)]
     rows_seen.clear(); h1 = m.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
     try: got = GardenLM(m, Tok(), batch_size=8).loglikelihood(reqs)
