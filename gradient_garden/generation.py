@@ -7,6 +7,7 @@ CPU; and `gg generate`."""
 # %% ../nbs/20_generation.ipynb #0720ffb2
 from __future__ import annotations
 import inspect, json, warnings
+import tokenizers
 from pathlib import Path
 import torch
 import torch.nn as nn
@@ -20,8 +21,8 @@ from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms
 
 # %% auto #0
 __all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next',
-           'decode_step_applies', 'decode_step', 'hold_decode_weights', 'generate', 'encode_prompts', 'generate_text',
-           'default_test_prompts']
+           'decode_step_applies', 'decode_step', 'hold_decode_weights', 'generate', 'encode_prompts',
+           'special_token_ids', 'generate_text', 'default_test_prompts']
 
 # %% ../nbs/20_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -251,10 +252,19 @@ def encode_prompts(tokenizer, prompts: list, instruct: bool = False) -> list[lis
             out.append(tokenizer.render_chat(messages, add_generation_prompt=True)[0])
     return out
 
-def generate_text(model: nn.Module, tokenizer, prompts: list, instruct: bool = False, **kwargs) -> list[str]:
-    "Completions (text) of text prompts; `kwargs` go to `generate`."
+def special_token_ids(tokenizer) -> frozenset[int]:
+    "Ids of the tokenizer's special tokens (BOS, EOS, `<|eot_id|>`, the chat headers, the reserved slots)."
+    backend = getattr(tokenizer, "_backend", None)
+    if isinstance(backend, tokenizers.Tokenizer):
+        return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    return frozenset(getattr(tokenizer, "special_ids", {}).values())
+
+def generate_text(model: nn.Module, tokenizer, prompts: list, instruct: bool = False, skip_special_tokens: bool = True,
+                  **kwargs) -> list[str]:
+    "Completions (text) of text prompts, special tokens left out unless `skip_special_tokens=False`; `kwargs` go to `generate`."
     outs = generate(model, tokenizer, encode_prompts(tokenizer, prompts, instruct), **kwargs)
-    return [tokenizer.decode(o) for o in outs]
+    hidden = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
+    return [tokenizer.decode([t for t in o if t not in hidden]) for o in outs]
 
 # %% ../nbs/20_generation.ipynb #f7c0210d
 PRETRAINING_TEST_PROMPTS = ["def fibonacci(n):", "import os\n", "class Config:", "The following example shows"]

@@ -1,6 +1,6 @@
 """`gg serve` as its users use it: the real server on a free loopback port, talked to with the official `openai`
 client (and raw HTTP where a client would refuse to send the request)."""
-import json, os, socket, subprocess, sys, threading, time
+import json, os, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig, to_plain
 from gradient_garden.engine.checkpoints import load_model_from_checkpoint, save_checkpoint
-from gradient_garden.generation import generate
+from gradient_garden.generation import generate, special_token_ids
 from gradient_garden.models.tendril import Tendril
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
@@ -42,7 +42,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-def wait_ready(url: str, proc=None, timeout: float = 90, headers=None):
+def wait_ready(url: str, proc=None, timeout: float = 300, headers=None):
     "Poll `url/health` until the server answers (or its process dies)."
     t = time.time()
     while time.time() - t < timeout:
@@ -89,10 +89,18 @@ def server(tiny):
     try: yield dict(url=url, proc=proc, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
     finally: stop(proc)
 
+def shown(tok, ids) -> str:
+    "The text of `ids` as the server shows it by default: special tokens left out."
+    special = special_token_ids(tok)
+    return tok.decode([t for t in ids if t not in special])
+
 def reference(tiny, prompt_ids, n):
-    "What `generate` (the code behind `gg generate`) makes of one prompt alone, greedy."
+    "What `generate` (the code behind `gg generate`) makes of one prompt alone, greedy: text and tokens generated."
     out = generate(tiny["model"], tiny["tok"], [prompt_ids], max_new_tokens=n)[0]
-    return tiny["tok"].decode(out), len(out)
+    return shown(tiny["tok"], out), len(out) + (len(out) < n)        # an answer that ended on a stop token counts it
+
+def finish_reason(tiny, prompt_ids, n) -> str:
+    return "length" if len(generate(tiny["model"], tiny["tok"], [prompt_ids], max_new_tokens=n)[0]) == n else "stop"
 
 def chat_ids(tiny, messages): return tiny["tok"].render_chat(messages, add_generation_prompt=True)[0]
 
@@ -110,7 +118,7 @@ def test_chat_plain_and_streamed(server, tiny):
     r = c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=20)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(chat_ids(tiny, msgs)) and r.usage.completion_tokens == n
-    assert r.choices[0].finish_reason == ("length" if n == 20 else "stop")
+    assert r.choices[0].finish_reason == finish_reason(tiny, chat_ids(tiny, msgs), 20)
     chunks = list(c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=20,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
@@ -285,7 +293,7 @@ def test_coalesced_stream_is_the_same_text_in_fewer_chunks(coalescing_server, ti
     chunks = list(c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=40, stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     texts = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
-    assert "".join(texts) == tiny["tok"].decode(out) and chunks[-1].usage.completion_tokens == 40
+    assert "".join(texts) == shown(tiny["tok"], out) and chunks[-1].usage.completion_tokens == 40
     assert chunks[0].choices[0].delta.role == "assistant"
     assert 2 <= len(texts) <= 1 + 5 + 1, len(texts)                 # the first token, then 8 per chunk (40 one by one)
     whole = c.completions.create(model="tiny-instruct", prompt="import os\n", temperature=0, max_tokens=40).choices[0].text
@@ -361,4 +369,133 @@ def test_decoder_process_queue_limit(tiny):
         h = httpx.get(f"{url}/health").json()
         assert (h["running"], h["waiting"], h["rejected"]) == (0, 0, res.count(429)), h
         assert ask(0) == MAX_LEN - 8                                    # room again once they are done
+    finally: stop(proc)
+
+EOT_PROMPT = "import os\n"
+
+def rigged_model(tiny):
+    "A copy of the tiny model that writes <|eot_id|> where its greedy answer to EOT_PROMPT had its third token."
+    model, _ = load_model_from_checkpoint(tiny["ckpt"])
+    tok, p = tiny["tok"], tiny["tok"].encode(EOT_PROMPT, bos=True)
+    third = generate(model, tok, [p], max_new_tokens=3, stop_ids=[])[0][2]
+    with torch.no_grad(): model.output.weight[tok.eot_id] = model.output.weight[third] * 1.05   # eot wins where `third` won
+    return model
+
+@pytest.fixture(scope="module")
+def eot_server(tiny):
+    "A real uvicorn server in this process on the rigged model, and the rigged model's greedy tokens (stop tokens ignored)."
+    import uvicorn
+    from gradient_garden.serve.api import Served
+    from gradient_garden.serve.app import create_app
+    from gradient_garden.serve.decoder import BatchDecoder
+    tok = tiny["tok"]
+    ref = generate(rigged_model(tiny), tok, [tok.encode(EOT_PROMPT, bos=True)], max_new_tokens=24, stop_ids=[])[0]
+    k = ref.index(tok.eot_id)
+    assert 1 <= k < 12 and any(t not in special_token_ids(tok) for t in ref[k + 1:]), ref
+    served = Served(BatchDecoder(rigged_model(tiny), tok, max_batch_size=4), "tiny-instruct")
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    yield dict(url=url, ref=ref, k=k, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
+    srv.should_exit = True
+    th.join(timeout=30)
+
+def _complete(c, stream: bool, chat: bool = False, **kw) -> tuple[str, str, int]:
+    "Text, finish reason and completion_tokens of one request (streamed: joined chunks and the usage chunk)."
+    create = c.chat.completions.create if chat else c.completions.create
+    body = dict(messages=[{"role": "user", "content": EOT_PROMPT}]) if chat else dict(prompt=EOT_PROMPT)
+    if not stream:
+        r = create(model="tiny-instruct", temperature=0, **body, **kw)
+        return (r.choices[0].message.content if chat else r.choices[0].text), r.choices[0].finish_reason, r.usage.completion_tokens
+    chunks = list(create(model="tiny-instruct", temperature=0, stream=True, stream_options={"include_usage": True}, **body, **kw))
+    piece = (lambda ch: ch.choices[0].delta.content or "") if chat else (lambda ch: ch.choices[0].text)
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    return "".join(piece(ch) for ch in chunks if ch.choices), reasons[-1], chunks[-1].usage.completion_tokens
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_special_tokens_hidden_unless_asked(eot_server, tiny, stream):
+    "With ignore_eos the answer holds <|eot_id|>: hidden by default (vLLM's skip_special_tokens), shown on request."
+    c, ref, tok = eot_server["client"], eot_server["ref"], tiny["tok"]
+    hidden, visible = shown(tok, ref), tok.decode(ref)
+    assert "<|eot_id|>" in visible and "<|" not in hidden
+    assert _complete(c, stream, max_tokens=24, extra_body={"ignore_eos": True}) == (hidden, "length", 24)
+    assert _complete(c, stream, max_tokens=24, extra_body={"ignore_eos": True, "skip_special_tokens": False}) == (visible, "length", 24)
+    chat = generate(rigged_model(tiny), tok, [chat_ids(tiny, [{"role": "user", "content": EOT_PROMPT}])], max_new_tokens=24, stop_ids=[])[0]
+    for skip, want in ((True, shown(tok, chat)), (False, tok.decode(chat))):
+        got = _complete(c, stream, chat=True, max_tokens=24, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        assert got == (want, "length", 24), (skip, got, want)
+    with pytest.raises(openai.BadRequestError, match="skip_special_tokens"):
+        c.completions.create(model="tiny-instruct", prompt="x", extra_body={"skip_special_tokens": "sometimes"})
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_tokens_count_the_stop_token(eot_server, tiny, stream):
+    "usage.completion_tokens as vLLM counts it: the stop token that ended the answer is counted, its text is not."
+    c, ref, k, tok = eot_server["client"], eot_server["ref"], eot_server["k"], tiny["tok"]
+    assert _complete(c, stream, max_tokens=24) == (shown(tok, ref[:k]), "stop", k + 1)          # EOS: k tokens of text + the stop token
+    assert _complete(c, stream, max_tokens=k) == (shown(tok, ref[:k]), "length", k)             # length: max_tokens, no stop token
+    text = shown(tok, ref)
+    stop = next(text[i:i + 2] for i in range(len(shown(tok, ref[:k + 1])), len(text) - 2) if text[i:i + 2].strip())
+    m = next(m for m in range(1, len(ref) + 1) if stop in shown(tok, ref[:m]))                  # the token that completes it
+    got = _complete(c, stream, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
+    assert got == (text[:text.index(stop)], "stop", m), (got, stop, m)                          # stop string: text cut, tokens counted
+
+def test_decoder_failures_stay_with_their_rows(tiny):
+    "A failing prefill fails only its newcomers, a failing forward only the rows running; the decoder goes on."
+    from gradient_garden.serve.decoder import BatchDecoder, Sequence, SamplingParams
+    model, _ = load_model_from_checkpoint(tiny["ckpt"])
+    dec, events = BatchDecoder(model, tiny["tok"], max_batch_size=4), {}
+    def seq(name, n=6):
+        return Sequence(tiny["tok"].encode(name, bos=True), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                        emit=lambda kind, p: events.setdefault(name, []).append((kind, p)))
+    first, second = seq("def a(", 30), seq("def b(")
+    prefill, forward = dec._prefill, dec._forward
+    dec._prefill = lambda tokens, *a: (_ for _ in ()).throw(MemoryError("no room")) if len(dec.rows) else prefill(tokens, *a)
+    with dec.running():
+        dec.submit([first]); dec.step(); dec.step()
+        dec.submit([second]); dec.step()                       # its prefill fails; `first` goes on
+        assert events["def b("][-1] == ("error", "generation failed for this request: MemoryError: no room")
+        assert [k for k, _ in events["def a("]].count("error") == 0 and len(dec.rows) == 1
+        dec._forward = lambda col: (_ for _ in ()).throw(RuntimeError("kernel failed"))
+        third = seq("def c(")
+        dec.submit([third]); dec.step()                        # `third` joins, then the shared forward fails: both rows end
+        assert events["def a("][-1][0] == events["def c("][-1][0] == "error" and not dec.rows
+        dec._forward, dec._prefill = forward, prefill
+        fourth = seq("def d(")
+        dec.submit([fourth])
+        while dec.step(): pass
+    assert events["def d("][-1][0] == "done" and fourth.out == generate(tiny["model"], tiny["tok"], [fourth.prompt], 6, stop_ids=[])[0]
+    assert dec.stats["failed"] == 3
+
+def test_a_failing_request_ends_alone_and_sigterm_still_stops(tiny):
+    "A request whose sampling fails inside the decoder process gets a 500 (streamed: an error event) while another runs on; SIGTERM still stops the server."
+    proc, url = start_gg_serve(tiny["ckpt"])
+    try:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        long = dict(model="tiny-instruct", prompt="def main(", temperature=0, max_tokens=MAX_LEN - 8, ignore_eos=True)
+        bad = dict(model="tiny-instruct", prompt="def f(", temperature=1.0, repetition_penalty=1e-300)
+        create = lambda body: c.completions.create(**{k: v for k, v in body.items() if k not in ("ignore_eos", "repetition_penalty")},
+                                                   extra_body={k: v for k, v in body.items() if k in ("ignore_eos", "repetition_penalty")})
+        with ThreadPoolExecutor(2) as ex:
+            good = ex.submit(create, long)
+            time.sleep(0.5)
+            with pytest.raises(openai.InternalServerError) as e: create(bad)
+            msg = e.value.body["message"]
+            assert msg.startswith("generation failed for this request: RuntimeError: probability tensor") and "\n" not in msg, msg
+            events = [l for l in httpx.post(f"{url}/v1/completions", json={**bad, "stream": True},
+                                            timeout=60).text.splitlines() if l.startswith("data: ")]
+            assert json.loads(events[-1][6:])["error"]["message"].startswith("generation failed for this request"), events[-2:]
+            assert good.result().usage.completion_tokens == MAX_LEN - 8        # the other request ran to its end
+        h = httpx.get(f"{url}/health").json()
+        assert (h["failed"], h["running"]) == (2, 0), h
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            next(r.iter_lines())                                   # a request is running when SIGTERM comes
+            t = time.time()
+            proc.terminate()
+            proc.wait(timeout=30)
+        out = proc.stdout.read()
+        assert time.time() - t < 30 and proc.returncode in (0, -signal.SIGTERM), (proc.returncode, out[-2000:])   # uvicorn re-raises it
+        assert "Traceback" not in out, out[-2000:]
     finally: stop(proc)

@@ -14,7 +14,7 @@ from ..serve.app import create_app
 from ..serve.process import load_served
 
 # %% auto #0
-__all__ = ['LOOPBACK_NAMES', 'is_loopback', 'DeprecatedFlag', 'add_serve_args', 'run_serve']
+__all__ = ['LOOPBACK_NAMES', 'SHUTDOWN_GRACE_S', 'is_loopback', 'DeprecatedFlag', 'add_serve_args', 'run_serve']
 
 # %% ../../nbs/65_cli_serve.ipynb #2d6d3e30
 LOOPBACK_NAMES = ("localhost",)
@@ -58,6 +58,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 # %% ../../nbs/65_cli_serve.ipynb #d37ed2bf
+SHUTDOWN_GRACE_S = 10   # after SIGTERM / Ctrl-C, requests in flight get this long to finish
+
 def run_serve(args) -> int:
     "Run `gg serve`: check the flags, load the model, serve the API and the page with uvicorn until interrupted."
     api_key = args.api_key or os.environ.get("GG_API_KEY") or None
@@ -72,5 +74,6 @@ def run_serve(args) -> int:
     print(f"serving {served.model_id!r} ({kind}, context {served.max_len}, batch {served.decoder.max_batch_size}, streams send "
           f"{sends}) on "
           f"http://{host}:{args.port}  (chat page at /, OpenAI API at /v1{', API key required' if api_key else ''})", flush=True)
-    uvicorn.run(create_app(served, api_key), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(served, api_key), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

@@ -13,9 +13,9 @@ from ..config import ConfigError
 from .decoder import BatchDecoder, SamplingParams
 
 # %% auto #0
-__all__ = ['STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'StreamOptions', 'SamplingRequest', 'TextPart', 'ChatMessage',
-           'ChatCompletionRequest', 'CompletionRequest', 'APIError', 'validation_error', 'parse_body', 'StreamInterval',
-           'Served', 'chat_prompt', 'completion_prompts', 'check_request', 'sampling_params']
+__all__ = ['STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'SAMPLING_EPS', 'StreamOptions', 'SamplingRequest', 'TextPart',
+           'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'APIError', 'validation_error', 'parse_body',
+           'StreamInterval', 'Served', 'chat_prompt', 'completion_prompts', 'check_request', 'sampling_params']
 
 # %% ../../nbs/62_serve_api.ipynb #d7a4233d
 class _Strict(BaseModel):
@@ -41,6 +41,7 @@ class SamplingRequest(_Strict):
     top_k: int | None = Field(None, ge=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
 # %% ../../nbs/62_serve_api.ipynb #3ca93a80
 class TextPart(_Strict):
@@ -166,9 +167,13 @@ def check_request(served: Served, req: SamplingRequest, prompt_len: int, default
                        param="max_tokens", code="context_length_exceeded")
     return asked if asked is not None else min(default_max or L, L - prompt_len)
 
+SAMPLING_EPS = 1e-5
+
 def sampling_params(req: SamplingRequest, max_tokens: int, choice: int) -> SamplingParams:
     "The decoder settings of choice number `choice` (seeded choices get consecutive seeds)."
     stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+    temperature = 0.0 if req.temperature < SAMPLING_EPS else req.temperature   # vLLM's rule: greedy below 1e-5
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=req.top_p, top_k=req.top_k,
                           repetition_penalty=req.repetition_penalty, stop=stops,
-                          seed=None if req.seed is None else req.seed + choice, ignore_eos=req.ignore_eos)
+                          seed=None if req.seed is None else req.seed + choice, ignore_eos=req.ignore_eos,
+                          skip_special_tokens=req.skip_special_tokens)

@@ -15,7 +15,7 @@ import torch
 from fastcore.basics import patch
 from ..config import ConfigError
 from ..generation import (apply_repetition_penalty, decode_step, decode_step_applies,
-                                        hold_decode_weights, sample_next)
+                                        hold_decode_weights, sample_next, special_token_ids)
 from ..runtime import autocast_context
 from ..models.attention import additive_mask, attention_mask, KVCache, positions_from_pad_mask
 from .streams import TextStream
@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True     # vLLM's default: special tokens add no text
 
     @property
     def greedy(self) -> bool: return self.temperature <= 0 and self.repetition_penalty == 1.0
@@ -52,6 +53,7 @@ class Sequence:
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None
     on_cancel: Callable | None = None    # set by an decoder in another process: passes the cancel on
+    error: Exception | None = None       # what went wrong for this sequence alone (it then ends with an `error` event)
 
     def cancel(self):
         "Ask the decoder to drop this sequence at its next step (safe from any thread)."
@@ -59,6 +61,8 @@ class Sequence:
         if self.on_cancel is not None: self.on_cancel()
 
 # %% ../../nbs/61_serve_decoder.ipynb #080ff370
+log = logging.getLogger("gradient_garden.serve")
+
 class DecoderClosed(RuntimeError): "The decoder is shutting down and takes no more requests."
 class QueueFull(RuntimeError): "The waiting queue is full."
 
@@ -73,6 +77,7 @@ class BatchDecoder:
         self.device = next(model.parameters()).device
         self.stop_ids = {int(t) for t in (tokenizer.eos_id, tokenizer.eot_id) if t is not None}
         self.pad_id = int(getattr(tokenizer, "pad_id", 0) or 0)
+        self.special = special_token_ids(tokenizer)   # their text is hidden unless a request asks for it
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []
         self.cache: KVCache | None = None  # buffers of `capacity` rows; rows 0..len(rows)-1 are in use
@@ -80,7 +85,7 @@ class BatchDecoder:
         self.starts = self.last = None     # [rows] first real column, [rows] next token to feed
         self.col, self.fast = 0, False
         self._bias = self._bias_of = None  # the additive attention bias of the rows' padding, and the starts it is for
-        self.stats = dict(served=0, cancelled=0, rejected=0, tokens=0, steps=0, prefills=0, realigns=0)
+        self.stats = dict(served=0, cancelled=0, failed=0, rejected=0, tokens=0, steps=0, prefills=0, realigns=0)
         self._cv, self._closed, self._thread = threading.Condition(), False, None
         self.after_step: list[Callable] = []   # called on the decoder thread once the step's events are emitted
 
@@ -110,36 +115,54 @@ def snapshot(self: BatchDecoder) -> dict:
 # %% ../../nbs/61_serve_decoder.ipynb #a3327ffd
 @patch
 def _sample(self: BatchDecoder, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
-    "The next token of every row: greedy rows by one argmax, the others with their own settings and generator."
+    "The next token of every row: greedy rows by one argmax, the others with their own settings (a failure: `row.error`)."
     nxt = logits.max(-1).indices
     for i, r in enumerate(rows):
         p = r.params
         if p.greedy: continue
-        row = logits[i:i + 1]
-        if r.seen is not None: row = apply_repetition_penalty(row, r.seen, p.repetition_penalty)
-        nxt[i] = sample_next(row, p.temperature, p.top_p, p.top_k, r.generator)[0]
+        try:
+            row = logits[i:i + 1]
+            if r.seen is not None: row = apply_repetition_penalty(row, r.seen, p.repetition_penalty)
+            nxt[i] = sample_next(row, p.temperature, p.top_p, p.top_k, r.generator)[0]
+        except Exception as e: r.error = e
     return nxt.tolist()
 
 @patch
-def _finish(self: BatchDecoder, r: Sequence, reason: str) -> bool:
-    "Flush the held-back text and report the end of sequence `r`; returns False (the row leaves the batch)."
+def _finish(self: BatchDecoder, r: Sequence, reason: str, stop_token: bool = False) -> bool:
+    "Flush the held-back text and report the end of `r` (a stop token counts as generated); False: the row leaves."
     if tail := r.stream.finish(): r.emit("text", tail)
     r.finish_reason = reason
     self.stats["served"] += 1
-    r.emit("done", dict(finish_reason=reason, completion_tokens=len(r.out), token_ids=list(r.out)))
+    r.emit("done", dict(finish_reason=reason, completion_tokens=len(r.out) + stop_token, token_ids=list(r.out)))
     return False
 
 @patch
+def _fail(self: BatchDecoder, r: Sequence, e: Exception) -> bool:
+    "End `r` alone with an `error` event that names `e` (the other rows go on); False: the row leaves."
+    message = f"generation failed for this request: {type(e).__name__}: {str(e)[:200]}"
+    log.error(message); log.debug("the failure's traceback", exc_info=e)
+    r.finish_reason, r.error = "error", e
+    self.stats["failed"] += 1
+    r.emit("error", message)
+    return False
+
+
+# %% ../../nbs/61_serve_decoder.ipynb #511e5537
+@patch
 def _advance(self: BatchDecoder, r: Sequence, token: int) -> bool:
-    "Record the new token of `r`, emit its text; False when `r` is finished (stop token, stop string, length)."
-    if token in self.stop_ids and not r.params.ignore_eos: return self._finish(r, "stop")
-    r.out.append(token)
-    self.stats["tokens"] += 1
-    if r.seen is not None: r.seen[0, token] = True
-    if text := r.stream.push(token): r.emit("text", text)
-    if r.stream.stopped: return self._finish(r, "stop")
-    if len(r.out) >= r.params.max_tokens: return self._finish(r, "length")
-    return True
+    "Record the new token of `r`, emit its text; False when `r` is finished (stop token, stop string, length) or failed."
+    if r.error is not None: return self._fail(r, r.error)
+    try:
+        if token in self.stop_ids and not r.params.ignore_eos: return self._finish(r, "stop", stop_token=True)
+        r.out.append(token)
+        self.stats["tokens"] += 1
+        if r.seen is not None: r.seen[0, token] = True
+        if text := r.stream.push(token): r.emit("text", text)
+        if r.stream.stopped: return self._finish(r, "stop")
+        if len(r.out) >= r.params.max_tokens: return self._finish(r, "length")
+        return True
+    except Exception as e: return self._fail(r, e)
+
 
 # %% ../../nbs/61_serve_decoder.ipynb #f8ea9551
 @patch
@@ -207,7 +230,7 @@ def _rows_cache(self: BatchDecoder, lo: int, hi: int) -> KVCache:
 def _prepare(self: BatchDecoder, s: Sequence):
     "Per-sequence state made when it is admitted: text stream, generator, seen-token mask."
     p = s.params
-    s.stream = TextStream(self.tok, p.stop)
+    s.stream = TextStream(self.tok, p.stop, self.special if p.skip_special_tokens else frozenset())
     if not p.greedy:
         s.generator = torch.Generator(device=self.device)
         if p.seed is None: s.generator.seed()
@@ -215,6 +238,12 @@ def _prepare(self: BatchDecoder, s: Sequence):
     if p.repetition_penalty != 1.0:
         s.seen = torch.zeros(1, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
         s.seen[0, torch.tensor(s.prompt, device=self.device)] = True
+
+@patch
+def _prepared(self: BatchDecoder, s: Sequence) -> bool:
+    "`_prepare` `s`; False (and `s` ended with an error) when that fails."
+    try: self._prepare(s); return True
+    except Exception as e: return self._fail(s, e)
 
 # %% ../../nbs/61_serve_decoder.ipynb #0f2c6c63
 @patch
@@ -238,6 +267,7 @@ def _admit(self: BatchDecoder):
         take = min(self.max_batch_size - len(self.rows), len(self.waiting))
         new = [self.waiting.popleft() for _ in range(take)]
     new = [s for s, k in zip(new, self._uncancelled(new)) if k]
+    new = [s for s in new if self._prepared(s)]
     if not new: return
     n, width = len(self.rows), max(len(s.prompt) for s in new)
     if not n: self.col = width
@@ -246,13 +276,14 @@ def _admit(self: BatchDecoder):
         if width > self.col or self.col - used >= self.max_len // 4: self._realign(max(used, width))   # room; padding out
     self._reserve(n + len(new))
     tokens = torch.full((len(new), width), self.pad_id, dtype=torch.long)
-    for i, s in enumerate(new):
-        tokens[i, width - len(s.prompt):] = torch.tensor(s.prompt)
-        self._prepare(s)
+    for i, s in enumerate(new): tokens[i, width - len(s.prompt):] = torch.tensor(s.prompt)
     starts = torch.tensor([self.col - len(s.prompt) for s in new])
     real = torch.arange(self.col)[None] >= starts[:, None]            # over every column: the row's older data is hidden
     tokens, real, starts = tokens.to(self.device), real.to(self.device), starts.to(self.device)
-    logits = self._prefill(tokens, None if self.col == width and bool(real.all()) else real, n)
+    try: logits = self._prefill(tokens, None if self.col == width and bool(real.all()) else real, n)
+    except Exception as e:                   # the newcomers fail; the rows already running never saw this forward
+        for s in new: self._fail(s, e)
+        return
     self.stats["prefills"] += 1
     nxt = self._sample(new, logits)
     first = torch.tensor(nxt, device=self.device)
@@ -274,17 +305,23 @@ def _padding(self: BatchDecoder) -> tuple[torch.Tensor | None, torch.Tensor | No
     return (self.col - self.starts)[:, None], self._bias[..., :self.col + 1]
 
 @patch
+def _forward(self: BatchDecoder, col: int) -> torch.Tensor:
+    "Logits `[rows, vocab]` of every row's newest token, written at column `col`."
+    if self.fast:
+        positions, bias = self._padding()
+        return decode_step(self.model, self.last[:, None], self._view, col, positions=positions, attn_bias=bias)
+    mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:, None]
+    return self.model(self.last[:, None], attn_mask=mask, kv_cache=self._view, start_pos=col)[:, -1]
+
+@patch
 def _decode(self: BatchDecoder):
     "One decoding step: every row's newest token through the model at the write column."
     if self.col >= self.max_len: self._realign(self.col - int(self.starts.min()))
     col = self.col
     if self._view is None: self._view = self._rows_cache(0, len(self.rows))
-    if self.fast:
-        positions, bias = self._padding()
-        logits = decode_step(self.model, self.last[:, None], self._view, col, positions=positions, attn_bias=bias)
-    else:
-        mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:, None]
-        logits = self.model(self.last[:, None], attn_mask=mask, kv_cache=self._view, start_pos=col)[:, -1]
+    try: logits = self._forward(col)
+    except Exception as e:                   # one forward for every row: every running row fails; what waits goes on
+        self._keep([self._fail(r, e) for r in self.rows]); return
     self.col += 1
     self.stats["steps"] += 1
     nxt = self._sample(self.rows, logits.float())
@@ -326,8 +363,6 @@ def run_until_idle(self: BatchDecoder):
         while self.step(): pass
 
 # %% ../../nbs/61_serve_decoder.ipynb #54c0be13
-log = logging.getLogger("gradient_garden.serve")
-
 @patch
 def _fail_all(self: BatchDecoder, message: str):
     "Report `message` to every running and waiting sequence and forget them."

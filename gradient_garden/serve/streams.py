@@ -14,8 +14,8 @@ __all__ = ['TextStream']
 # %% ../../nbs/60_serve_streams.ipynb #da3336b8
 class TextStream:
     "Token ids in, text out: whole characters only, held back while they could still begin a stop string."
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tok, self.stop = tokenizer, tuple(s for s in stop if s)
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), hidden: frozenset[int] = frozenset()):
+        self.tok, self.stop, self.hidden = tokenizer, tuple(s for s in stop if s), hidden   # hidden: ids shown as nothing
         self.ids: list[int] = []
         self.prefix = self.read = 0         # decode window: ids[prefix:read] were decoded already, as `window`
         self.window, self.text, self.sent, self.stopped = "", "", 0, False
@@ -57,7 +57,7 @@ def _release(self: TextStream, final: bool = False) -> str:
 @patch
 def push(self: TextStream, token_id: int) -> str:
     "Add one token; return the new text that may be shown ('' while a character or a stop string is incomplete)."
-    if self.stopped: return ""
+    if self.stopped or token_id in self.hidden: return ""
     self.ids.append(int(token_id))
     self._decode_new()
     return self._release()
