@@ -1,6 +1,6 @@
 """`gg serve` as its users use it: the real server on a free loopback port, talked to with the official `openai`
 client (and raw HTTP where a client would refuse to send the request)."""
-import json, os, signal, socket, subprocess, sys, threading, time
+import contextlib, json, os, signal, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,6 +53,23 @@ def wait_ready(url: str, proc=None, timeout: float = 300, headers=None):
         except httpx.HTTPError: pass
         time.sleep(0.2)
     raise AssertionError(f"{url} did not come up in {timeout} s")
+
+@contextlib.contextmanager
+def served_in_thread(served, api_key=None):
+    "A real uvicorn server for `served` in a thread of this process; its base URL while the block runs."
+    import uvicorn
+    from gradient_garden.serve.app import create_app
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(served, api_key=api_key), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        yield url
+    finally:
+        srv.should_exit = True
+        th.join(timeout=30)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -234,21 +251,11 @@ def test_cli_refuses_public_address_without_key(tiny, capsys):
 @pytest.fixture()
 def small_server(tiny):
     "A real uvicorn server in this process (one decoding row, one waiting place, an API key, a plain checkpoint)."
-    import uvicorn
     from gradient_garden.serve.api import Served
-    from gradient_garden.serve.app import create_app
     from gradient_garden.serve.decoder import BatchDecoder
     model, cfg = load_model_from_checkpoint(make_checkpoint(tiny["base"], "pretraining", tiny["tok_dir"]))
     served = Served(BatchDecoder(model, init_tokenizer(cfg.tokenizer), max_batch_size=1, max_queue=1), "tiny-plain", chat=False)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served, api_key="sekrit"), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, headers={"Authorization": "Bearer sekrit"})
-    yield url
-    srv.should_exit = True
-    th.join(timeout=30)
+    with served_in_thread(served, api_key="sekrit") as url: yield url
 
 def test_api_key_queue_limit_and_plain_checkpoint(small_server):
     url = small_server
@@ -268,22 +275,13 @@ def test_api_key_queue_limit_and_plain_checkpoint(small_server):
 @pytest.fixture()
 def coalescing_server(tiny):
     "A real uvicorn server in this process whose streams send 8 tokens per chunk (no time limit)."
-    import uvicorn
     from gradient_garden.serve.api import Served, StreamInterval
-    from gradient_garden.serve.app import create_app
     from gradient_garden.serve.decoder import BatchDecoder
     model, _ = load_model_from_checkpoint(tiny["ckpt"])             # its own copy: the decoder owns its model while it runs
     served = Served(BatchDecoder(model, tiny["tok"], max_batch_size=4), "tiny-instruct",
                     stream_interval=StreamInterval(8, ms=60_000))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    srv.should_exit = True
-    th.join(timeout=30)
+    with served_in_thread(served) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 def test_coalesced_stream_is_the_same_text_in_fewer_chunks(coalescing_server, tiny):
     "The openai client reads chunks of several tokens: the same text and usage, the first chunk with the role."
@@ -384,24 +382,15 @@ def rigged_model(tiny):
 @pytest.fixture(scope="module")
 def eot_server(tiny):
     "A real uvicorn server in this process on the rigged model, and the rigged model's greedy tokens (stop tokens ignored)."
-    import uvicorn
     from gradient_garden.serve.api import Served
-    from gradient_garden.serve.app import create_app
     from gradient_garden.serve.decoder import BatchDecoder
     tok = tiny["tok"]
     ref = generate(rigged_model(tiny), tok, [tok.encode(EOT_PROMPT, bos=True)], max_new_tokens=24, stop_ids=[])[0]
     k = ref.index(tok.eot_id)
     assert 1 <= k < 12 and any(t not in special_token_ids(tok) for t in ref[k + 1:]), ref
     served = Served(BatchDecoder(rigged_model(tiny), tok, max_batch_size=4), "tiny-instruct")
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
-    yield dict(url=url, ref=ref, k=k, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
-    srv.should_exit = True
-    th.join(timeout=30)
+    with served_in_thread(served) as url:
+        yield dict(url=url, ref=ref, k=k, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
 
 def _complete(c, stream: bool, chat: bool = False, **kw) -> tuple[str, str, int]:
     "Text, finish reason and completion_tokens of one request (streamed: joined chunks and the usage chunk)."
