@@ -35,6 +35,7 @@ def package_versions() -> dict:
         except PackageNotFoundError: pass
     return out
 
+# %% ../../nbs/45_telemetry.ipynb #f13507ab
 def hardware_info(env: DistEnv) -> dict:
     "The machine and accelerators of this run."
     info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), world_size=env.world_size, device=str(env.device))
@@ -68,6 +69,7 @@ def init_wandb(cfg: GlobalConfig, run_dir: Path):
     run.define_metric("*", step_metric="step")
     return run
 
+# %% ../../nbs/45_telemetry.ipynb #110c1416
 class MetricsLogger:
     "Append metric dicts to `metrics.jsonl` and W&B (main rank only)."
     def __init__(self, run_dir, enabled: bool = True, wandb_run=None):
@@ -159,6 +161,7 @@ def summary_table(rows: list[tuple[str, str]], title: str = "") -> str:
     rule = "-" * max([w + 2 + len(v) for _, v in rows] + [len(title)])
     return "\n".join([rule] + ([title, rule] if title else []) + [f"{k:<{w}}  {v}" for k, v in rows] + [rule])
 
+# %% ../../nbs/45_telemetry.ipynb #93bb8b57
 def format_metric(x) -> str:
     "A metric value for the summary: 4 significant decimals for floats."
     return f"{x:.4f}" if isinstance(x, float) else str(x)
