@@ -125,7 +125,7 @@ def resolve_checkpoint(path) -> Path:
                           f"did not finish); use an earlier checkpoint")
     raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt or step_*/ in it or in {p/'checkpoints'})")
 
-# %% ../../nbs/44_checkpoints.ipynb #1df940cf
+# %% ../../nbs/44_checkpoints.ipynb #a711e1d2
 def _verify_archive(p: Path):
     "Raise `ConfigError` unless `p` is a complete zip archive whose members all pass their CRC-32 check."
     try:
@@ -136,6 +136,7 @@ def _verify_archive(p: Path):
     if bad is not None:
         raise ConfigError(f"{p}: corrupted checkpoint (member {bad!r} fails its CRC check); use an earlier checkpoint")
 
+# %% ../../nbs/44_checkpoints.ipynb #b9496b94
 def _load_file(p: Path, map_location="cpu", verify: bool = True, mmap: bool = False) -> dict:
     "Load a `torch.save` file with `weights_only=True` and check that it is a Gradient Garden checkpoint."
     if verify: _verify_archive(p)
@@ -366,7 +367,7 @@ def _load_unfused_sharded(path, model: nn.Module, optimizers=None) -> bool:
     else: set_model_state_dict(m, ck["model"], options=opts)
     return True
 
-# %% ../../nbs/44_checkpoints.ipynb #c3fc931d
+# %% ../../nbs/44_checkpoints.ipynb #45bfa943
 def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
 
 def sharded_meta(meta: dict) -> dict:
@@ -378,6 +379,7 @@ def sharded_meta(meta: dict) -> dict:
         raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), lists)")
     return meta
 
+# %% ../../nbs/44_checkpoints.ipynb #b8b20377
 def begin_sharded(final: Path) -> Path:
     "Every rank: the fresh temporary directory (made by rank 0) that becomes checkpoint `final`."
     tmp = final.with_name(f".{final.name}.tmp")
@@ -387,6 +389,7 @@ def begin_sharded(final: Path) -> Path:
     barrier()
     return tmp
 
+# %% ../../nbs/44_checkpoints.ipynb #bee3d954
 def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     "Rank 0, once every shard is on disk: write `meta.pt`, then the marker, then rename `tmp` to `final`."
     torch_save_atomic(meta, tmp/SHARDED_META)
