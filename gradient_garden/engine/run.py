@@ -55,7 +55,7 @@ def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts
 # %% ../../nbs/48_run.ipynb #55b6936f
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-# %% ../../nbs/48_run.ipynb #82c42707
+# %% ../../nbs/48_run.ipynb #9e130b40
 class StopRequest:
     "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
     def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None):
@@ -66,29 +66,39 @@ class StopRequest:
     @property
     def name(self) -> str | None: return signal.Signals(self.signum).name if self.signum else None
 
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            if signum == signal.SIGINT and time.monotonic() - self.at > self.debounce_s: raise KeyboardInterrupt
-            return
-        self.signum, self.at = signum, time.monotonic()
-        if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
-            os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
+# %% ../../nbs/48_run.ipynb #eac8aeed
+@patch
+def _handle(self: StopRequest, signum, frame):
+    "The signal handler: note the first request; a later Ctrl-C (past the debounce) aborts."
+    if self.signum is not None:
+        if signum == signal.SIGINT and time.monotonic() - self.at > self.debounce_s: raise KeyboardInterrupt
+        return
+    self.signum, self.at = signum, time.monotonic()
+    if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
+        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            self._old = {s: signal.signal(s, self._handle) for s in self.signals}
-        return self
+# %% ../../nbs/48_run.ipynb #6874b41d
+@patch
+def agreed(self: StopRequest, env: DistEnv | None = None) -> bool:
+    "True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of them)."
+    if env is None or not env.distributed: return self.signum is not None
+    flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
+    if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
+    return bool(flag)
 
-    def __exit__(self, *exc):
-        for s, h in self._old.items(): signal.signal(s, h)
-        self._old = {}
+# %% ../../nbs/48_run.ipynb #6cbb908a
+@patch
+def __enter__(self: StopRequest):
+    "Install the handlers (main thread only)."
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+        self._old = {s: signal.signal(s, self._handle) for s in self.signals}
+    return self
 
-    def agreed(self, env: DistEnv | None = None) -> bool:
-        "True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of them)."
-        if env is None or not env.distributed: return self.signum is not None
-        flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
-        if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
-        return bool(flag)
+@patch
+def __exit__(self: StopRequest, *exc):
+    "Put back the handlers that were there before."
+    for s, h in self._old.items(): signal.signal(s, h)
+    self._old = {}
 
 # %% ../../nbs/48_run.ipynb #5776a0ab
 def _pid_running(pid: int) -> bool:
