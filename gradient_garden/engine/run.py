@@ -100,7 +100,7 @@ def __exit__(self: StopRequest, *exc):
     for s, h in self._old.items(): signal.signal(s, h)
     self._old = {}
 
-# %% ../../nbs/48_run.ipynb #5776a0ab
+# %% ../../nbs/48_run.ipynb #8097e5f0
 def _pid_running(pid: int) -> bool:
     "Whether process `pid` exists on this host."
     try: os.kill(pid, 0)
@@ -108,6 +108,7 @@ def _pid_running(pid: int) -> bool:
     except PermissionError: return True
     return True
 
+# %% ../../nbs/48_run.ipynb #3e2455b1
 class RunLock:
     "`run_dir/.lock`: one writer per run directory; a lock left by a process that is gone is stale and taken over."
     def __init__(self, run_dir):
