@@ -71,11 +71,12 @@ def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@k")
     return parser
 
-# %% ../../nbs/53_cli_evaluate.ipynb #d7efb4e2
+# %% ../../nbs/53_cli_evaluate.ipynb #a6df3543
 def generative_sets(args) -> list[str]:
     "The generative exact-match sets `args` asks for."
     return (["exact_match"] if getattr(args, "exact_match", False) else []) + (["gsm8k"] if getattr(args, "gsm8k", None) else [])
 
+# %% ../../nbs/53_cli_evaluate.ipynb #2ef9ac97
 def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
     "Greedy exact match and pass@k of each asked set, split over ranks; the checkpoint's chat format unless it is a pretraining one."
     sets, out = generative_sets(args), {}
