@@ -217,7 +217,7 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
         raise ConfigError(f"tokenizer.path: {cfg.tokenizer.path} has identity {tokenizer_identity!r}; the {what} was "
                           f"trained with tokenizer {have!r}")
 
-# %% ../../nbs/44_checkpoints.ipynb #079d9d78
+# %% ../../nbs/44_checkpoints.ipynb #3e6f3358
 class CheckpointManager:
     "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
     def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
@@ -232,15 +232,21 @@ class CheckpointManager:
         self._stager = None         # the staging buffers of background saves, made once and reused
         self._staged = None         # the staging of the save in flight (a future on an accelerator)
 
-    def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
+# %% ../../nbs/44_checkpoints.ipynb #09a518b6
+@patch
+def path(self: CheckpointManager, step: int) -> Path:
+    "Where the single-file checkpoint of `step` goes."
+    return self.dir/f"step_{step:07d}.pt"
 
-    def checkpoints(self) -> list[Path]:
-        "Complete checkpoints on disk, oldest first."
-        return list_checkpoints(self.dir)
+@patch
+def checkpoints(self: CheckpointManager) -> list[Path]:
+    "Complete checkpoints on disk, oldest first."
+    return list_checkpoints(self.dir)
 
-    def latest(self) -> Path | None:
-        "The checkpoint with the highest step, or None."
-        return (self.checkpoints() or [None])[-1]
+@patch
+def latest(self: CheckpointManager) -> Path | None:
+    "The checkpoint with the highest step, or None."
+    return (self.checkpoints() or [None])[-1]
 
 # %% ../../nbs/44_checkpoints.ipynb #d5bc6397
 @patch
