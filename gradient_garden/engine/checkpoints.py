@@ -248,7 +248,7 @@ def latest(self: CheckpointManager) -> Path | None:
     "The checkpoint with the highest step, or None."
     return (self.checkpoints() or [None])[-1]
 
-# %% ../../nbs/44_checkpoints.ipynb #d5bc6397
+# %% ../../nbs/44_checkpoints.ipynb #f6b4208a
 @patch
 def val_loss(self: CheckpointManager, path: Path) -> float | None:
     "The validation loss recorded in checkpoint `path` (None if not validated or unreadable)."
@@ -258,13 +258,14 @@ def val_loss(self: CheckpointManager, path: Path) -> float | None:
         self._val_loss[path.name] = v
     return self._val_loss[path.name]
 
+# %% ../../nbs/44_checkpoints.ipynb #f279043f
 @patch
 def best(self: CheckpointManager) -> Path | None:
     "The checkpoint with the lowest validation loss (the earliest on ties), or None."
     scored = [(v, p) for p in self.checkpoints() if (v := self.val_loss(p)) is not None]
     return min(scored, key=lambda t: t[0])[1] if scored else None
 
-# %% ../../nbs/44_checkpoints.ipynb #0a112a03
+# %% ../../nbs/44_checkpoints.ipynb #0affd190
 @patch
 def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None) -> Path:
     "Write `state` as the checkpoint of `step` (atomically), then apply retention; returns its path."
@@ -274,6 +275,7 @@ def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None
     self.prune()
     return path
 
+# %% ../../nbs/44_checkpoints.ipynb #2a4a290e
 @patch
 def prune(self: CheckpointManager) -> list[Path]:
     "Delete checkpoints outside the last `keep_last` and the best, and stale temporary files; return them."
