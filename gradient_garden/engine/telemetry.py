@@ -20,7 +20,7 @@ from .distributed import DistEnv
 __all__ = ['package_versions', 'hardware_info', 'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'make_profiler',
            'format_duration', 'Progress', 'summary_table', 'format_metric', 'eval_cell']
 
-# %% ../../nbs/45_telemetry.ipynb #e3f630cb
+# %% ../../nbs/45_telemetry.ipynb #c044e741
 def _git_commit() -> str | None:
     "The current git commit of the working directory, if any."
     try:
@@ -28,6 +28,7 @@ def _git_commit() -> str | None:
                               cwd=Path(__file__).parent).stdout.strip() or None
     except Exception: return None
 
+# %% ../../nbs/45_telemetry.ipynb #1d9994f8
 def package_versions() -> dict:
     "Versions of the packages that shape a run."
     out = {"python": platform.python_version()}
@@ -70,7 +71,7 @@ def init_wandb(cfg: GlobalConfig, run_dir: Path):
     run.define_metric("*", step_metric="step")
     return run
 
-# %% ../../nbs/45_telemetry.ipynb #110c1416
+# %% ../../nbs/45_telemetry.ipynb #9cfc32a2
 class MetricsLogger:
     "Append metric dicts to `metrics.jsonl` and W&B (main rank only)."
     def __init__(self, run_dir, enabled: bool = True, wandb_run=None):
