@@ -71,10 +71,12 @@ def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@k")
     return parser
 
+# %% ../../nbs/53_cli_evaluate.ipynb #a6df3543
 def generative_sets(args) -> list[str]:
     "The generative exact-match sets `args` asks for."
     return (["exact_match"] if getattr(args, "exact_match", False) else []) + (["gsm8k"] if getattr(args, "gsm8k", None) else [])
 
+# %% ../../nbs/53_cli_evaluate.ipynb #2ef9ac97
 def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
     "Greedy exact match and pass@k of each asked set, split over ranks; the checkpoint's chat format unless it is a pretraining one."
     sets, out = generative_sets(args), {}
@@ -89,7 +91,6 @@ def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
         out[name] = r | {"source": "generative, chat" if not plain else "generative, plain"}
     return out
 
-
 # %% ../../nbs/53_cli_evaluate.ipynb #a1e15569
 def check_evaluate_args(args) -> None:
     "One-line errors for `gg evaluate` numbers out of range (never silently replaced by a default)."
@@ -101,6 +102,7 @@ def check_evaluate_args(args) -> None:
             hint = " (0 = all rows)" if flag.endswith("-examples") else ""
             raise ConfigError(f"gg evaluate {flag}: got {v}; must be >= {low}{hint}")
 
+# %% ../../nbs/53_cli_evaluate.ipynb #6da2c528
 def evaluation_plan(args) -> tuple[list[str], list[str]]:
     "(benchmark names, lm-eval task names) that `args` asks for, after every check that needs no model."
     if not (args.checkpoint or args.hf_checkpoint):
@@ -131,6 +133,7 @@ def load_hf_checkpoint(path, device="cpu", dtype=torch.float32):
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype).to(device)
     return HFCausalLM(model).eval(), AutoTokenizer.from_pretrained(p)
 
+# %% ../../nbs/53_cli_evaluate.ipynb #ac282745
 def load_evaluation_model(args, device, dtype):
     "The model, tokenizer and config `gg evaluate` works with."
     if args.hf_checkpoint:
@@ -139,6 +142,7 @@ def load_evaluation_model(args, device, dtype):
     model, cfg = load_model_from_checkpoint(args.checkpoint, device=device, dtype=dtype)
     return model.eval(), init_tokenizer(cfg.tokenizer), cfg
 
+# %% ../../nbs/53_cli_evaluate.ipynb #c9cebc19
 def evaluation_env(device_flag: str):
     "The process group (torchrun's, or one process) and this rank's device for `--device`."
     name = device_flag.split(":")[0]
@@ -154,6 +158,7 @@ def lm_eval_bridge():
         raise ConfigError(f"--lm-eval-tasks needs lm-evaluation-harness ({e}); pip install 'gradient-garden[lm_eval]'") from None
     return lm
 
+# %% ../../nbs/53_cli_evaluate.ipynb #da73904c
 def _validation_batches(cfg: GlobalConfig, tokenizer, steps: int, batch_size: int, rank: int, world_size: int):
     "The fixed validation batches of `<paths.datasets>/pretraining/val`, checked against the tokenizer."
     loader = PretrainLoader(Path(cfg.paths.datasets)/"pretraining", "val", batch_size, cfg.training.seq_len, rank=rank,
@@ -161,6 +166,7 @@ def _validation_batches(cfg: GlobalConfig, tokenizer, steps: int, batch_size: in
                             tokenizer_identity=getattr(tokenizer, "identity", None))
     return loader.fixed_batches(steps)
 
+# %% ../../nbs/53_cli_evaluate.ipynb #811653ab
 def context_prefix_name(tokenizer, add_bos: Optional[bool]) -> str:
     "What goes before each context, for the results file: `bos (tokenizer default)`, `bos`, `none`, ..."
     if add_bos is not None: return "bos" if add_bos else "none"
@@ -214,11 +220,13 @@ def _task_line(name: str, m: dict) -> str:
     shown = [f"{k} {_fmt(v)}" for k, v in m.items() if isinstance(v, float) and not k.endswith("_stderr")]
     return f"{name:14s} {'  '.join(shown)}  n={m['n']}  ({m['source']})"
 
+# %% ../../nbs/53_cli_evaluate.ipynb #3294b640
 def samples_path(results_file, task: str) -> Path:
     "Where `--log-samples` writes a task's records: `<results stem>_samples_<task>.jsonl` beside the results."
     p = Path(results_file)
     return p.with_name(f"{p.stem}_samples_{task}.jsonl")
 
+# %% ../../nbs/53_cli_evaluate.ipynb #a1b2e47f
 def write_evaluation(results: dict, samples: Optional[dict], results_file) -> Path:
     "Write the results JSON and the sample records atomically; print a line per task and where they went."
     out = write_text_atomic(results_file, json.dumps(results, indent=2) + "\n")

@@ -41,6 +41,7 @@ def load_prompts(path) -> list:
         out.append(item)
     return out
 
+# %% ../../nbs/52_cli_generate.ipynb #e40b75b3
 def default_prompts(cfg, instruct: bool) -> list:
     "The run's test prompts, or the defaults for the stage (`default_test_prompts`)."
     if cfg.generation.test_prompts: return list(cfg.generation.test_prompts)
@@ -69,6 +70,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--output-file-name", default=None, help="write prompts and completions to this JSON file")
     return parser
 
+# %% ../../nbs/52_cli_generate.ipynb #d8908df7
 def check_generate_args(args):
     "Reject impossible sampling settings with the flag that is wrong."
     if args.max_gen_len <= 0: raise ConfigError(f"--max-gen-len: got {args.max_gen_len}; must be > 0")
@@ -94,6 +96,7 @@ def write_generations(args, results: list[dict]) -> Path:
     print(f"wrote {out}")
     return out
 
+# %% ../../nbs/52_cli_generate.ipynb #973389bd
 def run_generate(args) -> int:
     "Run `gg generate`: load a checkpoint and its tokenizer, complete the prompts, print and save the results."
     check_generate_args(args)
@@ -133,6 +136,7 @@ def add_export_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write the base model and its LoRA adapter as a PEFT folder in <out>/adapter (instead of merging)")
     return parser
 
+# %% ../../nbs/52_cli_generate.ipynb #e29f9167
 def export_tokenizer(cfg, tok_src) -> tuple:
     "(tokenizer for the special ids, folder to copy) of `tok_src`; (None, None) with a warning when it is missing."
     if not Path(tok_src).exists():

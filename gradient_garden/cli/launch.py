@@ -27,6 +27,7 @@ def signal_line(sigval: int) -> tuple[int, str]:
     return 128 + int(sigval), (f"gg launch: stopped by {name}; the workers finished their step and saved: resume with the "
                                f"--checkpoint the 'stopped by' line above names")
 
+# %% ../../nbs/55_cli_launch.ipynb #28b40566
 def failure_line(rank: int, exitcode: int, message: str) -> tuple[int, str]:
     "The exit status and last line of a launch whose worker `rank` failed (`message`: its error file's, a str or torchrun's dict)."
     if isinstance(message, dict): message = str(message.get("message", ""))
@@ -41,6 +42,7 @@ def add_launch_args(p: argparse.ArgumentParser):
                    help="torchrun's flags (--standalone, --nproc-per-node N, --nnodes, --rdzv-*), then a gg verb and its flags")
     p.set_defaults(_help=p.format_help)
 
+# %% ../../nbs/55_cli_launch.ipynb #903fba46
 def run_launch(args) -> int:
     "`gg launch`: run the workers with torchrun's launcher; one line of ours at the end when it is signalled or a worker fails."
     from torch.distributed.run import get_args_parser, run   # lazy: the launcher's imports are for this verb only

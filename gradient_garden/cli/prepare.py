@@ -33,10 +33,12 @@ def add_prepare_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--evals-dir", default=None, help="where to store them (default: paths.evals)")
     return parser
 
+# %% ../../nbs/51_cli_prepare.ipynb #742730f0
 def selected_tasks(args) -> list[str]:
     "The eval tasks whose flags are set on `args`."
     return [t.name for t in TASKS.values() if getattr(args, t.name, False)]
 
+# %% ../../nbs/51_cli_prepare.ipynb #64b5b69e
 def run_prepare_evals(args, default_dir=None) -> int:
     "Prepare the selected eval tasks; print where each went."
     out = args.evals_dir or default_dir or GlobalConfig().paths.evals
@@ -61,12 +63,14 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="set data.target_tokens to the Chinchilla budget of the configured model (20 tokens/parameter)")
     return add_prepare_eval_args(parser)
 
+# %% ../../nbs/51_cli_prepare.ipynb #e03b9c12
 def prepare_config(args) -> tuple:
     "(config, recipe, the `data.` overrides) of `gg prepare`'s flags; the other overrides go to the config."
     cfg, recipe = load_config(recipe=args.recipe, config=args.config, stage=args.stage, world_size=1,
                               overrides=[o for o in args.overrides if not o.startswith("data.")])
     return cfg, recipe, [o for o in args.overrides if o.startswith("data.")]
 
+# %% ../../nbs/51_cli_prepare.ipynb #9f474187
 def stage_data(args, recipe) -> dict | None:
     "The data section: `--mix-file`, else the recipe's `data`, else None (the stage's built-in default)."
     if args.mix_file: return load_mix_file(args.mix_file)
@@ -80,12 +84,14 @@ def stage_dir_line(done: dict) -> str:
     return (f"prepared {done['path']}: {done['train']:,} train + {done['val']:,} val examples "
             f"({done['dropped']} dropped as too long) with {done['tokenizer']}")
 
+# %% ../../nbs/51_cli_prepare.ipynb #cda44092
 def run_prepare_instruct(cfg: GlobalConfig, data: dict | None, args) -> int:
     "`gg prepare --instruct` hook: chats of the recipe's data section into `paths.datasets/instruct`."
     print(stage_dir_line(prepare_stage_dir(cfg, data, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES,
                                            getattr(args, "overwrite", False), getattr(args, "progress", True))))
     return 0
 
+# %% ../../nbs/51_cli_prepare.ipynb #0cced940
 def run_prepare_dpo(cfg: GlobalConfig, data: dict | None, args) -> int:
     "`gg prepare --dpo` hook: pairs of the recipe's data section into `paths.datasets/dpo`."
     print(stage_dir_line(prepare_stage_dir(cfg, data, "dpo", prepare_dpo, DEFAULT_DPO_SOURCES,
@@ -103,6 +109,7 @@ STAGE_HOOKS = {"instruct": "gradient_garden.cli.prepare:run_prepare_instruct",
                "dpo": "gradient_garden.cli.prepare:run_prepare_dpo",
                "rl": "gradient_garden.cli.prepare:run_prepare_rl"}
 
+# %% ../../nbs/51_cli_prepare.ipynb #6d640d13
 def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> int:
     "Hand preparation of a non-pretraining stage to the function named in `STAGE_HOOKS`."
     module, name = STAGE_HOOKS[stage].split(":")
@@ -116,6 +123,7 @@ def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> in
                           f"({module}.{name}(cfg, data, args) is not installed)")
     return fn(cfg, data, args)
 
+# %% ../../nbs/51_cli_prepare.ipynb #08f10431
 def prepare_other_stage(args, cfg: GlobalConfig, data: dict | None, data_overrides: list) -> int:
     "`gg prepare --instruct/--dpo`: the shared tokenizer first, then the stage's hook."
     if data_overrides: data = apply_overrides({"data": data or {}}, data_overrides)["data"]
@@ -131,6 +139,7 @@ def estimate_token_target(cfg: GlobalConfig) -> str:
           f"({est['chinchilla_steps']:,} steps of {cfg.training.total_batch_size:,} tokens)")
     return f"data.target_tokens={est['chinchilla_tokens']}"
 
+# %% ../../nbs/51_cli_prepare.ipynb #762b8167
 def report_prepared(out_dir: Path, meta: dict, spec, tokenizer) -> None:
     "The lines `gg prepare` prints about the shards it wrote (and notes on sources that ran short)."
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -174,6 +183,7 @@ def prepare_pretraining_stage(args, cfg: GlobalConfig, data: dict | None, data_o
     else: report_prepared(out_dir, meta, spec, tokenizer)
     return 0
 
+# %% ../../nbs/51_cli_prepare.ipynb #08c0b3e6
 def run_prepare(args: argparse.Namespace) -> int:
     "Run `gg prepare`: resolve config and data section, make sure the tokenizer exists, write the shards."
     cfg, recipe, data_overrides = prepare_config(args)

@@ -32,6 +32,7 @@ def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
         g = p.add_mutually_exclusive_group()
         for s in STAGE_FLAGS: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
 
+# %% ../../nbs/54_cli_train.ipynb #4c241e42
 def config_from_args(args) -> tuple:
     "Resolve `(GlobalConfig, Recipe | None)` from parsed shared flags (an error here is the same on every rank)."
     try: return load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
@@ -48,6 +49,7 @@ def add_train_args(p: argparse.ArgumentParser):
     p.add_argument("--reset-val-history", action="store_true", help="forget validation history (best loss, early stopping)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory (its metrics and checkpoints)")
 
+# %% ../../nbs/54_cli_train.ipynb #5279108b
 def run_train(args) -> int:
     "`gg train`: resolve the config and run its stage."
     cfg, _ = config_from_args(args)
@@ -57,6 +59,7 @@ def run_train(args) -> int:
     destroy_distributed()
     return stopped_line(res)
 
+# %% ../../nbs/54_cli_train.ipynb #9bad87cd
 def stopped_line(res: dict) -> int:
     "For a run stopped by a signal, say where its checkpoint is (rank 0) and return 128 + the signal number; else 0."
     if not res.get("stopped_by"): return 0
@@ -73,6 +76,7 @@ def forward_to_children(signum: int, received: list):
         try: child.send_signal(signum)
         except psutil.Error: pass
 
+# %% ../../nbs/54_cli_train.ipynb #ffc23523
 @contextlib.contextmanager
 def forwarding_stop_signals(received: list):
     "While inside, SIGTERM, SIGUSR1 and Ctrl-C go on to the children (`forward_to_children`) instead of ending this process."
@@ -83,7 +87,6 @@ def forwarding_stop_signals(received: list):
     finally:
         for s, h in old.items(): signal.signal(s, h)
 
-
 # %% ../../nbs/54_cli_train.ipynb #e99d65a5
 def default_train_notebook() -> Path:
     "The parameterised training notebook of this checkout."
@@ -93,11 +96,13 @@ def report_path(run_dir, rank: int) -> Path:
     "`report.ipynb` for rank 0, `report_rank<N>.ipynb` for the others."
     return Path(run_dir)/("report.ipynb" if rank == 0 else f"report_rank{rank}.ipynb")
 
+# %% ../../nbs/54_cli_train.ipynb #c7e19b3f
 def _is_kernel_startup_error(e: Exception) -> bool:
     "True for the transient failures of starting a kernel (port collisions, a kernel that died at birth)."
     txt = f"{type(e).__name__}: {e}"
     return any(s in txt for s in ("Address already in use", "ZMQError", "Kernel died before replying", "Kernel didn't respond"))
 
+# %% ../../nbs/54_cli_train.ipynb #f3e8c918
 def add_notebook_args(p: argparse.ArgumentParser):
     "Flags of `gg notebook`."
     add_train_args(p)
@@ -174,6 +179,7 @@ def add_plan_args(p: argparse.ArgumentParser):
     p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the time estimate (default 0.4)")
     p.add_argument("--mfu-from", default=None, help="a run folder or metrics.jsonl whose median MFU to use instead")
 
+# %% ../../nbs/54_cli_train.ipynb #0380609e
 def run_plan(args) -> int:
     "`gg plan`: print the plan; exit status 1 (after printing it) when it does not fit."
     cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage, world_size=1)

@@ -43,8 +43,10 @@ __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOI
 # %% ../../nbs/44_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
                 torch.Tensor, nn.Parameter)
+
 _SAFE_CONTAINERS = (dict, OrderedDict, list, tuple, set)
 
+# %% ../../nbs/44_checkpoints.ipynb #8cd757d6
 def find_unsafe(obj, path: str = "checkpoint") -> str | None:
     "The path and type of the first entry of `obj` that `torch.load(weights_only=True)` would refuse, or None."
     t = type(obj)
@@ -68,6 +70,7 @@ def rng_state() -> dict:
     if torch.cuda.is_available(): out["cuda"] = torch.cuda.get_rng_state_all()
     return out
 
+# %% ../../nbs/44_checkpoints.ipynb #89c6a3a5
 def set_rng_state(state: dict):
     "Restore the generators saved by `rng_state` (CUDA devices beyond those present are skipped)."
     py, n = state["python"], state["numpy"]
@@ -81,6 +84,7 @@ def set_rng_state(state: dict):
 CHECKPOINT_FORMAT, CHECKPOINT_VERSION = "gradient-garden", 1
 REQUIRED_KEYS = ("step", "stage", "architecture", "config", "model")
 
+# %% ../../nbs/44_checkpoints.ipynb #54bb5e0e
 def save_checkpoint(state: dict, path) -> Path:
     "Write checkpoint dict `state` to `path` atomically (temp file in the same dir, fsync, rename, dir fsync)."
     path = Path(path)
@@ -100,6 +104,7 @@ def is_sharded_checkpoint(p) -> bool:
     p = Path(p)
     return p.is_dir() and (p/SHARDED_MARKER).is_file()
 
+# %% ../../nbs/44_checkpoints.ipynb #1c9975c4
 def list_checkpoints(ckpt_dir) -> list[Path]:
     "The complete checkpoints in `ckpt_dir` (`step_*.pt` files, sharded `step_*` dirs), oldest step first."
     d = Path(ckpt_dir)
@@ -107,6 +112,7 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
     found = [p for p in d.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and (p.is_file() if m[2] else is_sharded_checkpoint(p))]
     return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name)[1]))
 
+# %% ../../nbs/44_checkpoints.ipynb #999c7c68
 def resolve_checkpoint(path) -> Path:
     "A checkpoint file or sharded dir; a `checkpoints/` dir or a run dir resolves to its latest checkpoint."
     p = Path(path)
@@ -119,7 +125,7 @@ def resolve_checkpoint(path) -> Path:
                           f"did not finish); use an earlier checkpoint")
     raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt or step_*/ in it or in {p/'checkpoints'})")
 
-# %% ../../nbs/44_checkpoints.ipynb #1df940cf
+# %% ../../nbs/44_checkpoints.ipynb #a711e1d2
 def _verify_archive(p: Path):
     "Raise `ConfigError` unless `p` is a complete zip archive whose members all pass their CRC-32 check."
     try:
@@ -130,6 +136,7 @@ def _verify_archive(p: Path):
     if bad is not None:
         raise ConfigError(f"{p}: corrupted checkpoint (member {bad!r} fails its CRC check); use an earlier checkpoint")
 
+# %% ../../nbs/44_checkpoints.ipynb #b9496b94
 def _load_file(p: Path, map_location="cpu", verify: bool = True, mmap: bool = False) -> dict:
     "Load a `torch.save` file with `weights_only=True` and check that it is a Gradient Garden checkpoint."
     if verify: _verify_archive(p)
@@ -169,8 +176,10 @@ def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool
 STAGE_ORDER = ("pretraining", "instruct", "dpo", "rl")  # a later stage may start from an earlier one
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
                 "tie_embeddings")
+
 MOE_SHAPE_FIELDS = ("n_experts", "n_shared_experts")
 
+# %% ../../nbs/44_checkpoints.ipynb #b8c1538d
 def _describe(ckpt: dict) -> str:
     "How to name a checkpoint in an error message."
     run = ckpt.get("config", {}).get("run", {}).get("name")
@@ -208,7 +217,7 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
         raise ConfigError(f"tokenizer.path: {cfg.tokenizer.path} has identity {tokenizer_identity!r}; the {what} was "
                           f"trained with tokenizer {have!r}")
 
-# %% ../../nbs/44_checkpoints.ipynb #079d9d78
+# %% ../../nbs/44_checkpoints.ipynb #3e6f3358
 class CheckpointManager:
     "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
     def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
@@ -223,17 +232,23 @@ class CheckpointManager:
         self._stager = None         # the staging buffers of background saves, made once and reused
         self._staged = None         # the staging of the save in flight (a future on an accelerator)
 
-    def path(self, step: int) -> Path: return self.dir/f"step_{step:07d}.pt"
+# %% ../../nbs/44_checkpoints.ipynb #09a518b6
+@patch
+def path(self: CheckpointManager, step: int) -> Path:
+    "Where the single-file checkpoint of `step` goes."
+    return self.dir/f"step_{step:07d}.pt"
 
-    def checkpoints(self) -> list[Path]:
-        "Complete checkpoints on disk, oldest first."
-        return list_checkpoints(self.dir)
+@patch
+def checkpoints(self: CheckpointManager) -> list[Path]:
+    "Complete checkpoints on disk, oldest first."
+    return list_checkpoints(self.dir)
 
-    def latest(self) -> Path | None:
-        "The checkpoint with the highest step, or None."
-        return (self.checkpoints() or [None])[-1]
+@patch
+def latest(self: CheckpointManager) -> Path | None:
+    "The checkpoint with the highest step, or None."
+    return (self.checkpoints() or [None])[-1]
 
-# %% ../../nbs/44_checkpoints.ipynb #d5bc6397
+# %% ../../nbs/44_checkpoints.ipynb #f6b4208a
 @patch
 def val_loss(self: CheckpointManager, path: Path) -> float | None:
     "The validation loss recorded in checkpoint `path` (None if not validated or unreadable)."
@@ -243,12 +258,14 @@ def val_loss(self: CheckpointManager, path: Path) -> float | None:
         self._val_loss[path.name] = v
     return self._val_loss[path.name]
 
+# %% ../../nbs/44_checkpoints.ipynb #f279043f
 @patch
 def best(self: CheckpointManager) -> Path | None:
     "The checkpoint with the lowest validation loss (the earliest on ties), or None."
     scored = [(v, p) for p in self.checkpoints() if (v := self.val_loss(p)) is not None]
     return min(scored, key=lambda t: t[0])[1] if scored else None
 
+# %% ../../nbs/44_checkpoints.ipynb #0affd190
 @patch
 def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None = None) -> Path:
     "Write `state` as the checkpoint of `step` (atomically), then apply retention; returns its path."
@@ -258,6 +275,7 @@ def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None
     self.prune()
     return path
 
+# %% ../../nbs/44_checkpoints.ipynb #2a4a290e
 @patch
 def prune(self: CheckpointManager) -> list[Path]:
     "Delete checkpoints outside the last `keep_last` and the best, and stale temporary files; return them."
@@ -278,6 +296,7 @@ def _owner(model: nn.Module) -> nn.Module:
     "The module whose state dict we save: FSDP2 modules as they are, DDP / compile wrappers removed."
     return model if is_fsdp(model) else unwrap_model(model)
 
+# %% ../../nbs/44_checkpoints.ipynb #36bbd7d8
 def sharded_state(model: nn.Module, optimizers=()) -> dict:
     "`{model, optimizers}` state of this rank: its shards under FSDP2/HSDP (DTensors), whole tensors otherwise."
     m, opts = _owner(model), StateDictOptions()
@@ -285,6 +304,7 @@ def sharded_state(model: nn.Module, optimizers=()) -> dict:
     msd, osd = get_state_dict(m, list(optimizers), options=opts)
     return {"model": msd, "optimizers": osd}
 
+# %% ../../nbs/44_checkpoints.ipynb #45af6066
 def load_sharded_state(path, model: nn.Module, optimizers=None):
     "Read sharded checkpoint `path` into `model` (and `optimizers`) in their current layout: any ranks, any mesh."
     if _load_unfused_sharded(path, model, optimizers): return     # saved before q/k/v and w1/w3 were stored fused
@@ -355,7 +375,7 @@ def _load_unfused_sharded(path, model: nn.Module, optimizers=None) -> bool:
     else: set_model_state_dict(m, ck["model"], options=opts)
     return True
 
-# %% ../../nbs/44_checkpoints.ipynb #c3fc931d
+# %% ../../nbs/44_checkpoints.ipynb #45bfa943
 def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
 
 def sharded_meta(meta: dict) -> dict:
@@ -367,6 +387,7 @@ def sharded_meta(meta: dict) -> dict:
         raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), lists)")
     return meta
 
+# %% ../../nbs/44_checkpoints.ipynb #b8b20377
 def begin_sharded(final: Path) -> Path:
     "Every rank: the fresh temporary directory (made by rank 0) that becomes checkpoint `final`."
     tmp = final.with_name(f".{final.name}.tmp")
@@ -376,6 +397,7 @@ def begin_sharded(final: Path) -> Path:
     barrier()
     return tmp
 
+# %% ../../nbs/44_checkpoints.ipynb #bee3d954
 def commit_sharded(tmp: Path, final: Path, meta: dict) -> Path:
     "Rank 0, once every shard is on disk: write `meta.pt`, then the marker, then rename `tmp` to `final`."
     torch_save_atomic(meta, tmp/SHARDED_META)
@@ -457,6 +479,7 @@ def _os_error(e: BaseException) -> OSError | None:
         seen.add(id(e)); e = e.__cause__ or e.__context__
     return None
 
+# %% ../../nbs/44_checkpoints.ipynb #194b1915
 def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> str:
     "One line: why the checkpoint of `step` was not written (`how`: e.g. ' (background write)') and the last intact one."
     rank = None
@@ -503,6 +526,7 @@ def wait(self: CheckpointManager) -> Path | None:
     self.prune()
     return final
 
+# %% ../../nbs/44_checkpoints.ipynb #b6bf3ae6
 @patch
 def poll(self: CheckpointManager, env: DistEnv | None = None) -> Path | None:
     "Commit the save in flight once its background write has finished on every rank of `env` (agreed on the CPU group); never blocks."
@@ -535,6 +559,7 @@ def base_weights(ckpt: dict, model: nn.Module | None = None) -> dict[str, torch.
         sd[key] = W
     return sd
 
+# %% ../../nbs/44_checkpoints.ipynb #a8e45fdf
 def _slice_rows(ckpt: dict, model: nn.Module | None, host: str, proj: str) -> slice:
     "The rows of projection `proj` in fused layer `host` of `model`."
     parts = fused_layout(model).get(host + ".weight") if model is not None else None

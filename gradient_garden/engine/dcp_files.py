@@ -37,6 +37,7 @@ _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 
+# %% ../../nbs/39_dcp_files.ipynb #709a4859
 class MetadataUnpickler(pickle.Unpickler):
     "Unpickle a dcp `.metadata` file into dcp's metadata classes, sizes and dtypes only (never code)."
     def find_class(self, module, name):
@@ -60,6 +61,7 @@ def _load_bytes_weights_only(self, read_item, value: io.BytesIO):
     if self.flatten_state_dict: set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
     else: self.state_dict[read_item.dest_index.fqn] = obj
 
+# %% ../../nbs/39_dcp_files.ipynb #f2f3ea71
 class SafeLoadPlanner(DefaultLoadPlanner):
     "dcp's load planner (into existing, possibly sharded, tensors) with weights-only non-tensor entries."
     load_bytes = _load_bytes_weights_only

@@ -44,6 +44,7 @@ def register_stage(name: str):
     def deco(f): STAGES[name] = f; return f
     return deco
 
+# %% ../../nbs/48_run.ipynb #b21eb1af
 def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts:
     "Build the task and loaders of `cfg.training.stage`; its task distilled from a teacher when `distillation.enabled`."
     stage = cfg.training.stage
@@ -54,6 +55,7 @@ def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts
 # %% ../../nbs/48_run.ipynb #55b6936f
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
+# %% ../../nbs/48_run.ipynb #9e130b40
 class StopRequest:
     "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
     def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None):
@@ -64,31 +66,41 @@ class StopRequest:
     @property
     def name(self) -> str | None: return signal.Signals(self.signum).name if self.signum else None
 
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            if signum == signal.SIGINT and time.monotonic() - self.at > self.debounce_s: raise KeyboardInterrupt
-            return
-        self.signum, self.at = signum, time.monotonic()
-        if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
-            os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
+# %% ../../nbs/48_run.ipynb #eac8aeed
+@patch
+def _handle(self: StopRequest, signum, frame):
+    "The signal handler: note the first request; a later Ctrl-C (past the debounce) aborts."
+    if self.signum is not None:
+        if signum == signal.SIGINT and time.monotonic() - self.at > self.debounce_s: raise KeyboardInterrupt
+        return
+    self.signum, self.at = signum, time.monotonic()
+    if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
+        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            self._old = {s: signal.signal(s, self._handle) for s in self.signals}
-        return self
+# %% ../../nbs/48_run.ipynb #6874b41d
+@patch
+def agreed(self: StopRequest, env: DistEnv | None = None) -> bool:
+    "True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of them)."
+    if env is None or not env.distributed: return self.signum is not None
+    flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
+    if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
+    return bool(flag)
 
-    def __exit__(self, *exc):
-        for s, h in self._old.items(): signal.signal(s, h)
-        self._old = {}
+# %% ../../nbs/48_run.ipynb #6cbb908a
+@patch
+def __enter__(self: StopRequest):
+    "Install the handlers (main thread only)."
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+        self._old = {s: signal.signal(s, self._handle) for s in self.signals}
+    return self
 
-    def agreed(self, env: DistEnv | None = None) -> bool:
-        "True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of them)."
-        if env is None or not env.distributed: return self.signum is not None
-        flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
-        if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
-        return bool(flag)
+@patch
+def __exit__(self: StopRequest, *exc):
+    "Put back the handlers that were there before."
+    for s, h in self._old.items(): signal.signal(s, h)
+    self._old = {}
 
-# %% ../../nbs/48_run.ipynb #5776a0ab
+# %% ../../nbs/48_run.ipynb #8097e5f0
 def _pid_running(pid: int) -> bool:
     "Whether process `pid` exists on this host."
     try: os.kill(pid, 0)
@@ -96,6 +108,7 @@ def _pid_running(pid: int) -> bool:
     except PermissionError: return True
     return True
 
+# %% ../../nbs/48_run.ipynb #3e2455b1
 class RunLock:
     "`run_dir/.lock`: one writer per run directory; a lock left by a process that is gone is stale and taken over."
     def __init__(self, run_dir):
@@ -128,6 +141,7 @@ def acquire(self: RunLock) -> RunLock:
                           f"for it, pick another run.name, or delete {self.path} if that process is gone")
     raise ConfigError(f"{self.path}: cannot take the lock (unreadable lock file); delete it if no run is using {self.path.parent}")
 
+# %% ../../nbs/48_run.ipynb #6c2f9b07
 @patch
 def release(self: RunLock):
     "Drop the lock if this object holds it."
@@ -140,6 +154,7 @@ def _rows(path: Path) -> list[str]:
     "The non-empty lines of a jsonl file (none if it does not exist)."
     return [l for l in path.read_text().splitlines() if l.strip()] if path.is_file() else []
 
+# %% ../../nbs/48_run.ipynb #4f696a93
 def truncate_records(path, step: int) -> int:
     "Drop the rows of jsonl file `path` whose `step` is after `step` (rewritten atomically); return how many."
     path = Path(path)
@@ -148,6 +163,7 @@ def truncate_records(path, step: int) -> int:
     if len(keep) < len(rows): write_text_atomic(path, "".join(l + "\n" for l in keep))
     return len(rows) - len(keep)
 
+# %% ../../nbs/48_run.ipynb #8652a501
 def run_contents(run_dir) -> dict:
     "What a run directory already holds: metric rows, their last step, and its checkpoints."
     rows = _rows(Path(run_dir)/"metrics.jsonl")
@@ -195,6 +211,7 @@ def _load_base_weights(model: torch.nn.Module, weights: dict, cfg: GlobalConfig)
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     set_model_state_dict(unwrap_model(model), weights, options=StateDictOptions(full_state_dict=True))
 
+# %% ../../nbs/48_run.ipynb #b20d361b
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
     "The run's model: built on the meta device, parallelised, then each rank's shards made, initialised or loaded."
     torch.manual_seed(cfg.training.seed)
@@ -219,6 +236,7 @@ def _check_start(cfg: GlobalConfig, start_step: int | None, ckpt: dict | None):
         raise ConfigError(f"--checkpoint: the checkpoint is at step {ckpt['step']}, already at training.max_steps = "
                           f"{max_steps}; raise training.max_steps to train further")
 
+# %% ../../nbs/48_run.ipynb #9a3660a8
 def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | None, start_step, overwrite: bool):
     "Rank 0 takes the run directory's lock and applies the one-run rule; every rank gets the same error or notes."
     lock, err = RunLock(cfg.run_dir), None
@@ -261,6 +279,7 @@ def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> 
     check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
     return tokenizer, ckpt
 
+# %% ../../nbs/48_run.ipynb #08cee40a
 def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
                  reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
     "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."

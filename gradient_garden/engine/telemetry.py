@@ -10,6 +10,7 @@ from importlib.metadata import version, PackageNotFoundError
 from pathlib import Path
 import numpy as np
 import torch
+from fastcore.basics import patch
 from torch.profiler import profile, schedule, ProfilerActivity
 from tqdm import tqdm   # the terminal bar: never a notebook widget
 from ..config import GlobalConfig, redact
@@ -19,7 +20,7 @@ from .distributed import DistEnv
 __all__ = ['package_versions', 'hardware_info', 'write_snapshot', 'init_wandb', 'MetricsLogger', 'read_metrics', 'make_profiler',
            'format_duration', 'Progress', 'summary_table', 'format_metric', 'eval_cell']
 
-# %% ../../nbs/45_telemetry.ipynb #e3f630cb
+# %% ../../nbs/45_telemetry.ipynb #c044e741
 def _git_commit() -> str | None:
     "The current git commit of the working directory, if any."
     try:
@@ -27,6 +28,7 @@ def _git_commit() -> str | None:
                               cwd=Path(__file__).parent).stdout.strip() or None
     except Exception: return None
 
+# %% ../../nbs/45_telemetry.ipynb #1d9994f8
 def package_versions() -> dict:
     "Versions of the packages that shape a run."
     out = {"python": platform.python_version()}
@@ -35,6 +37,7 @@ def package_versions() -> dict:
         except PackageNotFoundError: pass
     return out
 
+# %% ../../nbs/45_telemetry.ipynb #f13507ab
 def hardware_info(env: DistEnv) -> dict:
     "The machine and accelerators of this run."
     info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), world_size=env.world_size, device=str(env.device))
@@ -68,6 +71,7 @@ def init_wandb(cfg: GlobalConfig, run_dir: Path):
     run.define_metric("*", step_metric="step")
     return run
 
+# %% ../../nbs/45_telemetry.ipynb #9cfc32a2
 class MetricsLogger:
     "Append metric dicts to `metrics.jsonl` and W&B (main rank only)."
     def __init__(self, run_dir, enabled: bool = True, wandb_run=None):
@@ -112,7 +116,7 @@ def format_duration(s: float) -> str:
     h, m = divmod(int(s) // 60, 60)
     return f"{h}h{m:02d}m{int(s) % 60:02d}s" if h else f"{m}m{int(s) % 60:02d}s"
 
-# %% ../../nbs/45_telemetry.ipynb #b9c0cea4
+# %% ../../nbs/45_telemetry.ipynb #3b1358eb
 class Progress:
     "Training progress: a tqdm bar on a terminal, plain periodic lines elsewhere (logs, CI, papermill)."
     def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True, terminal: bool | None = None):
@@ -122,34 +126,47 @@ class Progress:
         if enabled and self.terminal:
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
-    def line(self, step: int, rec: dict) -> str:
-        "One plain progress line for logged step `step`."
-        done = (step - self.initial) / max(1e-9, time.perf_counter() - self.t0)
-        eta = format_duration((self.total - step) / done) if done > 0 else "?"
-        rl = "" if "reward_mean" not in rec else (   # the rl stage's figures
-            f" | reward {rec['reward_mean']:.3f} +- {rec['reward_std']:.3f} | zero-var {rec['zero_std_groups']:.0%} "
-            f"| len {rec['completion_len']:.1f} | clip {rec['clip_fraction']:.1%} | entropy {rec['entropy']:.2f}"
-            + (f" | kl {rec['kl']:.4f}" if "kl" in rec else "")
-            + f" | rollout {rec['rollout_tokens_per_s']:,.0f} tok/s | update {rec.get('update_tokens_per_s', 0):,.0f} tok/s")
-        return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} | lr {rec.get('lr', 0):.2e} "
-                f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%}{rl} | ETA {eta}")
+# %% ../../nbs/45_telemetry.ipynb #8fe27630
+def _rl_part(rec: dict) -> str:
+    "The rl stage's figures for a progress line ('' for the other stages)."
+    return "" if "reward_mean" not in rec else (
+        f" | reward {rec['reward_mean']:.3f} +- {rec['reward_std']:.3f} | zero-var {rec['zero_std_groups']:.0%} "
+        f"| len {rec['completion_len']:.1f} | clip {rec['clip_fraction']:.1%} | entropy {rec['entropy']:.2f}"
+        + (f" | kl {rec['kl']:.4f}" if "kl" in rec else "")
+        + f" | rollout {rec['rollout_tokens_per_s']:,.0f} tok/s | update {rec.get('update_tokens_per_s', 0):,.0f} tok/s")
 
-    def update(self, step: int, rec: dict | None = None):
-        "Advance by one step; `rec` is the step's logged record, if it was logged."
-        if self.bar is not None:
-            if rec is not None:
-                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
-            self.bar.update(1)
-        elif self.enabled and rec is not None: print(self.line(step, rec), flush=True)
+# %% ../../nbs/45_telemetry.ipynb #28f92cdf
+@patch
+def line(self: Progress, step: int, rec: dict) -> str:
+    "One plain progress line for logged step `step`."
+    done = (step - self.initial) / max(1e-9, time.perf_counter() - self.t0)
+    eta = format_duration((self.total - step) / done) if done > 0 else "?"
+    rl = _rl_part(rec)
+    return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} | lr {rec.get('lr', 0):.2e} "
+            f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%}{rl} | ETA {eta}")
 
-    def write(self, msg: str):
-        "A message on its own line, above the bar."
-        if not self.enabled: return
-        if self.bar is not None: self.bar.write(msg)
-        else: print(msg, flush=True)
+# %% ../../nbs/45_telemetry.ipynb #1bcbc5d8
+@patch
+def update(self: Progress, step: int, rec: dict | None = None):
+    "Advance by one step; `rec` is the step's logged record, if it was logged."
+    if self.bar is not None:
+        if rec is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
+        self.bar.update(1)
+    elif self.enabled and rec is not None: print(self.line(step, rec), flush=True)
 
-    def close(self):
-        if self.bar is not None: self.bar.close()
+# %% ../../nbs/45_telemetry.ipynb #6b6340a4
+@patch
+def write(self: Progress, msg: str):
+    "A message on its own line, above the bar."
+    if not self.enabled: return
+    if self.bar is not None: self.bar.write(msg)
+    else: print(msg, flush=True)
+
+@patch
+def close(self: Progress):
+    "Close the bar (on a terminal)."
+    if self.bar is not None: self.bar.close()
 
 # %% ../../nbs/45_telemetry.ipynb #acf92704
 def summary_table(rows: list[tuple[str, str]], title: str = "") -> str:
@@ -159,6 +176,7 @@ def summary_table(rows: list[tuple[str, str]], title: str = "") -> str:
     rule = "-" * max([w + 2 + len(v) for _, v in rows] + [len(title)])
     return "\n".join([rule] + ([title, rule] if title else []) + [f"{k:<{w}}  {v}" for k, v in rows] + [rule])
 
+# %% ../../nbs/45_telemetry.ipynb #93bb8b57
 def format_metric(x) -> str:
     "A metric value for the summary: 4 significant decimals for floats."
     return f"{x:.4f}" if isinstance(x, float) else str(x)
