@@ -155,8 +155,8 @@ class Muon(torch.optim.Optimizer):
                 part_shapes(p.shape, split)  # validates the split
 
 def _splits(group: dict) -> list:
-    "The row blocks declared for each parameter of `group` (None: orthogonalise it whole)."
-    return group.get("splits") or [None] * len(group["params"])
+    "The row blocks declared for each parameter of `group` (None: orthogonalise it whole); tuples, also after a reload."
+    return [None if sp is None else tuple(sp) for sp in group.get("splits") or [None] * len(group["params"])]
 
 # %% ../../nbs/41_optim.ipynb #ac5b80f4
 @patch
