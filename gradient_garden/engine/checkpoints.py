@@ -423,7 +423,6 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
     return final
 
 # %% ../../nbs/44_checkpoints.ipynb #4c97838a
-# Kept whole: the background save's group and its agreement on every rank
 @patch
 def _checkpoint_group(self: CheckpointManager):
     "The gloo process group of background saves (None in one process); made here only if the caller gave none."
