@@ -7,14 +7,17 @@ and 8 left-padded prompts of 16-64 tokens, then times both decoders alternately 
 tokens. Reported per checkout: medians (CPU time by default: wall time is meaningless on a loaded machine), the
 ratio to transformers, and the share of greedy tokens that agree.
 
-    python bench/generate_versions.py . /tmp/old --reps 2 --rounds 4 --threads 1
+    python bench/generate_versions.py . /tmp/old --reps 2 --rounds 4 --threads 1 [--dtype bf16]
+
+`--dtype bf16` decodes as `bench/generate.py --dtype bf16` does: our fp32 model under `torch.autocast(bf16)`, the
+transformers twin in bf16 weights.
 
 The last line of stdout is one JSON object with the figures.
 """
 from __future__ import annotations
 import argparse, json, os, statistics, subprocess, sys, time
 
-def worker(root: str, rounds: int, threads: int, clock: str):
+def worker(root: str, rounds: int, threads: int, clock: str, dtype: str = "fp32"):
     "Time one checkout (run in its own process with `root` first on sys.path); print a JSON line."
     sys.path.insert(0, root)
     import torch
@@ -30,7 +33,8 @@ def worker(root: str, rounds: int, threads: int, clock: str):
                       tie_embeddings=False)
     torch.manual_seed(0)
     model = Tendril(cfg).eval()
-    hf = to_hf_model(model).eval()
+    hf = to_hf_model(model).to(torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+    low = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     hf.generation_config.pad_token_id, hf.generation_config.eos_token_id, hf.generation_config.bos_token_id = 0, None, None
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(16, 65, (B,), generator=g).tolist()
@@ -38,7 +42,8 @@ def worker(root: str, rounds: int, threads: int, clock: str):
     L = max(lens)
     ids, am = torch.zeros(B, L, dtype=torch.long), torch.zeros(B, L, dtype=torch.long)
     for i, p in enumerate(prompts): ids[i, L - len(p):], am[i, L - len(p):] = torch.tensor(p), 1
-    ours = lambda: generate(model, None, prompts, max_new_tokens=n_new, stop_ids=[])
+    def ours():
+        with low: return generate(model, None, prompts, max_new_tokens=n_new, stop_ids=[])
     def theirs():
         with torch.inference_mode():
             return hf.generate(input_ids=ids, attention_mask=am, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)[:, L:].tolist()
@@ -58,14 +63,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=4, help="timed batches per contender in each worker")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker: return worker(args.roots[0], args.rounds, args.threads, args.clock)
+    if args.worker: return worker(args.roots[0], args.rounds, args.threads, args.clock, args.dtype)
     roots = [os.path.abspath(r) for r in args.roots]
     res = {r: {"tendril": [], "hf": [], "agree": None} for r in roots}
     for k in range(args.reps):
         for r in roots if k % 2 == 0 else roots[::-1]:
-            cmd = [sys.executable, __file__, r, "--worker", "--rounds", str(args.rounds), "--threads", str(args.threads), "--clock", args.clock]
+            cmd = [sys.executable, __file__, r, "--worker", "--rounds", str(args.rounds), "--threads", str(args.threads), "--clock", args.clock, "--dtype", args.dtype]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": r})
             if out.returncode: raise SystemExit(f"worker for {r} failed:\n{out.stderr[-2000:]}")
             d = json.loads(out.stdout.strip().splitlines()[-1])
@@ -76,8 +82,8 @@ def main(argv=None):
         mt, mh = statistics.median(d["tendril"]), statistics.median(d["hf"])
         summary[r] = dict(tendril_ms=round(mt * 1e3, 1), hf_ms=round(mh * 1e3, 1), ratio=round(mh / mt, 3), agree=d["agree"], n=len(d["tendril"]))
         print(f"{r}: tendril {mt*1e3:.1f} ms, hf {mh*1e3:.1f} ms, {mh/mt:.2f}x ({args.clock} time, {len(d['tendril'])} batches each)")
-    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} torch thread(s)")
-    print(json.dumps(dict(bench="generate_versions", clock=args.clock, threads=args.threads, load=load, results=summary)))
+    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.threads} torch thread(s); {args.dtype}")
+    print(json.dumps(dict(bench="generate_versions", clock=args.clock, dtype=args.dtype, threads=args.threads, load=load, results=summary)))
 
 if __name__ == "__main__":
     main()

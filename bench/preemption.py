@@ -1,8 +1,9 @@
 """Preemption on 2 gloo ranks, as a cluster does it: SIGTERM to torchrun at a random step of a run that checkpoints
 only every 1000 steps. Per trial: the step each rank was in when the signal came (recorded by a hook), the step of
 the checkpoint written (it must be that step or the next), and the run resumed from it on 2 ranks (losses bit-exact
-against the uninterrupted 2-rank run) and on 1 process (within 1e-5: one process sums the micro-batches in another
-order). Last line: one JSON object.
+against the uninterrupted 2-rank run) and on 1 process with `training.virtual_ranks=2` (bit-exact: it adds the
+gradients as the two ranks did), plus, on the first trials, the plain one-process order (float rounding only). Last
+line: one JSON object.
 
     python bench/preemption.py --trials 20 [--steps 24] [--out /tmp/preemption]
 """
@@ -57,7 +58,7 @@ def gg(launcher, args, **kw):
     if r.returncode != 0: raise RuntimeError(r.stderr[-2000:])
 
 
-def trial(data, base: Path, steps: int, full: dict, at: int) -> dict:
+def trial(data, base: Path, steps: int, full: dict, at: int, with_plain: bool = False) -> dict:
     out, hook = base/"cut", base/"signalled"
     shutil.rmtree(base, ignore_errors=True); hook.mkdir(parents=True)
     (base/"hook.py").write_text(HOOK)
@@ -77,14 +78,19 @@ def trial(data, base: Path, steps: int, full: dict, at: int) -> dict:
                stop_line=next((l for l in err.splitlines() if l.startswith("stopped by")), None))
     res["checkpoint_ok"] = ck_step is not None and ck_step - signalled in (0, 1)
     if ck_step is None: return res
-    two, one = base/"two", base/"one"
-    for d in (two, one): shutil.copytree(out, d)
+    two, one, plain = base/"two", base/"one", base/"plain"
+    for d in (two, one) + ((plain,) if with_plain else ()): shutil.copytree(out, d)
     gg(TORCHRUN, ["--checkpoint", run_dir(two), "--set", *sets(data, two, steps)])
-    gg([sys.executable], ["--checkpoint", run_dir(one), "--set", *sets(data, one, steps)])
+    gg([sys.executable], ["--checkpoint", run_dir(one), "--set", *sets(data, one, steps), "training.virtual_ranks=2"])
     l2, l1 = losses(two), losses(one)
     res["resume_2_ranks_exact"] = sorted(l2) == list(range(1, steps + 1)) and all(l2[s] == full[s] for s in full)
     res["resume_1_rank_max_rel"] = max(abs(l1[s] - full[s]) / abs(full[s]) for s in full)
-    res["resume_1_rank_exact"] = all(l1[s] == full[s] for s in full)
+    res["resume_1_rank_exact"] = sorted(l1) == list(range(1, steps + 1)) and all(l1[s] == full[s] for s in full)
+    if with_plain:   # one process adding the micro-batches in its own order
+        gg([sys.executable], ["--checkpoint", run_dir(plain), "--set", *sets(data, plain, steps)])
+        lp = losses(plain)
+        res["resume_1_rank_plain_max_rel"] = max(abs(lp[s] - full[s]) / abs(full[s]) for s in full)
+        res["resume_1_rank_plain_exact"] = all(lp[s] == full[s] for s in full)
     return res
 
 
@@ -95,6 +101,7 @@ def main():
     ap.add_argument("--data", required=True, help="a `gg prepare` of recipes/pretraining/debug.yaml (datasets/, tokenizer/)")
     ap.add_argument("--out", default="/tmp/gg_preemption")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain-trials", type=int, default=3, help="trials that also resume in the plain one-process order")
     a = ap.parse_args()
     data, out = Path(a.data), Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -102,13 +109,15 @@ def main():
     full = losses(out/"full")
     rng, rows = random.Random(a.seed), []
     for i in range(a.trials):
-        rows.append(trial(data, out/f"t{i}", a.steps, full, rng.randint(2, a.steps - 4)))
+        rows.append(trial(data, out/f"t{i}", a.steps, full, rng.randint(2, a.steps - 4), with_plain=i < a.plain_trials))
         print(json.dumps(rows[-1]), flush=True)
     summary = dict(bench="preemption", trials=len(rows), checkpoint_at_signalled_or_next=sum(r["checkpoint_ok"] for r in rows),
                    lost=sum(r["checkpoint_step"] is None for r in rows),
                    resumed_2_ranks_exact=sum(r.get("resume_2_ranks_exact", False) for r in rows),
                    resumed_1_rank_exact=sum(r.get("resume_1_rank_exact", False) for r in rows),
                    resumed_1_rank_max_rel=max((r.get("resume_1_rank_max_rel", 1.0) for r in rows), default=None),
+                   plain_1_rank_exact=sum(r.get("resume_1_rank_plain_exact", False) for r in rows if "resume_1_rank_plain_exact" in r),
+                   plain_1_rank_max_rel=max((r["resume_1_rank_plain_max_rel"] for r in rows if "resume_1_rank_plain_max_rel" in r), default=None),
                    checkpoint_minus_signalled=sorted(r["checkpoint_step"] - r["signalled_step"] for r in rows if r["checkpoint_step"]))
     print(json.dumps(summary))
 

@@ -100,6 +100,7 @@ class TrainingConfig:
     grad_clip: Optional[float] = 1.0
     log_every: int = 10
     packing: bool = True
+    virtual_ranks: int = 0      # >1 on one process: sum each step's gradients as that many DDP ranks would (47_trainer)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 # %% ../nbs/00_config.ipynb #de38a117
@@ -561,6 +562,17 @@ def _check_stages(cfg: GlobalConfig, world_size: int):
     for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
     _positive("checkpointing.every", c.every, allow_zero=True)
 
+# %% ../nbs/00_config.ipynb #e0ed6f79
+def _check_virtual_ranks(cfg: GlobalConfig, world_size: int) -> int:
+    "Micro-steps per optimizer step, after checking that `training.virtual_ranks` fits this world size and accumulation."
+    accum, n = grad_accum_steps(cfg, world_size), cfg.training.virtual_ranks
+    _positive("training.virtual_ranks", n, allow_zero=True)
+    if n > 1 and world_size not in (1, n):
+        raise ConfigError(f"training.virtual_ranks: got {n}; it sums as {n} ranks on one process (this run has {world_size})")
+    if n > 1 and world_size == 1 and accum % n:
+        raise ConfigError(f"training.virtual_ranks: got {n}; the step's {accum} micro-steps must split evenly among them")
+    return accum
+
 # %% ../nbs/00_config.ipynb #d9ff300d
 def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     "Check the combinations of keys that no single type hint can express; return `cfg`."
@@ -568,7 +580,7 @@ def validate(cfg: GlobalConfig, world_size: int = 1) -> GlobalConfig:
     _check_model(cfg)
     _check_optimizers_and_runtime(cfg, world_size)
     _check_stages(cfg, world_size)
-    grad_accum_steps(cfg, world_size)
+    _check_virtual_ranks(cfg, world_size)
     return clamp_warmup(cfg)
 
 # %% ../nbs/00_config.ipynb #0966028b

@@ -7,7 +7,6 @@ CPU; and `gg generate`."""
 # %% ../nbs/20_generation.ipynb #0720ffb2
 from __future__ import annotations
 import inspect, json, warnings
-import tokenizers
 from pathlib import Path
 import torch
 import torch.nn as nn
@@ -253,11 +252,9 @@ def encode_prompts(tokenizer, prompts: list, instruct: bool = False) -> list[lis
     return out
 
 def special_token_ids(tokenizer) -> frozenset[int]:
-    "Ids of the tokenizer's special tokens (BOS, EOS, `<|eot_id|>`, the chat headers, the reserved slots)."
-    backend = getattr(tokenizer, "_backend", None)
-    if isinstance(backend, tokenizers.Tokenizer):
-        return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-    return frozenset(getattr(tokenizer, "special_ids", {}).values())
+    "Ids decoded text hides: the tokenizer's `special_token_ids` (a stand-in's `special_ids` where it has none)."
+    ids = getattr(tokenizer, "special_token_ids", None)
+    return frozenset(ids if ids is not None else getattr(tokenizer, "special_ids", {}).values())
 
 def generate_text(model: nn.Module, tokenizer, prompts: list, instruct: bool = False, skip_special_tokens: bool = True,
                   **kwargs) -> list[str]:

@@ -324,6 +324,13 @@ def markup_tokens(self: Tokenizer) -> dict[str, int]:
     hf = getattr(self, "hf", None)
     return {t.content: i for i, t in hf.added_tokens_decoder.items()} if hf is not None else dict(self.special_ids)
 
+@patch(as_prop=True)
+def special_token_ids(self: Tokenizer) -> frozenset[int]:
+    "Ids of the tokens marked special (BOS, EOS, `<|eot_id|>`, chat headers, reserved slots): what decoded text hides."
+    hf = getattr(self, "hf", None)
+    if hf is not None: return frozenset(i for i, t in hf.added_tokens_decoder.items() if t.special)
+    return frozenset(self.special_ids.values())
+
 # %% ../nbs/02_tokenizer.ipynb #8989f351
 @patch
 def encode_markup(self: Tokenizer, text: str) -> list[int]:

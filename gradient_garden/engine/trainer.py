@@ -7,7 +7,7 @@ the summary table) is `45_telemetry`; the peaks MFU is quoted against are `06_ha
 
 # %% ../../nbs/47_trainer.ipynb #0748bb8d
 from __future__ import annotations
-import contextlib, json, math, random, time, warnings
+import contextlib, json, math, random, sys, time, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,7 +33,7 @@ from ..evals import evaluate_from_config
 
 # %% auto #0
 __all__ = ['make_grad_scaler', 'set_tf32', 'EarlyStopping', 'seed_everything', 'full_state', 'load_full_state', 'TrainState',
-           'Trainer', 'device_scalar']
+           'Trainer', 'device_scalar', 'virtual_shares', 'set_aside_grads', 'add_set_aside_grads']
 
 # %% ../../nbs/47_trainer.ipynb #5d932186
 def make_grad_scaler(device: torch.device, precision: str):
@@ -159,21 +159,46 @@ def _reads_host_after(self: Trainer, step: int) -> bool:
     t, c = self.cfg.training, self.cfg.checkpointing
     return step % t.log_every == 0 or step in (1, t.max_steps) or bool(c.every and step % c.every == 0)
 
+# %% ../../nbs/47_trainer.ipynb #bbc7bbbc
+def virtual_shares(batches: list, n: int) -> list[list]:
+    "A step's micro-batches grouped by which of `n` data-parallel ranks would take each (micro-step i goes to rank i % n)."
+    n = max(n, 1)
+    return [batches[r::n] for r in range(n)]
+
+def set_aside_grads(model: nn.Module, kept: list | None) -> list:
+    "Take the gradients out of `model`'s parameters, added after `kept` (the earlier shares' sum); the parameters keep none."
+    params = list(model.parameters())
+    out = []
+    for p, k in zip(params, kept or [None] * len(params)):
+        g, p.grad = p.grad, None
+        out.append(g if k is None else k if g is None else k + g)
+    return out
+
+def add_set_aside_grads(model: nn.Module, kept: list):
+    "Put `kept + grad` back on each parameter: the order an all-reduce of the shares adds them."
+    for p, k in zip(model.parameters(), kept):
+        if k is not None: p.grad = k if p.grad is None else k + p.grad
+
 # %% ../../nbs/47_trainer.ipynb #61f9a472
 @patch
 def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[torch.Tensor, dict]:
     "Copy each host micro-batch to the device just before its forward and backward (gradients synchronised on the last); the summed loss and task metrics."
     loss_total = torch.zeros((), device=self.env.device, dtype=torch.float64)
-    metric_sums: dict = {}
-    for i, host in enumerate(batches):
-        batch = self._to_device(host)   # one micro-batch on the device at a time, copied without blocking the host
-        with grad_sync(self.model, sync=i == len(batches) - 1, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
-            loss_sum, metrics, aux = self._forward_loss(batch)
-            loss = loss_sum / count * self.env.world_size
-            if aux is not None: loss = loss + aux / self.grad_accum
-            self.scaler.scale(loss).backward()
-        loss_total += loss_sum.detach().double()
-        for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
+    metric_sums, kept = {}, None
+    shares = virtual_shares(batches, self.cfg.training.virtual_ranks // self.env.world_size)  # one share unless virtual_ranks
+    for s, share in enumerate(shares):
+        if s: kept = set_aside_grads(self.model, kept)   # the earlier shares' sum, as the other ranks would hold it
+        for i, host in enumerate(share):
+            batch = self._to_device(host)   # one micro-batch on the device at a time, copied without blocking the host
+            last = s == len(shares) - 1 and i == len(share) - 1
+            with grad_sync(self.model, sync=last, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
+                loss_sum, metrics, aux = self._forward_loss(batch)
+                loss = loss_sum / count * self.env.world_size
+                if aux is not None: loss = loss + aux / self.grad_accum
+                self.scaler.scale(loss).backward()
+            loss_total += loss_sum.detach().double()
+            for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
+    if kept is not None: add_set_aside_grads(self.model, kept)
     return loss_total, metric_sums
 
 @patch
@@ -306,6 +331,10 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
         ref = (ckpt.get("loader") or {}).get("reference")
         self.train_loader.load_state_dict(loader if ref is None or "reference" in loader else loader | {"reference": ref})
     if rng := _rank_entry(ckpt, "rngs", "rng", rank): set_rng_state(rng)
+    saved = ckpt.get("world_size", 1)
+    if self.env.world_size == 1 < saved != self.cfg.training.virtual_ranks and self.log_to_console:
+        print(f"note: this checkpoint was saved by {saved} ranks; one process adds their gradients in another order, so the "
+              f"run follows theirs within float rounding (training.virtual_ranks={saved} adds them as the ranks did)", file=sys.stderr)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:
