@@ -135,16 +135,19 @@ def collate_rollouts(prompts: list[list[int]], completions: list[list[int]], seq
         s = torch.tensor(s[:T + 1], dtype=torch.long)
         inp[b, :len(s) - 1] = s[:-1]
         lab[b, n - 1:len(s) - 1] = s[n:]
-    return {"input_ids": inp, "labels": lab}
+    return {"input_ids": inp, "labels": lab, "labels_from": min(n for _, n in seqs) - 1}
 
 def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     "Log-probability `[B, T]` of each label under `model` (fp32; 0 where there is none) and the entropy there (no grad)."
-    logits = model(batch["input_ids"]).float()
+    labels = batch["labels"]
+    start = min(batch.get("labels_from", 0), labels.shape[1] - 1)
+    logits = model(batch["input_ids"], logits_to_keep=labels.shape[1] - start).float()   # the head only where labels can be
     logp = logits.log_softmax(-1)
-    lp = logp.gather(-1, batch["labels"].clamp(min=0)[..., None]).squeeze(-1)
+    lab = labels[:, start:]
+    lp = logp.gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1)
     with torch.no_grad(): ent = -(logp.exp() * logp).sum(-1)
-    mask = batch["labels"] != IGNORE_INDEX
-    return lp.masked_fill(~mask, 0.0), ent.masked_fill(~mask, 0.0)
+    lp, ent = (F.pad(x.masked_fill(lab == IGNORE_INDEX, 0.0), (start, 0)) for x in (lp, ent))
+    return lp, ent
 
 # %% ../../nbs/35_rl.ipynb #5630412c
 from .stages import stream_positions
@@ -241,7 +244,7 @@ def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tens
 def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
     "Old log-probabilities (several passes per rollout batch) and the reference's (beta > 0) of a micro-batch."
     dev = next(self.model.parameters()).device
-    b = {k: v.to(dev) for k, v in batch.items() if torch.is_tensor(v)}
+    b = {k: v.to(dev) for k, v in batch.items() if torch.is_tensor(v)} | {"labels_from": batch.get("labels_from", 0)}
     with autocast_context(dev, self.precision):
         if self.rl.num_iterations > 1: batch["old_logps"] = completion_logps(self.model, b)[0].cpu()
         if self.reference is not None: batch["ref_logps"] = completion_logps(self.reference, b)[0].cpu()
