@@ -24,18 +24,18 @@ def _corpus() -> list[str]:
     import argparse, dataclasses, json as js, pathlib as pl
     return [Path(m.__file__).read_text() for m in (argparse, dataclasses, js.encoder, js.decoder, pl)]
 
-def make_checkpoint(base: Path, stage: str, tok_dir: Path) -> Path:
+def make_checkpoint(base: Path, stage: str, tok_dir: Path, max_seq_len: int = MAX_LEN) -> Path:
     "A checkpoint of a tiny random Tendril (seeded) for `stage`, using the tokenizer in `tok_dir`."
     cfg = GlobalConfig()
     cfg.run.name = f"tiny-{stage}"
     cfg.training.stage = stage
     cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32,
-                            max_seq_len=MAX_LEN, init_std=0.1)
+                            max_seq_len=max_seq_len, init_std=0.1)
     cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(tok_dir))
     torch.manual_seed(0)
     model = Tendril(cfg.model)
     return save_checkpoint(dict(step=1, stage=stage, architecture="tendril", config=to_plain(cfg),
-                                model=model.state_dict()), base/stage/"step_0000001.pt")
+                                model=model.state_dict()), base/f"{stage}-{max_seq_len}"/"step_0000001.pt")
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -224,20 +224,24 @@ def test_bad_input_is_a_400_with_openai_error_json(server):
     _error(httpx.get(f"{url}/v1/nothing"), 404)
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
-def test_disconnect_mid_stream_stops_generation(server):
-    url = server["url"]
-    before = httpx.get(f"{url}/health").json()
-    body = {"model": "tiny-instruct", "prompt": "def main(", "temperature": 0, "max_tokens": MAX_LEN - 8, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-    assert any(l.startswith("data: ") for l in got)
-    for _ in range(100):
-        h = httpx.get(f"{url}/health").json()
-        if h["running"] == 0 and h["cancelled"] > before["cancelled"]: break
-        time.sleep(0.05)
-    assert h["cancelled"] == before["cancelled"] + 1 and h["running"] == 0, h
-    assert h["tokens"] - before["tokens"] < MAX_LEN - 8                  # stopped before its budget was spent
+def test_disconnect_mid_stream_stops_generation(tiny):
+    "A client that goes away mid-stream cancels its sequence in the decoder process, long before its budget is spent."
+    budget = 6000                                # thousands of decoding steps: far longer than noticing the disconnect
+    proc, url = start_gg_serve(make_checkpoint(tiny["base"], "instruct", tiny["tok_dir"], max_seq_len=budget + 64))
+    try:
+        body = {"model": "tiny-instruct", "prompt": "def main(", "temperature": 0, "max_tokens": budget, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+        assert any(l.startswith("data: ") for l in got)
+        for _ in range(200):
+            h = httpx.get(f"{url}/health").json()
+            if h["running"] == 0 and h["cancelled"] > 0: break
+            time.sleep(0.05)
+        assert h["cancelled"] == 1 and h["running"] == 0, h
+        assert h["tokens"] < budget // 2, h                                 # stopped long before its budget was spent
+    finally: stop(proc)
 
 def test_cli_refuses_public_address_without_key(tiny, capsys):
     from gradient_garden.cli import main
