@@ -26,10 +26,10 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IGNORE_INDEX', 'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts',
-           'expand_groups', 'cut_at_stop', 'group_rollouts', 'collate_rollouts', 'completion_logps', 'encode_prompt',
-           'RolloutLoader', 'differs', 'choose_groups', 'heldout_hits', 'summarize_hits', 'heldout_examples_for',
-           'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start',
-           'ReferenceModel', 'rl_dir', 'build_rl']
+           'expand_groups', 'cut_at_stop', 'keep_rows', 'group_rollouts', 'collate_rollouts', 'completion_logps',
+           'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups', 'heldout_hits', 'summarize_hits',
+           'heldout_examples_for', 'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl', 'read_prompts',
+           'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
 
 # %% ../../nbs/35_rl.ipynb #d47c15b5
 RL_LOSSES = ("grpo", "dr_grpo", "dapo")
@@ -88,6 +88,14 @@ def cut_at_stop(rows: list[list[int]], stop_set: set) -> tuple[list[list[int]], 
         outs.append(row if cut is None else row[:cut + 1]); stopped.append(cut is not None)
     return outs, stopped
 
+# %% ../../nbs/35_rl.ipynb #8d211657
+def keep_rows(cache, keep: torch.Tensor, *rows: torch.Tensor) -> tuple:
+    "The KV cache and each of the per-row tensors `rows`, narrowed to the rows at indices `keep`."
+    cache.keys = [None if k is None else k.index_select(0, keep) for k in cache.keys]
+    cache.values = [None if v is None else v.index_select(0, keep) for v in cache.values]
+    cache.batch_size = len(keep)
+    return (cache, *(t.index_select(0, keep) for t in rows))
+
 # %% ../../nbs/35_rl.ipynb #974438ac
 @torch.no_grad()
 def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float = 1.0,
@@ -106,21 +114,24 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
         logits = model(tokens[:, :L], attn_mask=real[:, :L] if padded else None, kv_cache=cache, logits_to_keep=1)[:, -1]
         cache, logits, tokens, real = expand_groups(cache, logits, tokens, real, group_size)
         fast, N = decode_step_applies(model), P * group_size
-        finished = torch.zeros(N, dtype=torch.bool, device=device)
-        new = []
-        for pos in range(L, total):
+        out = torch.full((N, budget), pad_id, dtype=torch.long, device=device)
+        rows = torch.arange(N, device=device)                  # the row of `out` each row still decoding writes to
+        done = torch.zeros(N, dtype=torch.bool, device=device)
+        for step, pos in enumerate(range(L, total)):
             if pos > L:
                 mask = real[:, :pos] if padded else None
                 if fast: logits = decode_step(model, tokens[:, pos - 1:pos], cache, pos - 1, mask)
                 else: logits = model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)[:, -1]
             nxt = sample_next(logits.float(), temperature, top_p, top_k, generator)
-            nxt = torch.where(finished, pad_id, nxt)
             tokens[:, pos] = nxt
             if padded: real[:, pos] = True
-            new.append(nxt)
-            finished |= torch.isin(nxt, stop)
-            if not lockstep and bool(finished.all()): break
-    return cut_at_stop(torch.stack(new, 1).tolist(), set(stop.tolist()))
+            out[rows, step] = torch.where(done, pad_id, nxt)
+            done |= torch.isin(nxt, stop)
+            going = int((~done).sum())
+            if going == 0 and not lockstep: break          # lockstep ranks run every step (FSDP gathers in each forward)
+            if 0 < going <= len(rows) * 3 // 4:
+                cache, tokens, real, rows, done = keep_rows(cache, (~done).nonzero().squeeze(1), tokens, real, rows, done)
+    return cut_at_stop(out[:, :step + 1].tolist(), set(stop.tolist()))
 
 # %% ../../nbs/35_rl.ipynb #d36e0f8a
 IGNORE_INDEX = -100
