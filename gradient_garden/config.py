@@ -236,6 +236,7 @@ class RLConfig:
     beta: float = 0.0                        # k3 KL to the starting model
     num_iterations: int = 1                  # optimizer steps per batch of rollouts (mu)
     sampling_rounds: int = 1                 # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
+    task_focus: float = 0.0                  # 0: every prompt of the stream; > 0: a task's prompts are kept as often as its groups' rewards differ, at least this often
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Optional[int] = None
@@ -530,6 +531,7 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
     _positive("rl.eval_k", rl.eval_k, allow_zero=True)
     if rl.temperature < 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be >= 0")
+    if not 0 <= rl.task_focus <= 1: raise ConfigError(f"rl.task_focus: got {rl.task_focus}; must be in [0, 1] (0: off)")
     if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")
     if cfg.training.stage != "rl": return
     t = cfg.training

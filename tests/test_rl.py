@@ -231,8 +231,11 @@ def test_gg_evaluate_generative_flags():
     with pytest.raises(ConfigError, match="need --checkpoint"): generative_exact_match(hf, None, None, GlobalConfig(), None)
 
 
-def test_sampling_rounds_below_one_is_one_line():
+@pytest.mark.parametrize("setting,message", [({"sampling_rounds": 0}, r"rl.sampling_rounds: got 0"),
+                                             ({"task_focus": 1.5}, r"rl.task_focus: got 1.5; must be in \[0, 1\]"),
+                                             ({"task_focus": -0.1}, r"rl.task_focus: got -0.1")])
+def test_sampling_settings_out_of_range_are_one_line(setting, message):
     cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
-                                    "rl": {"sampling_rounds": 0}})
-    with pytest.raises(ConfigError, match=r"rl.sampling_rounds: got 0") as e: validate(cfg)
+                                    "rl": setting})
+    with pytest.raises(ConfigError, match=message) as e: validate(cfg)
     _one_line(e)

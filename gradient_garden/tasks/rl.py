@@ -27,9 +27,9 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IGNORE_INDEX', 'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts',
            'expand_groups', 'cut_at_stop', 'keep_rows', 'group_rollouts', 'collate_rollouts', 'completion_logps',
-           'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups', 'heldout_hits', 'summarize_hits',
-           'heldout_examples_for', 'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl', 'read_prompts',
-           'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
+           'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups', 'TaskFocus', 'position_coin', 'heldout_hits',
+           'summarize_hits', 'heldout_examples_for', 'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl',
+           'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
 
 # %% ../../nbs/35_rl.ipynb #d47c15b5
 RL_LOSSES = ("grpo", "dr_grpo", "dapo")
@@ -193,6 +193,8 @@ class RolloutLoader:
             raise ConfigError(f"rl.group_size: got {rl.group_size}; a rank's {rows} rows per step (micro_batch_size x accumulation) must be whole groups")
         self.prompts_per_rank = rows // rl.group_size
         self.epoch, self.cursor, self.round = 0, 0, 0
+        self.focus = TaskFocus([e.task for e in self.examples], rl.task_focus) if rl.task_focus else None   # below
+        self.skipped = 0
         self.buffer, self.pos, self.passes_left = [], 0, 0
         self.stop_ids = sorted({t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None} |
                                {tokenizer.encode(s)[0] for s in rl.stop if tokenizer.encode(s)})
@@ -264,7 +266,8 @@ def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
 # %% ../../nbs/35_rl.ipynb #a9070f2f
 @patch
 def _next_prompts(self: RolloutLoader) -> list[int]:
-    "This rank's share of the next `prompts_per_rank x world_size` prompts of the global stream."
+    "This rank's share of the next `prompts_per_rank x world_size` prompts of the global stream (with `rl.task_focus`, of those kept)."
+    if self.focus is not None: return self._focused_prompts()
     mine, self.epoch, self.cursor = stream_positions(self.epoch, self.cursor, self.prompts_per_rank, self.rank,
                                                      self.world_size, lambda e: len(self.examples))
     return [int(self._order_for(e)[c]) for e, c in mine]
@@ -284,7 +287,9 @@ def _sample_groups(self: RolloutLoader) -> tuple:
         rewards, p = self._score(idx, outs, stopped)
         self.round, secs = self.round + 1, secs + s
         parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
-        groups += [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+        new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+        if self.focus is not None: self.focus.update(all_reduce(self.focus.counts(self.examples, new)))
+        groups += new
         good = sum(differs(g[3]) for g in groups)
         short, found = all_reduce(torch.tensor([max(P - good, 0), good], dtype=torch.float64)).tolist()
         if short == 0: break
@@ -311,6 +316,7 @@ def _batch_std(self: RolloutLoader, rewards: torch.Tensor) -> torch.Tensor:
 def _rollout_round(self: RolloutLoader):
     "Sample, score and choose this rank's groups of the next step; fill `buffer` with the step's micro-batches."
     rl, G = self.rl, self.rl.group_size
+    skipped = self.skipped
     groups, parts, secs, rounds, found = self._sample_groups()
     chosen, filler = choose_groups(groups, self.prompts_per_rank, rl.sampling_rounds)
     rewards = torch.cat([g[3] for g in chosen])
@@ -318,6 +324,9 @@ def _rollout_round(self: RolloutLoader):
     every = torch.cat([g[3] for g in groups])
     stats = _global_stats(every, group_advantages(every, G)[1], torch.tensor([len(o) for g in groups for o in g[1]]),
                           torch.tensor([s for g in groups for s in g[2]]), parts, secs, G) | {"sampling_rounds": rounds}
+    if self.focus is not None:
+        skipped = self.skipped - skipped
+        stats["skipped_prompts"] = skipped / (skipped + rounds * self.prompts_per_rank * self.world_size)
     outs, stopped = [o for g in chosen for o in g[1]], torch.tensor([s for g in chosen for s in g[2]])
     keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G)
     rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
@@ -343,7 +352,8 @@ def state_dict(self: RolloutLoader) -> dict:
     "Where the prompt stream and the sampling stand, and the rollouts still to be trained on (several passes)."
     return dict(kind="rl", stream="global", epoch=self.epoch, cursor=self.cursor, round=self.round, seed=self.seed,
                 rank=self.rank, world_size=self.world_size, n_prompts=len(self.examples), group_size=self.rl.group_size,
-                pos=self.pos, passes_left=self.passes_left, buffer=self.buffer if self.passes_left else []) | (
+                pos=self.pos, passes_left=self.passes_left, buffer=self.buffer if self.passes_left else [],
+                skipped=self.skipped, focus=None if self.focus is None else dict(self.focus.rate)) | (
                 {"reference": {k: v.detach().cpu() for k, v in self.reference.model.state_dict().items()}} if self.reference is not None else {})
 
 @patch
@@ -357,7 +367,53 @@ def load_state_dict(self: RolloutLoader, d: dict):
         raise ConfigError(f"loader state: saved in the middle of a rollout batch on {d.get('world_size')} ranks; resume on as many (or with --reset-loader)")
     self.epoch, self.cursor, self.round = int(d["epoch"]), int(d["cursor"]), int(d["round"])
     self.pos, self.passes_left, self.buffer = int(d.get("pos", 0)), int(d.get("passes_left", 0)), list(d.get("buffer", []))
+    self.skipped = int(d.get("skipped", 0))
+    if self.focus is not None and d.get("focus"): self.focus.rate = {t: float(d["focus"].get(t, 1.0)) for t in self.focus.tasks}
     if self.reference is not None and d.get("reference"): self.reference.model.load_state_dict(d["reference"])
+
+# %% ../../nbs/35_rl.ipynb #8252104b
+class TaskFocus:
+    "Per task, a running share of groups whose rewards differ, and the chance a prompt of the task is kept."
+    def __init__(self, tasks, floor: float, memory: float = 0.9):
+        self.tasks, self.floor, self.memory = sorted(set(tasks)), floor, memory
+        self.rate = {t: 1.0 for t in self.tasks}                     # every task is tried before it is judged
+
+    def keep_chance(self, task: str) -> float:
+        "Its task's rate over the best task's, at least `floor`."
+        top = max(self.rate.values())
+        return 1.0 if top <= 0 else max(self.floor, self.rate[task] / top)
+
+    def counts(self, examples: list, groups: list) -> torch.Tensor:
+        "One rank's `[2, n_tasks]` counts of `groups` `(prompt, completions, stopped, rewards)`: groups, and those that differ."
+        c, col = torch.zeros(2, len(self.tasks), dtype=torch.float64), {t: i for i, t in enumerate(self.tasks)}
+        for g in groups:
+            t = col[examples[g[0]].task]
+            c[0, t] += 1; c[1, t] += differs(g[3])
+        return c
+
+    def update(self, counts: torch.Tensor):
+        "Fold one round's counts (every rank's, summed) into the rates; each group moves its task's by `1 - memory`."
+        for t, (n, d) in zip(self.tasks, counts.T.tolist()):
+            if n: w = self.memory ** n; self.rate[t] = w * self.rate[t] + (1 - w) * d / n
+
+# %% ../../nbs/35_rl.ipynb #de6523f3
+def position_coin(seed: int, epoch: int, cursor: int) -> float:
+    "A uniform draw in [0, 1) fixed by the seed and the stream position."
+    return float(np.random.default_rng([seed, epoch, cursor, 0x70C5]).random())
+
+@patch
+def _focused_prompts(self: RolloutLoader) -> list[int]:
+    "This rank's share of the next `prompts_per_rank x world_size` prompts of the stream that the focus keeps."
+    n, taken, mine = self.prompts_per_rank * self.world_size, 0, []
+    while taken < n:
+        i = int(self._order_for(self.epoch)[self.cursor])
+        if position_coin(self.seed, self.epoch, self.cursor) < self.focus.keep_chance(self.examples[i].task):
+            if taken % self.world_size == self.rank: mine.append(i)
+            taken += 1
+        else: self.skipped += 1
+        self.cursor += 1
+        if self.cursor == len(self.examples): self.epoch, self.cursor = self.epoch + 1, 0
+    return mine
 
 # %% ../../nbs/35_rl.ipynb #814ea3b2
 @torch.no_grad()
