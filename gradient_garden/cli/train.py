@@ -26,8 +26,8 @@ def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
     "Add `--recipe`, `--config`, `--set` and (optionally) the stage flags to parser `p`."
     p.add_argument("--recipe", help="recipe YAML ({name, description, config, data})")
     p.add_argument("--config", help="config YAML (GlobalConfig sections)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
-                   help="dotted overrides, e.g. --set training.max_steps=20 model.dim=128")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY.PATH=VALUE", dest="overrides",
+                   help="dotted overrides, e.g. --set training.max_steps=20 model.dim=128 (repeatable)")
     if stage_flags:
         g = p.add_mutually_exclusive_group()
         for s in STAGE_FLAGS: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
