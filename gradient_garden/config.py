@@ -234,6 +234,7 @@ class RLConfig:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     beta: float = 0.0                        # k3 KL to the starting model
+    entropy_coef: float = 0.0                # entropy bonus: the loss minus this x the mean token entropy (TRL's entropy_coef)
     num_iterations: int = 1                  # optimizer steps per batch of rollouts (mu)
     sampling_rounds: int = 1                 # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
     task_focus: float = 0.0                  # 0: every prompt of the stream; > 0: a task's prompts are kept as often as its groups' rewards differ, at least this often
@@ -526,7 +527,7 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     rl = cfg.rl
     if rl.group_size < 2:
         raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of one prompt)")
-    for k in ("epsilon_low", "epsilon_high", "beta"):
+    for k in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
         if getattr(rl, k) < 0: raise ConfigError(f"rl.{k}: got {getattr(rl, k)}; must be >= 0")
     for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
     _positive("rl.eval_k", rl.eval_k, allow_zero=True)

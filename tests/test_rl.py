@@ -13,19 +13,20 @@ from gradient_garden.tasks.rl import (RL_LOSSES, RLExample, RLTask, Rewarder, ca
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
 
-def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len):
-    "TRL's `_compute_loss` on given per-token log-probs (its model forward replaced by them; the rest is TRL's code)."
+def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len, entropies=None, entropy_coef=0.0):
+    "TRL's `_compute_loss` on given per-token log-probs and entropies (its model forward replaced by them; the rest is TRL's code)."
     t = trl_grpo.GRPOTrainer.__new__(trl_grpo.GRPOTrainer)
-    acc = SimpleNamespace(num_processes=1, reduce=lambda x, reduction="sum": x, gather=lambda x: x,
+    acc = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x, gather=lambda x: x,
                           gather_for_metrics=lambda x: x)
     d = t.__dict__
     d.update(top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
              args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1), loss_type=loss_type,
              epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False, vllm_importance_sampling_correction=False,
              current_gradient_accumulation_steps=1, max_completion_length=max_len, accelerator=acc,
-             _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+             _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef, use_adaptive_entropy=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
              model=SimpleNamespace(training=True))
-    d["_get_per_token_logps_and_entropies"] = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    ents = torch.zeros_like(logps) if entropies is None else entropies
+    d["_get_per_token_logps_and_entropies"] = lambda *a, **k: (logps, ents, None)
     B, T = logps.shape
     inputs = dict(prompt_ids=torch.zeros(B, 1, dtype=torch.long), prompt_mask=torch.ones(B, 1, dtype=torch.long),
                   completion_ids=torch.zeros(B, T, dtype=torch.long), completion_mask=mask.long(), advantages=adv,
@@ -54,6 +55,27 @@ def test_loss_and_gradient_equal_trl(loss_type, beta):
     assert abs(ours.item() - theirs.item()) < 1e-6
     assert (ours_lp.grad - trl_lp.grad).abs().max().item() < 1e-6
     assert ours_lp.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", RL_LOSSES)
+def test_entropy_bonus_equals_trl(loss_type):
+    "rl.entropy_coef: the loss minus coef x the mean completion-token entropy, and its gradient, as TRL's `entropy_coef`."
+    from gradient_garden.tasks.rl import entropy_sum
+    g = torch.Generator().manual_seed(2)
+    B, T, coef = 8, 10, 0.03
+    mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
+    base = torch.randn(B, T, generator=g) * 0.5 - 1.5
+    old = base + torch.randn(B, T, generator=g) * 0.3
+    ent0 = torch.rand(B, T, generator=g) * 2
+    adv = group_advantages(torch.tensor([1., 0, 1, 1, 0, 0, 1, 0]), 4)[0]
+    ours_lp, trl_lp, ours_ent, trl_ent = (t.clone().requires_grad_() for t in (base, base, ent0, ent0))
+    s, n = loss_parts(token_losses(ours_lp, old, adv, 0.2, 0.28)[0], mask, loss_type, T)
+    ours = (s - coef * entropy_sum(ours_ent, mask, n)) / n
+    theirs = trl_loss(loss_type, trl_lp, old, None, adv, mask, 0.0, 0.2, 0.28, T, trl_ent, coef)
+    ours.backward(); theirs.backward()
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert (ours_lp.grad - trl_lp.grad).abs().max().item() < 1e-6
+    assert (ours_ent.grad - trl_ent.grad).abs().max().item() < 1e-7 and ours_ent.grad.abs().sum() > 0
 
 
 def test_advantages_equal_trl_formula():

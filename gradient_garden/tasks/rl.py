@@ -26,10 +26,10 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IGNORE_INDEX', 'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts',
-           'expand_groups', 'cut_at_stop', 'keep_rows', 'group_rollouts', 'collate_rollouts', 'completion_logps',
-           'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups', 'TaskFocus', 'position_coin', 'heldout_hits',
-           'summarize_hits', 'heldout_examples_for', 'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl',
-           'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
+           'entropy_sum', 'expand_groups', 'cut_at_stop', 'keep_rows', 'group_rollouts', 'collate_rollouts',
+           'completion_logps', 'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups', 'TaskFocus',
+           'position_coin', 'heldout_hits', 'summarize_hits', 'heldout_examples_for', 'evaluate_generative', 'RLTask',
+           'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
 
 # %% ../../nbs/35_rl.ipynb #d47c15b5
 RL_LOSSES = ("grpo", "dr_grpo", "dapo")
@@ -69,6 +69,11 @@ def loss_parts(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_
     if loss_type == "dr_grpo": return (per_token * m).sum() / max_new_tokens, per_token.shape[0]
     if loss_type == "dapo": return (per_token * m).sum(), mask.sum()
     raise ConfigError(f"rl.loss_type: got {loss_type!r}; allowed: {', '.join(RL_LOSSES)}")
+
+def entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, count) -> torch.Tensor:
+    "A micro-batch's entropy term to add to its loss sum: divided by `count` it is the mean token entropy."
+    m = mask.to(entropy.dtype)
+    return (entropy * m).sum() * count / m.sum().clamp(min=1.0)
 
 # %% ../../nbs/35_rl.ipynb #39305d8a
 def expand_groups(cache, logits: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor, group_size: int):
@@ -148,15 +153,15 @@ def collate_rollouts(prompts: list[list[int]], completions: list[list[int]], seq
         lab[b, n - 1:len(s) - 1] = s[n:]
     return {"input_ids": inp, "labels": lab, "labels_from": min(n for _, n in seqs) - 1}
 
-def completion_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    "Log-probability `[B, T]` of each label under `model` (fp32; 0 where there is none) and the entropy there (no grad)."
+def completion_logps(model, batch: dict, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    "Log-probability `[B, T]` of each label under `model` (fp32; 0 where there is none) and the entropy there (with grad if asked)."
     labels = batch["labels"]
     start = min(batch.get("labels_from", 0), labels.shape[1] - 1)
     logits = model(batch["input_ids"], logits_to_keep=labels.shape[1] - start).float()   # the head only where labels can be
     logp = logits.log_softmax(-1)
     lab = labels[:, start:]
     lp = logp.gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1)
-    with torch.no_grad(): ent = -(logp.exp() * logp).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()): ent = -(logp.exp() * logp).sum(-1)
     lp, ent = (F.pad(x.masked_fill(lab == IGNORE_INDEX, 0.0), (start, 0)) for x in (lp, ent))
     return lp, ent
 
@@ -511,14 +516,15 @@ def loss(self: RLTask, model, batch: dict):
     "Summed loss of a rollout micro-batch and its count-weighted metrics (or a held-out batch's misses)."
     if "heldout" in batch: return self._heldout(model, batch)
     rl, mask = self.rl, self._mask(batch)
-    logps, ent = completion_logps(model, batch)
+    logps, ent = completion_logps(model, batch, entropy_grad=rl.entropy_coef > 0)
     old = batch.get("old_logps")
     old = logps.detach() if old is None else old.to(logps)
     ref = batch.get("ref_logps")
     per_token, ratio, kl = token_losses(logps, old, batch["advantages"].to(logps), rl.epsilon_low, rl.epsilon_high,
                                         rl.beta, None if ref is None else ref.to(logps))
     loss_sum, _ = loss_parts(per_token, mask, rl.loss_type, rl.max_new_tokens)
-    w, m = self.count(batch).double(), mask.double()
+    if rl.entropy_coef: loss_sum = loss_sum - rl.entropy_coef * entropy_sum(ent, mask, self.count(batch))
+    ent, w, m = ent.detach(), self.count(batch).double(), mask.double()
     tokens = m.sum().clamp(min=1)
     a = batch["advantages"].to(logps)[:, None]
     clipped = ((ratio < 1 - rl.epsilon_low) & (a < 0)) | ((ratio > 1 + rl.epsilon_high) & (a > 0))
