@@ -531,7 +531,7 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
         if getattr(rl, k) < 0: raise ConfigError(f"rl.{k}: got {getattr(rl, k)}; must be >= 0")
     for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
     _positive("rl.eval_k", rl.eval_k, allow_zero=True)
-    if rl.temperature < 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be >= 0")
+    if rl.temperature <= 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be > 0 (greedy answers to one prompt are all equal, so no group would teach anything)")
     if not 0 <= rl.task_focus <= 1: raise ConfigError(f"rl.task_focus: got {rl.task_focus}; must be in [0, 1] (0: off)")
     if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")
     if cfg.training.stage != "rl": return

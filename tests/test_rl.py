@@ -78,6 +78,24 @@ def test_entropy_bonus_equals_trl(loss_type):
     assert (ours_ent.grad - trl_ent.grad).abs().max().item() < 1e-7 and ours_ent.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_logps_at_the_sampling_temperature_equal_trl(temperature):
+    "completion_logps scores each label (and the entropy) under the logits / rl.temperature, as TRL's `selective_log_softmax_and_entropy`."
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+    from gradient_garden.config import ModelConfig
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tasks.rl import IGNORE_INDEX, collate_rollouts, completion_logps
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
+    b = collate_rollouts([[1, 5, 9, 11], [1, 7]], [[4, 40, 2], [6, 70, 71, 3]], 32, 0)
+    ours_lp, ours_ent = completion_logps(model, b, temperature=temperature)
+    with torch.no_grad(): logits = model(b["input_ids"]).float()
+    mask = b["labels"] != IGNORE_INDEX
+    trl_lp, trl_ent = selective_log_softmax_and_entropy(logits, b["labels"].clamp(min=0), temperature=temperature)
+    assert (ours_lp - trl_lp)[mask].abs().max().item() < 1e-5
+    assert (ours_ent - trl_ent)[mask].abs().max().item() < 1e-5
+    assert mask.sum() == 7 and (ours_lp[~mask] == 0).all()
+
 def test_advantages_equal_trl_formula():
     from trl.trainer.utils import nanstd
     r = torch.tensor([1., 0, 0, 1, .5, .2, .9, .1])
@@ -255,7 +273,8 @@ def test_gg_evaluate_generative_flags():
 
 @pytest.mark.parametrize("setting,message", [({"sampling_rounds": 0}, r"rl.sampling_rounds: got 0"),
                                              ({"task_focus": 1.5}, r"rl.task_focus: got 1.5; must be in \[0, 1\]"),
-                                             ({"task_focus": -0.1}, r"rl.task_focus: got -0.1")])
+                                             ({"task_focus": -0.1}, r"rl.task_focus: got -0.1"),
+                                             ({"temperature": 0.0}, r"rl.temperature: got 0.0; must be > 0")])
 def test_sampling_settings_out_of_range_are_one_line(setting, message):
     cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
                                     "rl": setting})

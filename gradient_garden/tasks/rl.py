@@ -153,12 +153,12 @@ def collate_rollouts(prompts: list[list[int]], completions: list[list[int]], seq
         lab[b, n - 1:len(s) - 1] = s[n:]
     return {"input_ids": inp, "labels": lab, "labels_from": min(n for _, n in seqs) - 1}
 
-def completion_logps(model, batch: dict, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    "Log-probability `[B, T]` of each label under `model` (fp32; 0 where there is none) and the entropy there (with grad if asked)."
+def completion_logps(model, batch: dict, entropy_grad: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    "Log-probability `[B, T]` of each label under `model` sampled at `temperature` (fp32; 0 where there is none) and the entropy there (with grad if asked)."
     labels = batch["labels"]
     start = min(batch.get("labels_from", 0), labels.shape[1] - 1)
     logits = model(batch["input_ids"], logits_to_keep=labels.shape[1] - start).float()   # the head only where labels can be
-    logp = logits.log_softmax(-1)
+    logp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
     lab = labels[:, start:]
     lp = logp.gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()): ent = -(logp.exp() * logp).sum(-1)
@@ -264,8 +264,8 @@ def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
     dev = next(self.model.parameters()).device
     b = {k: v.to(dev) for k, v in batch.items() if torch.is_tensor(v)} | {"labels_from": batch.get("labels_from", 0)}
     with autocast_context(dev, self.precision):
-        if self.rl.num_iterations > 1: batch["old_logps"] = completion_logps(self.model, b)[0].cpu()
-        if self.reference is not None: batch["ref_logps"] = completion_logps(self.reference, b)[0].cpu()
+        if self.rl.num_iterations > 1: batch["old_logps"] = completion_logps(self.model, b, temperature=self.rl.temperature)[0].cpu()
+        if self.reference is not None: batch["ref_logps"] = completion_logps(self.reference, b, temperature=self.rl.temperature)[0].cpu()
     return batch
 
 # %% ../../nbs/35_rl.ipynb #a9070f2f
@@ -516,7 +516,7 @@ def loss(self: RLTask, model, batch: dict):
     "Summed loss of a rollout micro-batch and its count-weighted metrics (or a held-out batch's misses)."
     if "heldout" in batch: return self._heldout(model, batch)
     rl, mask = self.rl, self._mask(batch)
-    logps, ent = completion_logps(model, batch, entropy_grad=rl.entropy_coef > 0)
+    logps, ent = completion_logps(model, batch, entropy_grad=rl.entropy_coef > 0, temperature=rl.temperature)
     old = batch.get("old_logps")
     old = logps.detach() if old is None else old.to(logps)
     ref = batch.get("ref_logps")
