@@ -96,6 +96,7 @@ def test_logps_at_the_sampling_temperature_equal_trl(temperature):
     assert (ours_ent - trl_ent)[mask].abs().max().item() < 1e-5
     assert mask.sum() == 7 and (ours_lp[~mask] == 0).all()
 
+
 def test_advantages_equal_trl_formula():
     from trl.trainer.utils import nanstd
     r = torch.tensor([1., 0, 0, 1, .5, .2, .9, .1])

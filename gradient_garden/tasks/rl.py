@@ -523,8 +523,9 @@ def loss(self: RLTask, model, batch: dict):
     per_token, ratio, kl = token_losses(logps, old, batch["advantages"].to(logps), rl.epsilon_low, rl.epsilon_high,
                                         rl.beta, None if ref is None else ref.to(logps))
     loss_sum, _ = loss_parts(per_token, mask, rl.loss_type, rl.max_new_tokens)
-    if rl.entropy_coef: loss_sum = loss_sum - rl.entropy_coef * entropy_sum(ent, mask, self.count(batch))
-    ent, w, m = ent.detach(), self.count(batch).double(), mask.double()
+    count = self.count(batch)
+    if rl.entropy_coef: loss_sum = loss_sum - rl.entropy_coef * entropy_sum(ent, mask, count)
+    ent, w, m = ent.detach(), count.double(), mask.double()
     tokens = m.sum().clamp(min=1)
     a = batch["advantages"].to(logps)[:, None]
     clipped = ((ratio < 1 - rl.epsilon_low) & (a < 0)) | ((ratio > 1 + rl.epsilon_high) & (a > 0))
