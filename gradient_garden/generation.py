@@ -27,13 +27,15 @@ __all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'appl
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     "Penalise logits `[B, V]` of tokens marked in `seen` `[B, V]`: positive ones / penalty, negative ones x penalty."
     if penalty == 1.0: return logits
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    big = torch.finfo(logits.dtype).max       # a tiny penalty's quotient stays finite (the largest float, not inf)
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits).clamp(-big, big)
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     "Next token `[B]` from logits `[B, V]`: greedy at temperature 0, else sampled after top-k / top-p filtering."
     if temperature <= 0: return logits.max(-1).indices   # the first maximum, as argmax (and faster on CPU)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature   # <= 0: no temperature > 0 overflows to inf
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

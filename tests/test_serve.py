@@ -24,8 +24,8 @@ def _corpus() -> list[str]:
     import argparse, dataclasses, json as js, pathlib as pl
     return [Path(m.__file__).read_text() for m in (argparse, dataclasses, js.encoder, js.decoder, pl)]
 
-def make_checkpoint(base: Path, stage: str, tok_dir: Path, max_seq_len: int = MAX_LEN) -> Path:
-    "A checkpoint of a tiny random Tendril (seeded) for `stage`, using the tokenizer in `tok_dir`."
+def make_checkpoint(base: Path, stage: str, tok_dir: Path, max_seq_len: int = MAX_LEN, nan_token: int | None = None) -> Path:
+    "A checkpoint of a tiny random Tendril (seeded) for `stage`, using the tokenizer in `tok_dir` (`nan_token`: its embedding row NaN)."
     cfg = GlobalConfig()
     cfg.run.name = f"tiny-{stage}"
     cfg.training.stage = stage
@@ -34,8 +34,11 @@ def make_checkpoint(base: Path, stage: str, tok_dir: Path, max_seq_len: int = MA
     cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(tok_dir))
     torch.manual_seed(0)
     model = Tendril(cfg.model)
+    if nan_token is not None:
+        with torch.no_grad(): model.tok_embeddings.weight[nan_token] = float("nan")
+    name = f"{stage}-{max_seq_len}" + ("" if nan_token is None else f"-nan{nan_token}")
     return save_checkpoint(dict(step=1, stage=stage, architecture="tendril", config=to_plain(cfg),
-                                model=model.state_dict()), base/f"{stage}-{max_seq_len}"/"step_0000001.pt")
+                                model=model.state_dict()), base/name/"step_0000001.pt")
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -223,6 +226,16 @@ def test_bad_input_is_a_400_with_openai_error_json(server):
         f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x", "foo": 1}))["message"]
     _error(httpx.get(f"{url}/v1/nothing"), 404)
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+def test_extreme_sampling_settings_still_sample(server, tiny):
+    "A repetition penalty of 1e-300 and a temperature of 1e-40 answer (the latter as greedy decoding does), not a 500."
+    c = server["client"]
+    greedy = c.completions.create(model="tiny-instruct", prompt="def f(", max_tokens=8, temperature=0).choices[0].text
+    cold = c.completions.create(model="tiny-instruct", prompt="def f(", max_tokens=8, temperature=1e-40, seed=1)
+    assert cold.choices[0].text == greedy and cold.usage.completion_tokens >= 1
+    r = c.completions.create(model="tiny-instruct", prompt="def f(", max_tokens=8, temperature=1.0, seed=1,
+                             extra_body={"repetition_penalty": 1e-300})
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
 def test_disconnect_mid_stream_stops_generation(tiny):
     "A client that goes away mid-stream cancels its sequence in the decoder process, long before its budget is spent."
@@ -464,11 +477,12 @@ def test_decoder_failures_stay_with_their_rows(tiny):
 
 def test_a_failing_request_ends_alone_and_sigterm_still_stops(tiny):
     "A request whose sampling fails inside the decoder process gets a 500 (streamed: an error event) while another runs on; SIGTERM still stops the server."
-    proc, url = start_gg_serve(tiny["ckpt"])
+    poisoned = sorted(set(tiny["tok"].encode("def f(")) - set(tiny["tok"].encode("def main(")))[0]
+    proc, url = start_gg_serve(make_checkpoint(tiny["base"], "instruct", tiny["tok_dir"], nan_token=poisoned))   # its logits: NaN
     try:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         long = dict(model="tiny-instruct", prompt="def main(", temperature=0, max_tokens=MAX_LEN - 8, ignore_eos=True)
-        bad = dict(model="tiny-instruct", prompt="def f(", temperature=1.0, repetition_penalty=1e-300)
+        bad = dict(model="tiny-instruct", prompt="def f(", temperature=1.0)
         create = lambda body: c.completions.create(**{k: v for k, v in body.items() if k not in ("ignore_eos", "repetition_penalty")},
                                                    extra_body={k: v for k, v in body.items() if k in ("ignore_eos", "repetition_penalty")})
         with ThreadPoolExecutor(2) as ex:
