@@ -212,13 +212,24 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
 # %% ../../nbs/53_cli_evaluate.ipynb #99efc395
 def _fmt(v) -> str: return "-" if v is None else f"{v:.4f}"
 
+def _parts_table(scores: dict) -> str:
+    "Scores broken down by part (`metric/part` keys) as a table, a row a part and a column a metric; '' when there are none."
+    split = [k.split("/", 1) for k in scores if "/" in k]
+    metrics, parts = list(dict.fromkeys(m for m, _ in split)), list(dict.fromkeys(p for _, p in split))
+    if not parts: return ""
+    width = max(14, *map(len, parts))
+    rows = [f"  {'':{width}s}" + "".join(f"  {m:>12s}" for m in metrics)]
+    rows += [f"  {p:{width}s}" + "".join(f"  {_fmt(scores.get(f'{m}/{p}')):>12s}" for m in metrics) for p in parts]
+    return "\n" + "\n".join(rows)
+
 def _task_line(name: str, m: dict) -> str:
-    "One console line of a task's scores: acc/acc_norm with standard errors, or whatever metrics an lm-eval task has."
+    "A task's scores: acc/acc_norm with standard errors, or its other metrics, with a table below of any broken down by part."
     if "acc" in m and not m["source"].startswith("lm-eval"):
         return (f"{name:14s} acc {_fmt(m['acc'])} ± {_fmt(m['acc_stderr'])}  acc_norm {_fmt(m['acc_norm'])} "
                 f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
-    shown = [f"{k} {_fmt(v)}" for k, v in m.items() if isinstance(v, float) and not k.endswith("_stderr")]
-    return f"{name:14s} {'  '.join(shown)}  n={m['n']}  ({m['source']})"
+    scores = {k: v for k, v in m.items() if isinstance(v, float) and not k.endswith("_stderr")}
+    shown = [f"{k} {_fmt(v)}" for k, v in scores.items() if "/" not in k]
+    return f"{name:14s} {'  '.join(shown)}  n={m['n']}  ({m['source']})" + _parts_table(scores)
 
 # %% ../../nbs/53_cli_evaluate.ipynb #3294b640
 def samples_path(results_file, task: str) -> Path:
