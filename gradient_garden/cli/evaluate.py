@@ -5,7 +5,7 @@ Face folder), split across ranks under torchrun, written as one JSON file."""
 
 # %% ../../nbs/53_cli_evaluate.ipynb #081159d1
 from __future__ import annotations
-import argparse, json, os, sys, time
+import argparse, itertools, json, os, sys, time
 from pathlib import Path
 from typing import Optional
 import torch
@@ -21,7 +21,8 @@ from .prepare import selected_tasks
 # %% auto #0
 __all__ = ['add_evaluate_args', 'add_generative_args', 'generative_sets', 'generative_exact_match', 'check_evaluate_args',
            'evaluation_plan', 'load_hf_checkpoint', 'load_evaluation_model', 'evaluation_env', 'lm_eval_bridge',
-           'context_prefix_name', 'evaluate_model', 'samples_path', 'write_evaluation', 'run_evaluate']
+           'context_prefix_name', 'evaluate_model', 'samples_path', 'claim_results_file', 'write_evaluation',
+           'run_evaluate']
 
 # %% ../../nbs/53_cli_evaluate.ipynb #72f25576
 def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,7 +56,9 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--apply-chat-template", action="store_true", help="lm-eval prompts in the checkpoint's chat format")
     g.add_argument("--fewshot-as-multiturn", action="store_true", help="with --apply-chat-template: each shot an earlier turn")
     add_generative_args(parser)
-    parser.add_argument("--output-file-name", default="eval_results.json", help="where to write the results JSON")
+    parser.add_argument("--output-file-name", default=None,
+                        help="where to write the results JSON (default: eval_results.json, or eval_results-2.json, ... "
+                             "when it is taken: an evaluation never replaces another's results)")
     return parser
 
 # %% ../../nbs/53_cli_evaluate.ipynb #9808ad1d
@@ -238,6 +241,14 @@ def samples_path(results_file, task: str) -> Path:
     return p.with_name(f"{p.stem}_samples_{task}.jsonl")
 
 # %% ../../nbs/53_cli_evaluate.ipynb #a1b2e47f
+def claim_results_file(name: Optional[str]) -> Path:
+    "`name`, or the first of eval_results.json, eval_results-2.json, ... in the working folder that is free, claimed by creating it."
+    if name: return Path(name)
+    for i in itertools.count(1):
+        p = Path("eval_results.json" if i == 1 else f"eval_results-{i}.json")
+        try: p.touch(exist_ok=False); return p     # exclusive: two evaluations finishing together get two files
+        except FileExistsError: continue
+
 def write_evaluation(results: dict, samples: Optional[dict], results_file) -> Path:
     "Write the results JSON and the sample records atomically; print a line per task and where they went."
     out = write_text_atomic(results_file, json.dumps(results, indent=2) + "\n")
@@ -256,7 +267,7 @@ def run_evaluate(args) -> int:
     env, device = evaluation_env(args.device)
     try:
         results, samples = evaluate_model(args, names, lm_tasks, env, device)
-        if env.rank == 0: write_evaluation(results, samples, args.output_file_name)
+        if env.rank == 0: write_evaluation(results, samples, claim_results_file(args.output_file_name))
     finally:
         if started_dist: destroy_distributed()
     return 0
