@@ -24,10 +24,10 @@ from ..runtime import resolve_precision
 
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
-           'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes', 'activation_bytes',
-           'muon_plan', 'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan',
-           'measured_mfu', 'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan',
-           'device_memory', 'check_fit']
+           'RL_PLAN_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
+           'activation_bytes', 'muon_plan', 'rollout_bytes', 'unsharded_gradient_bytes', 'memory_plan',
+           'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan', 'estimate_workload',
+           'suggestion', 'fit_message', 'format_plan', 'device_memory', 'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -153,6 +153,17 @@ def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard
                            shard, replicate, m.ns_steps, ns_bytes)
 
 # %% ../../nbs/46_plan.ipynb #98728560
+def rollout_bytes(cfg: GlobalConfig, world: int = 1) -> dict:
+    "Per-rank bytes of the rl stage's rollouts (a round's KV caches and logits) and of its KL reference; zeros for other stages."
+    m, t, rl = cfg.model, cfg.training, cfg.rl
+    if t.stage != "rl": return dict(rollouts=0, reference=0)
+    rows = t.micro_batch_size * grad_accum_steps(cfg, world)      # this rank's prompts x G, decoded together
+    length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
+    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * (4 if cfg.runtime.precision == "fp32" else 2)
+    cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
+    logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
+    return dict(rollouts=cache + logits, reference=4 * parameter_counts(cfg)["total"] if rl.beta > 0 else 0)
+
 def unsharded_gradient_bytes(cfg: GlobalConfig, parallel: str, world: int, shard: int) -> float:
     "Bytes of unsharded fp32 gradients FSDP2 keeps beyond its shards while accumulating under `no_sync` (else 0)."
     if parallel not in ("fsdp2", "hsdp") or shard < 2 or cfg.runtime.fsdp_accumulation != "no_sync": return 0
@@ -178,11 +189,13 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
     out["muon_buffers"] = muon["distributed" if cfg.optimizers.muon.distributed else "gathered"]["bytes"]
     staging = (4 * c["total"] + 8 * c["adamw"] + 4 * c["muon"]) / shard if cfg.checkpointing.async_save else 0
     out["staging"] = staging if device_type == "cpu" else 0   # host memory: part of the device's only on a CPU
+    out |= rollout_bytes(cfg, world)
     out["activations"] = {mode: activation_bytes(cfg, mode, device_type, block) for mode in ("none", "selective", "full")}
-    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k != "muon_buffers") - copies
+    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k not in ("muon_buffers", "rollouts")) - copies
     # weight copies count in mode `none` only; Muon's step buffers exist only in the optimizer step, after backward
-    # has freed the activations (and the weight copies)
-    out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0), out["muon_buffers"])
+    # has freed the activations (and the weight copies); the rollouts' cache only before the forward passes
+    out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0),
+                                       out["muon_buffers"], out["rollouts"])
                     for mode, a in out["activations"].items()}
     out["staging_host"] = staging
     return out
@@ -347,6 +360,7 @@ PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32
              ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),
              ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging"),
              ("muon_buffers", "Muon step buffers (optimizer step)")]
+RL_PLAN_ROWS = [("rollouts", "RL rollouts (before the update)"), ("reference", "RL reference model (rl.beta > 0)")]   # rl only
 
 # %% ../../nbs/46_plan.ipynb #7ecb852d
 def _memory_table(p: Plan) -> list[str]:
@@ -354,7 +368,8 @@ def _memory_table(p: Plan) -> list[str]:
     g = lambda b: f"{b / GiB:8.2f}"
     lines = [f"{'GiB per rank':38s}" + "".join(f"{name:>9s}" for name in p.memory)]
     row = lambda label, vals, mark="": lines.append(f"{label + mark:38s}" + "".join(f"{g(v)} " for v in vals))
-    for key, label in PLAN_ROWS: row(label, [m[key] for m in p.memory.values()])
+    for key, label in PLAN_ROWS + (RL_PLAN_ROWS if p.cfg.training.stage == "rl" else []):
+        row(label, [m[key] for m in p.memory.values()])
     for kind in ("activations", "total"):
         for mode in ("none", "selective", "full"):
             row(f"{kind}, checkpointing {mode}", [m[kind][mode] for m in p.memory.values()], " *" if mode == p.mode else "")
@@ -380,6 +395,15 @@ def _muon_lines(p: Plan) -> list[str]:
             f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
 
 # %% ../../nbs/46_plan.ipynb #666817f7
+def _rollout_lines(p: Plan) -> list[str]:
+    "What an rl step samples before its update, and what the time line leaves out; none for other stages."
+    t, rl = p.cfg.training, p.cfg.rl
+    if t.stage != "rl": return []
+    rows = t.micro_batch_size * grad_accum_steps(p.cfg, p.world)
+    return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded together, up to "
+            f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
+            f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
+
 def format_plan(p: Plan) -> str:
     "The plan as a table (one row per term, one column per layout) and a few lines of text."
     c, t = p.counts, p.cfg.training
@@ -390,7 +414,7 @@ def format_plan(p: Plan) -> str:
     host = p.memory[p.layout]["staging_host"]
     staging = [f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of host memory per rank, "
                f"allocated once (pinned on CUDA)"] if host else []
-    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p)
+    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _rollout_lines(p)
     lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
               f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "
