@@ -6,7 +6,7 @@ the token budget against Chinchilla; steps; and wall time at a stated or measure
 
 # %% ../../nbs/46_plan.ipynb #c31e9908
 from __future__ import annotations
-import copy, json, math, os
+import copy, functools, json, math, os
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
@@ -24,10 +24,11 @@ from ..runtime import resolve_precision
 
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
-           'RL_PLAN_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
-           'activation_bytes', 'muon_plan', 'rollout_bytes', 'unsharded_gradient_bytes', 'memory_plan',
-           'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan', 'estimate_workload',
-           'suggestion', 'fit_message', 'format_plan', 'device_memory', 'check_fit']
+           'STAGE_PLAN_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
+           'activation_bytes', 'muon_plan', 'rollout_bytes', 'reference_bytes', 'teacher_size', 'distillation_bytes',
+           'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu',
+           'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory',
+           'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -154,15 +155,43 @@ def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard
 
 # %% ../../nbs/46_plan.ipynb #98728560
 def rollout_bytes(cfg: GlobalConfig, world: int = 1) -> dict:
-    "Per-rank bytes of the rl stage's rollouts (a round's KV caches and logits) and of its KL reference; zeros for other stages."
+    "Per-rank bytes of the rl stage's rollouts: a round's KV caches and logits (0 for other stages)."
     m, t, rl = cfg.model, cfg.training, cfg.rl
-    if t.stage != "rl": return dict(rollouts=0, reference=0)
+    if t.stage != "rl": return dict(rollouts=0)
     rows = t.micro_batch_size * grad_accum_steps(cfg, world)      # this rank's prompts x G, decoded together
     length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
     kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * (4 if cfg.runtime.precision == "fp32" else 2)
     cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
     logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
-    return dict(rollouts=cache + logits, reference=4 * parameter_counts(cfg)["total"] if rl.beta > 0 else 0)
+    return dict(rollouts=cache + logits)
+
+def reference_bytes(cfg: GlobalConfig) -> dict:
+    "Per-rank bytes of a frozen fp32 reference model: DPO's `reference: copy`, RL's KL (`rl.beta > 0`); whole on every rank."
+    t = cfg.training.stage
+    held = (t == "dpo" and cfg.dpo.reference == "copy") or (t == "rl" and cfg.rl.beta > 0)
+    return dict(reference=4 * parameter_counts(cfg)["total"] if held else 0)
+
+@functools.lru_cache(maxsize=8)
+def teacher_size(name_or_path: str) -> dict | None:
+    "A Hugging Face teacher's parameters, output rows, layers and width, from its local config on the meta device; None if not local."
+    from transformers import AutoConfig, AutoModelForCausalLM   # lazy: only a distillation plan needs transformers
+    try: conf = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError): return None
+    with torch.device("meta"): teacher = AutoModelForCausalLM.from_config(conf)
+    return dict(parameters=sum(p.numel() for p in teacher.parameters()), vocab=teacher.get_output_embeddings().weight.shape[0],
+                layers=conf.num_hidden_layers, dim=conf.hidden_size)
+
+def distillation_bytes(cfg: GlobalConfig) -> dict:
+    "Per-rank bytes of a distillation run's teacher (whole on every rank) and of its full-vocabulary loss; zeros without one."
+    d, t, m = cfg.distillation, cfg.training, cfg.model
+    size = teacher_size(str(d.teacher)) if d.enabled and d.teacher else None
+    if size is None: return dict(teacher=0, distill_logits=0)
+    teacher_bytes, compute = {"fp32": 4, "bf16": 2, "fp16": 2}[d.teacher_dtype], 4 if cfg.runtime.precision == "fp32" else 2
+    # at the loss: the student's logits, the teacher's, and five fp32 [B, T, V] tensors alive together of the six it makes
+    # (cross-entropy's log-softmax, the teacher's and the student's at the temperature, the teacher's probabilities,
+    # their difference, its product); checked against MemTracker below
+    logits = t.micro_batch_size * t.seq_len * (m.vocab_size * (compute + 5 * 4) + size["vocab"] * teacher_bytes)
+    return dict(teacher=size["parameters"] * teacher_bytes, distill_logits=logits)
 
 def unsharded_gradient_bytes(cfg: GlobalConfig, parallel: str, world: int, shard: int) -> float:
     "Bytes of unsharded fp32 gradients FSDP2 keeps beyond its shards while accumulating under `no_sync` (else 0)."
@@ -189,13 +218,14 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
     out["muon_buffers"] = muon["distributed" if cfg.optimizers.muon.distributed else "gathered"]["bytes"]
     staging = (4 * c["total"] + 8 * c["adamw"] + 4 * c["muon"]) / shard if cfg.checkpointing.async_save else 0
     out["staging"] = staging if device_type == "cpu" else 0   # host memory: part of the device's only on a CPU
-    out |= rollout_bytes(cfg, world)
+    out |= rollout_bytes(cfg, world) | reference_bytes(cfg) | distillation_bytes(cfg)
     out["activations"] = {mode: activation_bytes(cfg, mode, device_type, block) for mode in ("none", "selective", "full")}
-    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k not in ("muon_buffers", "rollouts")) - copies
+    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k not in ("muon_buffers", "rollouts", "distill_logits")) - copies
     # weight copies count in mode `none` only; Muon's step buffers exist only in the optimizer step, after backward
-    # has freed the activations (and the weight copies); the rollouts' cache only before the forward passes
-    out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0),
-                                       out["muon_buffers"], out["rollouts"])
+    # has freed the activations (and the weight copies); the rollouts' cache only before the forward passes; the
+    # distillation loss's logits at the end of the forward pass, with the activations
+    out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0)
+                                       + out["distill_logits"], out["muon_buffers"], out["rollouts"])
                     for mode, a in out["activations"].items()}
     out["staging_host"] = staging
     return out
@@ -360,7 +390,8 @@ PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32
              ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),
              ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging"),
              ("muon_buffers", "Muon step buffers (optimizer step)")]
-RL_PLAN_ROWS = [("rollouts", "RL rollouts (before the update)"), ("reference", "RL reference model (rl.beta > 0)")]   # rl only
+STAGE_PLAN_ROWS = [("rollouts", "RL rollouts (before the update)"), ("reference", "frozen reference (DPO copy, RL KL)"),
+                   ("teacher", "distillation teacher"), ("distill_logits", "distillation logits (full vocabulary)")]   # shown when the run has them
 
 # %% ../../nbs/46_plan.ipynb #7ecb852d
 def _memory_table(p: Plan) -> list[str]:
@@ -368,8 +399,8 @@ def _memory_table(p: Plan) -> list[str]:
     g = lambda b: f"{b / GiB:8.2f}"
     lines = [f"{'GiB per rank':38s}" + "".join(f"{name:>9s}" for name in p.memory)]
     row = lambda label, vals, mark="": lines.append(f"{label + mark:38s}" + "".join(f"{g(v)} " for v in vals))
-    for key, label in PLAN_ROWS + (RL_PLAN_ROWS if p.cfg.training.stage == "rl" else []):
-        row(label, [m[key] for m in p.memory.values()])
+    shown = PLAN_ROWS + [(k, label) for k, label in STAGE_PLAN_ROWS if any(m[k] for m in p.memory.values())]
+    for key, label in shown: row(label, [m[key] for m in p.memory.values()])
     for kind in ("activations", "total"):
         for mode in ("none", "selective", "full"):
             row(f"{kind}, checkpointing {mode}", [m[kind][mode] for m in p.memory.values()], " *" if mode == p.mode else "")
@@ -404,6 +435,16 @@ def _rollout_lines(p: Plan) -> list[str]:
             f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
             f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
 
+def _teacher_lines(p: Plan) -> list[str]:
+    "The distillation teacher's size and forward FLOPs, or that it could not be counted; none without distillation."
+    d = p.cfg.distillation
+    if not d.enabled: return []
+    size = teacher_size(str(d.teacher)) if d.teacher else None
+    if size is None: return [f"distillation teacher {d.teacher}: no local Hugging Face config, so its weights and logits are not counted above"]
+    forward = 2 * size["parameters"] + 2 * size["layers"] * p.cfg.training.seq_len * size["dim"]   # per token (Kaplan et al. 2020)
+    return [f"distillation teacher {d.teacher}: {size['parameters']:,} parameters in {d.teacher_dtype}; its forward adds "
+            f"{forward:.3e} FLOPs per token ({forward / p.flops_per_token:.2f} x the student's training FLOPs), not in the time below"]
+
 def format_plan(p: Plan) -> str:
     "The plan as a table (one row per term, one column per layout) and a few lines of text."
     c, t = p.counts, p.cfg.training
@@ -414,7 +455,7 @@ def format_plan(p: Plan) -> str:
     host = p.memory[p.layout]["staging_host"]
     staging = [f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of host memory per rank, "
                f"allocated once (pinned on CUDA)"] if host else []
-    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _rollout_lines(p)
+    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _rollout_lines(p) + _teacher_lines(p)
     lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
               f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "
