@@ -20,7 +20,7 @@ from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS,
 from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declared_splits
 from ..models.lora import apply_lora
 from .activation_checkpointing import SAVE_OPS
-from ..runtime import resolve_precision
+from ..runtime import DTYPES, resolve_precision
 
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
@@ -186,7 +186,7 @@ def distillation_bytes(cfg: GlobalConfig) -> dict:
     d, t, m = cfg.distillation, cfg.training, cfg.model
     size = teacher_size(str(d.teacher)) if d.enabled and d.teacher else None
     if size is None: return dict(teacher=0, distill_logits=0)
-    teacher_bytes, compute = {"fp32": 4, "bf16": 2, "fp16": 2}[d.teacher_dtype], 4 if cfg.runtime.precision == "fp32" else 2
+    teacher_bytes, compute = DTYPES[d.teacher_dtype].itemsize, 4 if cfg.runtime.precision == "fp32" else 2
     # at the loss: the student's logits, the teacher's, and five fp32 [B, T, V] tensors alive together of the six it makes
     # (cross-entropy's log-softmax, the teacher's and the student's at the temperature, the teacher's probabilities,
     # their difference, its product); checked against MemTracker below
