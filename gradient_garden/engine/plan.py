@@ -171,6 +171,8 @@ def reference_bytes(cfg: GlobalConfig) -> dict:
     held = (t == "dpo" and cfg.dpo.reference == "copy") or (t == "rl" and cfg.rl.beta > 0)
     return dict(reference=4 * parameter_counts(cfg)["total"] if held else 0)
 
+
+# %% ../../nbs/46_plan.ipynb #5ebf56ce
 @functools.lru_cache(maxsize=8)
 def teacher_size(name_or_path: str) -> dict | None:
     "A Hugging Face teacher's parameters, output rows, layers and width, from its local config on the meta device; None if not local."
@@ -193,6 +195,8 @@ def distillation_bytes(cfg: GlobalConfig) -> dict:
     logits = t.micro_batch_size * t.seq_len * (m.vocab_size * (compute + 5 * 4) + size["vocab"] * teacher_bytes)
     return dict(teacher=size["parameters"] * teacher_bytes, distill_logits=logits)
 
+
+# %% ../../nbs/46_plan.ipynb #0e5624f4
 def unsharded_gradient_bytes(cfg: GlobalConfig, parallel: str, world: int, shard: int) -> float:
     "Bytes of unsharded fp32 gradients FSDP2 keeps beyond its shards while accumulating under `no_sync` (else 0)."
     if parallel not in ("fsdp2", "hsdp") or shard < 2 or cfg.runtime.fsdp_accumulation != "no_sync": return 0
