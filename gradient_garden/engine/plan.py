@@ -25,10 +25,10 @@ from ..runtime import DTYPES, resolve_precision
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
            'STAGE_PLAN_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
-           'activation_bytes', 'muon_plan', 'rollout_bytes', 'reference_bytes', 'teacher_size', 'distillation_bytes',
-           'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu',
-           'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory',
-           'check_fit']
+           'activation_bytes', 'muon_plan', 'compute_bytes', 'rollout_rows', 'rollout_bytes', 'reference_bytes',
+           'teacher_size', 'distillation_bytes', 'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens',
+           'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message',
+           'format_plan', 'device_memory', 'check_fit']
 
 # %% ../../nbs/46_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -154,13 +154,21 @@ def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard
                            shard, replicate, m.ns_steps, ns_bytes)
 
 # %% ../../nbs/46_plan.ipynb #98728560
+def compute_bytes(cfg: GlobalConfig) -> int:
+    "Bytes of an element in the run's compute dtype: 4 in fp32, else 2 (bf16 / fp16 autocast)."
+    return 4 if cfg.runtime.precision == "fp32" else 2
+
+def rollout_rows(cfg: GlobalConfig, world: int = 1) -> int:
+    "Rows a rank's rl rollouts decode together: its prompts x G, the rows of its update."
+    return cfg.training.micro_batch_size * grad_accum_steps(cfg, world)
+
 def rollout_bytes(cfg: GlobalConfig, world: int = 1) -> dict:
     "Per-rank bytes of the rl stage's rollouts: a round's KV caches and logits (0 for other stages)."
     m, t, rl = cfg.model, cfg.training, cfg.rl
     if t.stage != "rl": return dict(rollouts=0)
-    rows = t.micro_batch_size * grad_accum_steps(cfg, world)      # this rank's prompts x G, decoded together
+    rows = rollout_rows(cfg, world)
     length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
-    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * (4 if cfg.runtime.precision == "fp32" else 2)
+    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * compute_bytes(cfg)
     cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
     logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
     return dict(rollouts=cache + logits)
@@ -188,7 +196,7 @@ def distillation_bytes(cfg: GlobalConfig) -> dict:
     d, t, m = cfg.distillation, cfg.training, cfg.model
     size = teacher_size(str(d.teacher)) if d.enabled and d.teacher else None
     if size is None: return dict(teacher=0, distill_logits=0)
-    teacher_bytes, compute = DTYPES[d.teacher_dtype].itemsize, 4 if cfg.runtime.precision == "fp32" else 2
+    teacher_bytes, compute = DTYPES[d.teacher_dtype].itemsize, compute_bytes(cfg)
     # at the loss: the student's logits, the teacher's, and five fp32 [B, T, V] tensors alive together of the six it makes
     # (cross-entropy's log-softmax, the teacher's and the student's at the temperature, the teacher's probabilities,
     # their difference, its product); checked against MemTracker below
@@ -209,7 +217,7 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
     if parallel not in PARALLELISMS: raise ConfigError(f"parallel: got {parallel!r}; expected one of {', '.join(PARALLELISMS)}")
     c, t = parameter_counts(cfg), cfg.training
     shard = {"single": 1, "ddp": 1, "fsdp2": world, "hsdp": shard_size or world}[parallel]
-    compute = 4 if cfg.runtime.precision == "fp32" else 2
+    compute = compute_bytes(cfg)
     block = trace_block(cfg.model, t.micro_batch_size, t.seq_len, cfg.runtime.precision)
     copies = cfg.model.n_layers * block["weight_copies"] if cfg.runtime.activation_checkpointing == "none" else 0
     out = dict(parameters=4 * c["total"] / shard, gradients=4 * c["trainable"] / shard,
@@ -434,7 +442,7 @@ def _rollout_lines(p: Plan) -> list[str]:
     "What an rl step samples before its update, and what the time line leaves out; none for other stages."
     t, rl = p.cfg.training, p.cfg.rl
     if t.stage != "rl": return []
-    rows = t.micro_batch_size * grad_accum_steps(p.cfg, p.world)
+    rows = rollout_rows(p.cfg, p.world)
     return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded together, up to "
             f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
             f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
