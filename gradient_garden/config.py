@@ -235,6 +235,11 @@ class RLConfig:
     epsilon_high: float = 0.2
     beta: float = 0.0                        # k3 KL to the starting model
     entropy_coef: float = 0.0                # entropy bonus: the loss minus this x the mean token entropy (TRL's entropy_coef)
+    use_adaptive_entropy: bool = False       # Skywork-OR1's control: entropy_coef (the start) steps by entropy_coef_delta toward entropy_target
+    entropy_target: float = 0.2              # the bonus applies while the last step's entropy is at or below this (nats)
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
     num_iterations: int = 1                  # optimizer steps per batch of rollouts (mu)
     sampling_rounds: int = 1                 # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
     task_focus: float = 0.0                  # 0: every prompt of the stream; > 0: a task's prompts are kept as often as its groups' rewards differ, at least this often
@@ -527,8 +532,10 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     rl = cfg.rl
     if rl.group_size < 2:
         raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of one prompt)")
-    for k in ("epsilon_low", "epsilon_high", "beta", "entropy_coef"):
+    for k in ("epsilon_low", "epsilon_high", "beta", "entropy_coef", "entropy_target", "entropy_coef_delta", "entropy_coef_min"):
         if getattr(rl, k) < 0: raise ConfigError(f"rl.{k}: got {getattr(rl, k)}; must be >= 0")
+    if rl.entropy_coef_max < rl.entropy_coef_min:
+        raise ConfigError(f"rl.entropy_coef_max: got {rl.entropy_coef_max}; must be >= rl.entropy_coef_min = {rl.entropy_coef_min}")
     for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
     _positive("rl.eval_k", rl.eval_k, allow_zero=True)
     if rl.temperature <= 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be > 0 (greedy answers to one prompt are all equal, so no group would teach anything)")
@@ -666,7 +673,7 @@ def load_recipe(path, overrides: list[str] | None = None) -> Recipe:
     return Recipe(raw["name"], raw.get("description", ""), cfg, data, str(path))
 
 # %% ../nbs/00_config.ipynb #e7303721
-STAGE_FLAGS = ("pretraining", "instruct", "dpo")
+STAGE_FLAGS = ("pretraining", "instruct", "dpo", "rl")
 
 def load_config(recipe=None, config=None, overrides: list[str] | None = None, stage: str | None = None,
                 world_size: int | None = None) -> tuple[GlobalConfig, Optional[Recipe]]:

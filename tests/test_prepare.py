@@ -361,6 +361,15 @@ def test_cli_two_stage_flags_is_a_usage_error():
         add_prepare_args(argparse.ArgumentParser()).parse_args(["--pretraining", "--dpo"])
 
 
+def test_cli_rl_flag_prepares_the_embedded_prompts(tmp_path, tok):
+    "`gg prepare --rl` (no recipe): the embedded verifiable prompts, train and held-out, where the rl stage reads them."
+    from gradient_garden.tasks.rl import read_prompts
+    assert cli("--rl", "--set", f"tokenizer.path={tok.path}", f"paths.datasets={tmp_path}") == 0
+    folders = sorted({f.parent for f in (tmp_path / "rl").rglob("prompts.jsonl")})
+    assert folders and all(read_prompts(f) for f in folders)
+    assert {e.kind for f in folders for e in read_prompts(f)} == {"verifiable"}
+
+
 def test_cli_missing_hook_is_an_error(monkeypatch, tok):
     monkeypatch.setitem(CP.STAGE_HOOKS, "dpo", "gradient_garden.data.no_such_module:prepare_dpo")
     assert error_of(cli, "--dpo", "--set", f"tokenizer.path={tok.path}") == (

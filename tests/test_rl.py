@@ -13,18 +13,26 @@ from gradient_garden.tasks.rl import (RL_LOSSES, RLExample, RLTask, Rewarder, ca
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
 
-def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len, entropies=None, entropy_coef=0.0):
-    "TRL's `_compute_loss` on given per-token log-probs and entropies (its model forward replaced by them; the rest is TRL's code)."
+def trl_trainer(loss_type, beta, eps_low, eps_high, max_len, entropy_coef=0.0, adaptive: dict | None = None):
+    "A `GRPOTrainer` with only what `_compute_loss` reads (`adaptive`: TRL's adaptive entropy settings, control on)."
     t = trl_grpo.GRPOTrainer.__new__(trl_grpo.GRPOTrainer)
     acc = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x, gather=lambda x: x,
                           gather_for_metrics=lambda x: x)
+    t.__dict__.update(top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
+                      args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1, **(adaptive or {})),
+                      loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
+                      vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
+                      max_completion_length=max_len, accelerator=acc, entropy_coef=entropy_coef,
+                      _entropy_bonus_enabled=entropy_coef != 0.0 or adaptive is not None, use_adaptive_entropy=adaptive is not None,
+                      _last_world_entropy=float("inf"), _entropy_window_stats=None, aux_loss_enabled=False,
+                      _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, model=SimpleNamespace(training=True))
+    return t
+
+
+def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len, entropies=None, entropy_coef=0.0, t=None):
+    "TRL's `_compute_loss` on given per-token log-probs and entropies (its model forward replaced by them; the rest is TRL's code)."
+    t = t or trl_trainer(loss_type, beta, eps_low, eps_high, max_len, entropy_coef)
     d = t.__dict__
-    d.update(top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-             args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1), loss_type=loss_type,
-             epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False, vllm_importance_sampling_correction=False,
-             current_gradient_accumulation_steps=1, max_completion_length=max_len, accelerator=acc,
-             _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef, use_adaptive_entropy=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-             model=SimpleNamespace(training=True))
     ents = torch.zeros_like(logps) if entropies is None else entropies
     d["_get_per_token_logps_and_entropies"] = lambda *a, **k: (logps, ents, None)
     B, T = logps.shape
@@ -76,6 +84,37 @@ def test_entropy_bonus_equals_trl(loss_type):
     assert abs(ours.item() - theirs.item()) < 1e-6
     assert (ours_lp.grad - trl_lp.grad).abs().max().item() < 1e-6
     assert (ours_ent.grad - trl_ent.grad).abs().max().item() < 1e-7 and ours_ent.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("loss_type", RL_LOSSES)
+def test_adaptive_entropy_equals_trl(loss_type):
+    """rl.use_adaptive_entropy: over steps whose entropy crosses the target both ways and hits both bounds, the applied
+    bonus (loss and gradient) and the coefficient equal TRL's `use_adaptive_entropy` control, step by step."""
+    from gradient_garden.tasks.rl import EntropyControl, entropy_sum
+    g = torch.Generator().manual_seed(3)
+    B, T = 8, 10
+    mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
+    base = torch.randn(B, T, generator=g) * 0.5 - 1.5
+    old = base + torch.randn(B, T, generator=g) * 0.3
+    adv = group_advantages(torch.tensor([1., 0, 1, 1, 0, 0, 1, 0]), 4)[0]
+    settings = dict(entropy_target=0.5, entropy_coef_delta=0.02, entropy_coef_min=0.0, entropy_coef_max=0.05)
+    t = trl_trainer(loss_type, 0.0, 0.2, 0.28, T, entropy_coef=0.01, adaptive=settings)
+    ctl = EntropyControl(0.01, *settings.values())
+    coefs = []
+    for level in [0.9, 0.3, 0.2, 0.1, 0.2, 0.9, 1.2, 0.3, 0.8, 1.0, 1.1, 0.2]:
+        ent0 = torch.rand(B, T, generator=g) * 2 * level
+        ours_lp, trl_lp, ours_ent, trl_ent = (x.clone().requires_grad_() for x in (base, base, ent0, ent0))
+        s, n = loss_parts(token_losses(ours_lp, old, adv, 0.2, 0.28)[0], mask, loss_type, T)
+        ours = (s - ctl.applied() * entropy_sum(ours_ent, mask, n)) / n
+        ctl.update(((ent0 * mask).sum() / mask.sum()).item())
+        theirs = trl_loss(loss_type, trl_lp, old, None, adv, mask, 0.0, 0.2, 0.28, T, trl_ent, t=t)
+        ours.backward(); theirs.backward()
+        assert abs(ours.item() - theirs.item()) < 1e-6
+        assert (ours_lp.grad - trl_lp.grad).abs().max().item() < 1e-6
+        assert (ours_ent.grad - trl_ent.grad).abs().max().item() < 1e-7
+        assert abs(ctl.coef - t.entropy_coef) < 1e-12 and ctl.last == t._last_world_entropy
+        coefs.append(round(ctl.coef, 3))
+    assert 0.05 in coefs and 0.0 in coefs and len(set(coefs)) >= 4, coefs    # both bounds reached, several levels between
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
@@ -218,24 +257,26 @@ def _fixed_loader(rank, world, seed=0):
     tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
                           render_chat=lambda msgs, add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
     exs = [RLExample("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
-    rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8)
+    rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8, use_adaptive_entropy=True, entropy_target=0.5, entropy_coef_delta=0.05)
     loader = RolloutLoader(model, tok, exs, rl, None, 32, 32 // world // 2, 2, rank, world, seed=3)
     def sample(idx):
         outs = [[10 + (i * 7 + g * 3) % 50] * (1 + (i + g) % 5) + [2] for i in idx for g in range(4)]
-        return outs, [True] * len(outs), 0.0
+        return outs, [True] * len(outs), 0.0, torch.tensor([0.3 * len(o) for o in outs], dtype=torch.float64)
     loader._sample = sample
     loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0), "total": float(len(text) % 3 == 0)}
     return model, loader, RLTask(rl)
 
 
-def _step_sums(model, loader, task):
-    "Summed loss, count and gradient of one step's micro-batches on this rank."
+def _step_sums(model, loader, task, steps=2):
+    """Summed loss, count and gradient of `steps` steps' micro-batches on this rank (no update between them). The sampled
+    entropy is 0.3 a token, under the adaptive control's target: the second step's loss has the bonus, 0.05."""
     total, count = 0.0, 0.0
-    for _ in range(2):
+    for _ in range(2 * steps):
         b = loader.next_batch()
         s, _ = task.loss(model, b)
         s.backward()
         total, count = total + s.item(), count + float(task.count(b))
+    assert b["entropy_coef"] == 0.05
     return torch.tensor([total, count]), model.output.weight.grad.clone()
 
 

@@ -67,18 +67,23 @@ def last_weights(out: Path) -> dict:
 ROLLOUT_FIGURES = ("reward_mean", "reward_std", "zero_std_groups", "completion_len", "entropy", "clip_fraction", "loss")
 
 
+ADAPTIVE = {"rl.use_adaptive_entropy": "true", "rl.entropy_target": 100.0, "rl.entropy_coef_delta": 0.01}
+
+
 def test_resume_is_bit_exact_weights_and_rollouts(rl_inputs, tmp_path):
-    "Resumed from its step-2 checkpoint, the run samples the same rollouts and ends with the same weights, bit for bit."
+    """Resumed from its step-2 checkpoint, the run samples the same rollouts and ends with the same weights, bit for bit;
+    the adaptive entropy control (on here, its target above any entropy) continues where it stood."""
     from gradient_garden.engine.checkpoints import load_checkpoint
     full, resumed = tmp_path/"full", tmp_path/"resumed"
-    train(small(rl_inputs, full))
+    train(small(rl_inputs, full, **ADAPTIVE))
     ckpt = full/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt"
     assert ckpt.is_file()
-    train(small(rl_inputs, resumed), checkpoint=ckpt)
+    train(small(rl_inputs, resumed, **ADAPTIVE), checkpoint=ckpt)
     a, b = records(full), records(resumed)
     assert sorted(b) == [3, 4]
     for s in b:
-        for k in ROLLOUT_FIGURES: assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+        for k in ROLLOUT_FIGURES + ("entropy_coef",): assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+    assert [round(a[s]["entropy_coef"], 6) for s in (1, 2, 3, 4)] == [0, 0.01, 0.02, 0.03]
     wa, wb = last_weights(full), last_weights(resumed)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], v) for k, v in load_checkpoint(ckpt)["model"].items())   # steps 3-4 changed them

@@ -7,7 +7,7 @@ flags, config resolution, the choice of data section, and the lines it prints.""
 from __future__ import annotations
 import argparse, contextlib, fcntl, importlib, os, resource, socket, sys
 from pathlib import Path
-from ..config import ConfigError, GlobalConfig, apply_overrides, load_config
+from ..config import ConfigError, GlobalConfig, STAGE_FLAGS, apply_overrides, load_config
 from ..tokenizer import ensure_tokenizer
 from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_file_data,
                                           parse_pretraining_data, prepare_pretraining, tokenizer_texts)
@@ -52,7 +52,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--recipe", help="recipe YAML (config + data); defines the stage")
     parser.add_argument("--config", help="config YAML (instead of a recipe)")
     stage = parser.add_mutually_exclusive_group()
-    for s in ("pretraining", "instruct", "dpo"):
+    for s in STAGE_FLAGS:
         stage.add_argument(f"--{s}", dest="stage", action="store_const", const=s, help=f"prepare {s} data (not with --recipe)")
     parser.add_argument("--mix-file", help="JSON data section to use instead of the recipe's or the default mix")
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
@@ -125,7 +125,7 @@ def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> in
 
 # %% ../../nbs/51_cli_prepare.ipynb #08f10431
 def prepare_other_stage(args, cfg: GlobalConfig, data: dict | None, data_overrides: list) -> int:
-    "`gg prepare --instruct/--dpo`: the shared tokenizer first, then the stage's hook."
+    "`gg prepare --instruct/--dpo/--rl`: the shared tokenizer first, then the stage's hook."
     if data_overrides: data = apply_overrides({"data": data or {}}, data_overrides)["data"]
     default = parse_pretraining_data(DEFAULT_PRETRAINING_DATA)
     ensure_tokenizer(cfg.tokenizer, lambda: tokenizer_texts(default), vocab_size=cfg.model.vocab_size)

@@ -26,10 +26,11 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IGNORE_INDEX', 'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts',
-           'entropy_sum', 'expand_groups', 'cut_at_stop', 'keep_rows', 'group_rollouts', 'collate_rollouts',
-           'completion_logps', 'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups', 'TaskFocus',
-           'position_coin', 'heldout_hits', 'summarize_hits', 'heldout_examples_for', 'evaluate_generative', 'RLTask',
-           'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
+           'entropy_sum', 'expand_groups', 'cut_at_stop', 'keep_rows', 'token_entropy', 'group_rollouts',
+           'collate_rollouts', 'completion_logps', 'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups',
+           'TaskFocus', 'position_coin', 'EntropyControl', 'heldout_hits', 'summarize_hits', 'heldout_examples_for',
+           'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start',
+           'ReferenceModel', 'rl_dir', 'build_rl']
 
 # %% ../../nbs/35_rl.ipynb #d47c15b5
 RL_LOSSES = ("grpo", "dr_grpo", "dapo")
@@ -101,12 +102,19 @@ def keep_rows(cache, keep: torch.Tensor, *rows: torch.Tensor) -> tuple:
     cache.batch_size = len(keep)
     return (cache, *(t.index_select(0, keep) for t in rows))
 
+# %% ../../nbs/35_rl.ipynb #184962e5
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    "Entropy `[B]` (float64) of each row's next-token distribution, softmax(logits / temperature)."
+    logp = (logits.float() / temperature).log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1).double()
+
 # %% ../../nbs/35_rl.ipynb #974438ac
 @torch.no_grad()
 def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: Optional[int] = None, stop_ids=(), pad_id: int = 0,
-                   generator: Optional[torch.Generator] = None, lockstep: bool = False) -> tuple[list[list[int]], list[bool]]:
-    "`group_size` completions per prompt (prompt i's at rows i*G..i*G+G-1), each with its stop token; and which stopped."
+                   generator: Optional[torch.Generator] = None, lockstep: bool = False,
+                   entropies: Optional[torch.Tensor] = None) -> tuple[list[list[int]], list[bool]]:
+    "`group_size` completions per prompt (prompt i's at rows i*G..i*G+G-1), each with its stop token; and which stopped (`entropies`, `[P x G]`: each row's summed token entropy at `temperature` is added)."
     device, P, L = next(model.parameters()).device, len(prompts), max(len(p) for p in prompts)
     budget = min(max_new_tokens, model.cfg.max_seq_len - L)
     total = L + budget
@@ -128,6 +136,7 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
                 if fast: logits = decode_step(model, tokens[:, pos - 1:pos], cache, pos - 1, mask)
                 else: logits = model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)[:, -1]
             nxt = sample_next(logits.float(), temperature, top_p, top_k, generator)
+            if entropies is not None: entropies.index_add_(0, rows, token_entropy(logits, temperature).masked_fill(done, 0))
             tokens[:, pos] = nxt
             if padded: real[:, pos] = True
             out[rows, step] = torch.where(done, pad_id, nxt)
@@ -200,6 +209,7 @@ class RolloutLoader:
         self.epoch, self.cursor, self.round = 0, 0, 0
         self.focus = TaskFocus([e.task for e in self.examples], rl.task_focus) if rl.task_focus else None   # below
         self.skipped = 0
+        self.control = EntropyControl.from_rl(rl) if rl.use_adaptive_entropy else None   # below
         self.buffer, self.pos, self.passes_left = [], 0, 0
         self.stop_ids = sorted({t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None} |
                                {tokenizer.encode(s)[0] for s in rl.stop if tokenizer.encode(s)})
@@ -213,20 +223,22 @@ class RolloutLoader:
 # %% ../../nbs/35_rl.ipynb #0b3ae876
 @patch
 def _sample(self: RolloutLoader, idx: list[int]) -> tuple:
-    "Completions of prompts `idx` (G each) from the current weights, which of them stopped, and the seconds it took."
+    "Completions of prompts `idx` (G each) from the current weights, which of them stopped, the seconds it took, and each row's summed token entropy (adaptive entropy control only)."
     model, rl = _plain_module(self.model), self.rl
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(int(np.random.SeedSequence([self.seed, self.round, self.rank]).generate_state(1)[0]))
     was = model.training
     model.eval()
+    ent = torch.zeros(len(idx) * rl.group_size, dtype=torch.float64, device=dev)
     t0 = time.perf_counter()
     try:
         with autocast_context(dev, self.precision):
             outs, stopped = group_rollouts(model, [self.prompt_ids[i] for i in idx], rl.group_size, rl.max_new_tokens,
                                            rl.temperature, rl.top_p, rl.top_k, self.stop_ids, self.pad_id, gen,
-                                           lockstep=is_fsdp(self.model) and self.world_size > 1)
+                                           lockstep=is_fsdp(self.model) and self.world_size > 1,
+                                           entropies=ent if self.control is not None else None)
     finally: model.train(was)
-    return outs, stopped, time.perf_counter() - t0
+    return outs, stopped, time.perf_counter() - t0, ent.cpu()
 
 @patch
 def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tuple[torch.Tensor, dict]:
@@ -284,15 +296,16 @@ def differs(rewards: torch.Tensor) -> bool:
 # %% ../../nbs/35_rl.ipynb #5650dbe6
 @patch
 def _sample_groups(self: RolloutLoader) -> tuple:
-    "Groups `(prompt, completions, stopped, rewards)` of up to `rl.sampling_rounds` rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose rewards differ."
+    "Groups `(prompt, completions, stopped, rewards, entropies)` of up to `rl.sampling_rounds` rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose rewards differ."
     G, P, groups, parts, secs = self.rl.group_size, self.prompts_per_rank, [], {}, 0.0
     for n in range(1, self.rl.sampling_rounds + 1):
         idx = self._next_prompts()
-        outs, stopped, s = self._sample(idx)
+        outs, stopped, s, ent = self._sample(idx)
         rewards, p = self._score(idx, outs, stopped)
         self.round, secs = self.round + 1, secs + s
         parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
-        new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+        new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G], ent[j * G:(j + 1) * G])
+               for j, i in enumerate(idx)]
         if self.focus is not None: self.focus.update(all_reduce(self.focus.counts(self.examples, new)))
         groups += new
         good = sum(differs(g[3]) for g in groups)
@@ -335,10 +348,11 @@ def _rollout_round(self: RolloutLoader):
     outs, stopped = [o for g in chosen for o in g[1]], torch.tensor([s for g in chosen for s in g[2]])
     keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G)
     rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
+    coef = self._control_entropy(chosen, outs, keep) if self.control is not None else {}
     self.buffer = []
     for s in range(0, len(rows), self.micro):
         b = collate_rollouts(rows[s:s + self.micro], outs[s:s + self.micro], self.seq_len, self.pad_id)
-        b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "stats": stats}
+        b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "stats": stats | coef} | coef
         self.buffer.append(self._extra_logps(b))
     self.pos, self.passes_left = 0, rl.num_iterations
 
@@ -358,7 +372,8 @@ def state_dict(self: RolloutLoader) -> dict:
     return dict(kind="rl", stream="global", epoch=self.epoch, cursor=self.cursor, round=self.round, seed=self.seed,
                 rank=self.rank, world_size=self.world_size, n_prompts=len(self.examples), group_size=self.rl.group_size,
                 pos=self.pos, passes_left=self.passes_left, buffer=self.buffer if self.passes_left else [],
-                skipped=self.skipped, focus=None if self.focus is None else dict(self.focus.rate)) | (
+                skipped=self.skipped, focus=None if self.focus is None else dict(self.focus.rate),
+                entropy_control=None if self.control is None else self.control.state_dict()) | (
                 {"reference": {k: v.detach().cpu() for k, v in self.reference.model.state_dict().items()}} if self.reference is not None else {})
 
 @patch
@@ -374,6 +389,7 @@ def load_state_dict(self: RolloutLoader, d: dict):
     self.pos, self.passes_left, self.buffer = int(d.get("pos", 0)), int(d.get("passes_left", 0)), list(d.get("buffer", []))
     self.skipped = int(d.get("skipped", 0))
     if self.focus is not None and d.get("focus"): self.focus.rate = {t: float(d["focus"].get(t, 1.0)) for t in self.focus.tasks}
+    if self.control is not None and d.get("entropy_control"): self.control.load_state_dict(d["entropy_control"])
     if self.reference is not None and d.get("reference"): self.reference.model.load_state_dict(d["reference"])
 
 # %% ../../nbs/35_rl.ipynb #8252104b
@@ -419,6 +435,40 @@ def _focused_prompts(self: RolloutLoader) -> list[int]:
         self.cursor += 1
         if self.cursor == len(self.examples): self.epoch, self.cursor = self.epoch + 1, 0
     return mine
+
+# %% ../../nbs/35_rl.ipynb #1fcf5aca
+class EntropyControl:
+    "The adaptive entropy coefficient (Skywork-OR1; TRL's `use_adaptive_entropy`): stepped toward `target` after each step, applied while at or below it."
+    def __init__(self, coef: float, target: float, delta: float, lo: float = 0.0, hi: float = 1.0):
+        self.coef, self.target, self.delta, self.lo, self.hi = coef, target, delta, lo, hi
+        self.last = math.inf                      # no measurement yet: the first step applies no bonus
+
+    @classmethod
+    def from_rl(cls, rl) -> "EntropyControl":
+        return cls(rl.entropy_coef, rl.entropy_target, rl.entropy_coef_delta, rl.entropy_coef_min, rl.entropy_coef_max)
+
+    def applied(self) -> float:
+        "The coefficient this step's loss uses."
+        return self.coef if self.last <= self.target else 0.0
+
+    def update(self, entropy: float):
+        "Fold in a step's mean token entropy."
+        self.coef = min(self.coef + self.delta, self.hi) if entropy <= self.target else max(self.coef - self.delta, self.lo)
+        self.last = entropy
+
+    def state_dict(self) -> dict: return {"coef": self.coef, "last": None if math.isinf(self.last) else self.last}
+    def load_state_dict(self, d: dict): self.coef, self.last = float(d["coef"]), math.inf if d["last"] is None else float(d["last"])
+
+# %% ../../nbs/35_rl.ipynb #4cde3842
+@patch
+def _control_entropy(self: RolloutLoader, chosen: list, outs: list, keep: torch.Tensor) -> dict:
+    "This step's coefficient, then the controller fed the mean token entropy of every rank's trained completions."
+    coef = self.control.applied()
+    ent = torch.cat([g[4] for g in chosen]) * keep
+    tokens = torch.tensor([len(o) for o in outs], dtype=torch.float64) * keep
+    s = all_reduce(torch.stack([ent.sum(), tokens.sum()]))
+    self.control.update((s[0] / s[1].clamp(min=1)).item())
+    return {"entropy_coef": coef}
 
 # %% ../../nbs/35_rl.ipynb #814ea3b2
 @torch.no_grad()
@@ -516,7 +566,8 @@ def loss(self: RLTask, model, batch: dict):
     "Summed loss of a rollout micro-batch and its count-weighted metrics (or a held-out batch's misses)."
     if "heldout" in batch: return self._heldout(model, batch)
     rl, mask = self.rl, self._mask(batch)
-    logps, ent = completion_logps(model, batch, entropy_grad=rl.entropy_coef > 0, temperature=rl.temperature)
+    coef = batch.get("entropy_coef", rl.entropy_coef)   # the adaptive control's coefficient for this step, if on
+    logps, ent = completion_logps(model, batch, entropy_grad=coef > 0, temperature=rl.temperature)
     old = batch.get("old_logps")
     old = logps.detach() if old is None else old.to(logps)
     ref = batch.get("ref_logps")
@@ -524,7 +575,7 @@ def loss(self: RLTask, model, batch: dict):
                                         rl.beta, None if ref is None else ref.to(logps))
     loss_sum, _ = loss_parts(per_token, mask, rl.loss_type, rl.max_new_tokens)
     count = self.count(batch)
-    if rl.entropy_coef: loss_sum = loss_sum - rl.entropy_coef * entropy_sum(ent, mask, count)
+    if coef: loss_sum = loss_sum - coef * entropy_sum(ent, mask, count)
     ent, w, m = ent.detach(), count.double(), mask.double()
     tokens = m.sum().clamp(min=1)
     a = batch["advantages"].to(logps)[:, None]
