@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 # %% auto #0
-__all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'all_reduce',
-           'barrier', 'broadcast_object', 'all_gather_objects', 'is_fsdp', 'fsync_dir', 'atomic_file',
+__all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'reduce_device',
+           'all_reduce', 'barrier', 'broadcast_object', 'all_gather_objects', 'is_fsdp', 'fsync_dir', 'atomic_file',
            'write_bytes_atomic', 'write_text_atomic', 'write_json_atomic', 'torch_save_atomic', 'atomic_dir']
 
 # %% ../nbs/01_runtime.ipynb #6a146fc2
@@ -66,13 +66,20 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=parse_dtype(precision, "runtime.precision"))
 
 # %% ../nbs/01_runtime.ipynb #3b309ed8
+def reduce_device(device: torch.device, backend: str) -> torch.device:
+    "Where a tensor on `device` can be all-reduced by `backend`: NCCL alone has no CPU collectives, so host tensors go to the current GPU."
+    if device.type == "cpu" and backend == "nccl": return torch.device("cuda", torch.cuda.current_device())
+    return device
+
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     "All-reduce `t` in place across ranks (`sum`, `max` or `mean`); identity without a process group."
     if dist.is_initialized() and dist.get_world_size() > 1:
+        x = t.to(reduce_device(t.device, dist.get_backend()))   # the same tensor unless it must move
         if op == "mean":
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            t /= dist.get_world_size()
-        else: dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            x /= dist.get_world_size()
+        else: dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        if x is not t: t.copy_(x)
     return t
 
 # %% ../nbs/01_runtime.ipynb #1a28e08b
