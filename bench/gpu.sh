@@ -11,6 +11,7 @@
 #                   validation, a checkpoint), tokens/s from its metrics.jsonl
 #   decode          KV-cache decoding at batch 1 and 32
 #   attention       the causal SDPA kernel forward + backward, and packed documents on flex_attention vs SDPA
+#   rl_124m         RL steps of the rl stage's loader and loss (rollouts on our KV cache, then the update), 124M shape
 #
 # Every leg's MFU is tokens/s x FLOPs/token / (peak x ranks) against both peaks, computed once in `summary`.
 # Budget: under 8 minutes on one H100/H200, install included.
@@ -53,13 +54,14 @@ NGPU=1
 [ -z "$SMOKE" ] && NGPU=$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
 [ -n "$SMOKE" ] && NGPU=2   # two gloo ranks on the CPU
 L="$PY bench/gpu_legs.py"
-if [ -n "$SMOKE" ]; then leg single 240 $L "$OUT" peak train_124m train_400m decode attention $SMOKE
+if [ -n "$SMOKE" ]; then leg single 240 $L "$OUT" peak train_124m train_400m decode attention rl_124m $SMOKE
 else
   leg peak 60 $L "$OUT" peak
   leg train_124m 120 $L "$OUT" train_124m
   leg train_400m 150 $L "$OUT" train_400m
   leg decode 60 $L "$OUT" decode
   leg attention 90 $L "$OUT" attention
+  leg rl_124m 90 $L "$OUT" rl_124m
 fi
 leg fsdp2_124m 120 $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" bench/gpu_legs.py "$OUT" fsdp2_124m $SMOKE
 leg gg_train_124m 180 $L "$OUT" gg_train_124m $SMOKE

@@ -178,7 +178,46 @@ def leg_attention() -> dict:
     return res
 
 
-LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention"]
+def leg_rl() -> dict:
+    """RL steps of the rl stage's own loader and loss at the 124M shape (random weights, plain prompts, bf16 autocast):
+    32 prompts x G 8 sampled with the KV cache up to 64 new tokens, rewarded, then one AdamW step over the 256 rows.
+    `tokens_per_s` / `flops_per_token` are the update's (its MFU); rollouts are reported apart, as the stage logs them."""
+    from types import SimpleNamespace
+    from gradient_garden.config import RLConfig
+    from gradient_garden.models.tendril import build_model, flops_per_token
+    from gradient_garden.runtime import autocast_context
+    from gradient_garden.tasks.rl import RLExample, RLTask, RolloutLoader
+    cfg = config("recipes/pretraining/tendril-124m.yaml")
+    P, G, M, seq, steps = (4, 4, 8, 32, 2) if SMOKE else (32, 8, 64, 128, 3)
+    precision = "fp32" if SMOKE else "bf16"
+    torch.manual_seed(0)
+    model = build_model(cfg.model).to(device())
+    tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s, bos=False: [1] * bos + [3 + ord(c) % 500 for c in s],
+                          decode=lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    exs = [RLExample("custom", "bench", "Q " + "w" * (i % 7) + f" {i}", "") for i in range(P * (steps + 1))]
+    rl = RLConfig(group_size=G, loss_type="dapo", temperature=1.0, max_new_tokens=M, plain_prompts=True)
+    loader = RolloutLoader(model, tok, exs, rl, lambda ex, text, stopped: {"total": float(text.count("a") % 2)}, seq, P * G, 1,
+                           seed=0, precision=precision)
+    task, opt = RLTask(rl), torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times, rollout, new_tokens, update_tokens = [], [], 0, 0
+    for step in range(steps + 1):
+        sync(); t0 = time.perf_counter()
+        b = loader.next_batch(); sync(); t1 = time.perf_counter()
+        b = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in b.items()}
+        with autocast_context(device(), precision): loss_sum, _ = task.loss(model, b)
+        (loss_sum / task.count(b).to(loss_sum.device)).backward()
+        opt.step(); opt.zero_grad(set_to_none=True); sync()
+        if step:
+            times.append(time.perf_counter() - t0); rollout.append(t1 - t0)
+            new_tokens += int((b["labels"] != -100).sum()); update_tokens += b["input_ids"].numel()
+    step_s, roll_s = sum(times), sum(rollout)
+    return dict(prompts=P, group=G, max_new_tokens=M, ranks=1, steps=steps, completions_per_s=P * G * steps / step_s,
+                rollout_share=round(roll_s / step_s, 3), rollout_tokens_per_s=new_tokens / roll_s,
+                tokens_per_s=update_tokens / (step_s - roll_s), flops_per_token=flops_per_token(cfg.model, seq),
+                step_s=round(statistics.median(times), 4))
+
+
+LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention", "rl_124m"]
 
 def summary(out_dir: Path) -> dict:
     "Every leg's JSON (or its error) in one object; MFU = tokens/s x FLOPs/token / (peak x ranks), for both peaks."
@@ -207,7 +246,7 @@ def run_leg(leg: str, out: Path) -> dict:
         if leg in ("train_124m", "train_400m", "fsdp2_124m"):
             return leg_step(f"recipes/pretraining/tendril-{leg.split('_')[-1]}.yaml", 16)
         if leg == "gg_train_124m": return leg_train("recipes/pretraining/tendril-124m.yaml", out.parent)
-        return {"decode": leg_decode, "attention": leg_attention}[leg]()
+        return {"decode": leg_decode, "attention": leg_attention, "rl_124m": leg_rl}[leg]()
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
 

@@ -3,7 +3,7 @@ cannot rot between GPU sessions: one JSON line, every leg present and none faile
 import json, os, subprocess, sys
 from conftest import ROOT
 
-LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention"]
+LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention", "rl_124m"]
 
 def test_gpu_bench_smoke_has_every_leg():
     r = subprocess.run(["bash", "bench/gpu.sh", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -22,3 +22,5 @@ def test_gpu_bench_smoke_has_every_leg():
     assert res["fsdp2_124m"]["fsdp2"] and res["fsdp2_124m"]["backend"] == "gloo" and res["fsdp2_124m"]["ranks"] == 2
     g = res["gg_train_124m"]
     assert g["checkpoint"] and g["val_loss"] is not None and g["steps"] == 6, g
+    r = res["rl_124m"]   # the rl stage's own loader and loss: rollouts and the update both timed
+    assert r["completions_per_s"] > 0 and 0 < r["rollout_share"] < 1 and r["rollout_tokens_per_s"] > 0, r

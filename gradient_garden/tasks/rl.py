@@ -636,7 +636,7 @@ def prepare_rl(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenize
 def read_prompts(folder) -> list[RLExample]:
     "The examples `prepare_rl` wrote in `folder`, or one line saying how to prepare them."
     f = Path(folder)/"prompts.jsonl"
-    if not f.is_file(): raise ConfigError(f"paths.datasets: no prepared RL prompts in {Path(folder)}; run `gg prepare --recipe recipes/rl/debug.yaml` (or your RL recipe) first")
+    if not f.is_file(): raise ConfigError(f"paths.datasets: no prepared RL prompts in {Path(folder)}; run `gg prepare --recipe recipes/rl/debug.yaml` (or your RL recipe, or `gg prepare --rl` for the embedded prompts) first")
     return [RLExample(**json.loads(l)) for l in f.read_text().splitlines() if l.strip()]
 
 # %% ../../nbs/35_rl.ipynb #ab45d731
