@@ -569,7 +569,9 @@ def _check_stages(cfg: GlobalConfig, world_size: int):
         raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
     _positive("dpo.beta", cfg.dpo.beta)
     _check_rl(cfg, world_size)
-    for p in ["every", "steps"]: _positive(f"validation.{p}", getattr(cfg.validation, p))
+    for p in ["every", "steps"]:
+        if getattr(cfg.validation, p) <= 0:   # not 0 = never, as generation.every: one switch turns it off
+            raise ConfigError(f"validation.{p}: got {getattr(cfg.validation, p)!r}; must be > 0 (validation.enabled: false turns validation off)")
     _positive("checkpointing.every", c.every, allow_zero=True)
 
 # %% ../nbs/00_config.ipynb #e0ed6f79
