@@ -322,3 +322,75 @@ def test_sampling_settings_out_of_range_are_one_line(setting, message):
                                     "rl": setting})
     with pytest.raises(ConfigError, match=message) as e: validate(cfg)
     _one_line(e)
+
+
+# -- off-policy guidance (LUFFY): reference rows in the group ----------------------------------------------------------
+def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high):
+    "LUFFY's mixed objective written out row by row: the sampled rows' mean and std (1 where they agree) as the baseline, clipped ratios on sampled rows, -A p/(p+gamma) (or -A log p) on reference rows, the mean over every token."
+    import math
+    total, tokens = 0.0, 0
+    for g0 in range(0, len(rewards), G):
+        sampled = rewards[g0:g0 + G - k]
+        mean = sum(sampled) / len(sampled)
+        std = math.sqrt(sum((x - mean) ** 2 for x in sampled) / (len(sampled) - 1))
+        for j in range(G):
+            row = g0 + j
+            a = 0.0 if (std == 0 and j < G - k) else (rewards[row] - mean) / ((std if std else 1.0) + 1e-4)
+            for t in range(logps.shape[1]):
+                if not mask[row, t]: continue
+                if j >= G - k and kind == "log_likelihood": total = total - a * logps[row, t]
+                elif j >= G - k:
+                    p = logps[row, t].exp()
+                    total = total - a * p / (p + gamma)
+                else:
+                    r = (logps[row, t] - old[row, t]).exp()
+                    total = total - torch.min(r * a, r.clamp(1 - eps_low, 1 + eps_high) * a)
+                tokens += 1
+    return total / tokens
+
+
+@pytest.mark.parametrize("kind,gamma", [("shaped", 0.1), ("shaped", 0.5), ("log_likelihood", 0.1)])
+def test_guided_loss_equals_luffy_written_out(kind, gamma):
+    "rl.off_policy_rows: advantages, the shaped unclipped term on reference rows and the clipped one on sampled rows (dapo), loss and gradient."
+    from gradient_garden.tasks.rl import with_references
+    g = torch.Generator().manual_seed(4)
+    G, k, B, T = 4, 1, 12, 6
+    rewards = [0., 0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1]          # samples all fail / differ / all right (and the reference too)
+    mask = torch.arange(T)[None] < torch.tensor([6, 1, 3, 4, 6, 2, 5, 3, 2, 6, 4, 5])[:, None]
+    base = (torch.randn(B, T, generator=g, dtype=torch.float64) * 0.8 - 1.2).clamp(max=-0.01)
+    old = base + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    adv, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, n_off=k)
+    off = (torch.arange(G) >= G - k).repeat(B // G)
+    rl = RLConfig(group_size=G, off_policy_rows=k, off_policy_loss=kind, off_policy_shaping=gamma)
+    ours_lp, plain_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
+    per_token, ratio, kl = token_losses(ours_lp, old, adv, 0.2, 0.28)
+    per_token, ratio = with_references(per_token, ratio, kl, ours_lp, adv, off, rl)
+    s, n = loss_parts(per_token, mask, "dapo", T)
+    ours, plain = s / n, _luffy_plain(rewards, plain_lp, old, mask, G, k, kind, gamma, 0.2, 0.28)
+    ours.backward(); plain.backward()
+    assert abs(ours.item() - plain.item()) < 1e-12
+    assert (ours_lp.grad - plain_lp.grad).abs().max().item() < 1e-12
+    assert ours_lp.grad[3].abs().sum() > 0 and (ours_lp.grad[:3] == 0).all()   # failed samples: only the reference teaches
+    assert (ours_lp.grad[8:] == 0).all()                                        # all right, reference too: nothing
+    assert (ratio[off] == 1).all()
+
+
+def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp_path):
+    "A GSM8K row's reference completion is its whole worked answer as the assistant turn; the numeric verifier accepts it."
+    from gradient_garden.tasks.rl import reference_completion
+    tok = SimpleNamespace(eot_id=2, eos_id=3, encode=lambda s: [ord(c) for c in s], decode=lambda ids: "".join(chr(i) for i in ids),
+                          render_chat=lambda msgs, add_generation_prompt=False: (
+                              [1, 9] + [ord(c) for c in msgs[0]["content"]] + [2, 9] + [ord(c) for c in msgs[1]["content"]] + [2],
+                              [0, 0] + [0] * len(msgs[0]["content"]) + [0, 0] + [1] * (len(msgs[1]["content"]) + 1)))
+    ex = RLExample("gsm8k", "gsm8k", "Tom has 3 apples and buys 4 more. How many?", "3 + 4 = <<3+4=7>>7\n#### 7")
+    ref = reference_completion(tok, ex)
+    assert ref[-1] == 2 and tok.decode(ref[:-1]) == ex.answer
+    assert Rewarder()(ex, tok.decode(ref[:-1]), True)["correct"] == 1.0
+    assert reference_completion(tok, ex, plain=True) == [ord(c) for c in ex.answer] + [3]
+
+
+@pytest.mark.parametrize("setting,message", [({"group_size": 4, "off_policy_rows": 3}, r"rl.off_policy_rows: got 3; must be in \[0, rl.group_size - 2 = 2\]"),
+                                             ({"off_policy_shaping": 0.0}, r"rl.off_policy_shaping: got 0.0; must be > 0")])
+def test_guidance_settings_out_of_range_are_one_line(setting, message):
+    with pytest.raises(ConfigError, match=message) as e: validate(from_plain(GlobalConfig, {"rl": setting}))
+    _one_line(e)

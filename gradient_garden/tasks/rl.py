@@ -28,24 +28,26 @@ from fastcore.basics import patch
 __all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IGNORE_INDEX', 'CHAT_STAGES', 'group_advantages', 'token_losses', 'loss_parts',
            'entropy_sum', 'expand_groups', 'cut_at_stop', 'keep_rows', 'token_entropy', 'group_rollouts',
            'collate_rollouts', 'completion_logps', 'encode_prompt', 'RolloutLoader', 'differs', 'choose_groups',
-           'TaskFocus', 'position_coin', 'EntropyControl', 'heldout_hits', 'summarize_hits', 'heldout_examples_for',
-           'evaluate_generative', 'RLTask', 'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start',
-           'ReferenceModel', 'rl_dir', 'build_rl']
+           'TaskFocus', 'position_coin', 'EntropyControl', 'reference_completion', 'reference_losses',
+           'with_references', 'heldout_hits', 'summarize_hits', 'heldout_examples_for', 'evaluate_generative', 'RLTask',
+           'HeldoutLoader', 'prepare_rl', 'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
 
 # %% ../../nbs/35_rl.ipynb #d47c15b5
 RL_LOSSES = ("grpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     batch_std: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    "Advantages `[N]` of rewards `[N]` (groups of `group_size` in a row), and which rows are in a zero-variance group."
+                     batch_std: Optional[torch.Tensor] = None, n_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    "Advantages `[N]` of rewards `[N]` (groups of `group_size` in a row; the last `n_off` of each are off-policy and take the sampled rows' baseline), and which rows are in a zero-variance group."
     r = rewards.view(-1, group_size).double()
-    centred = r - r.mean(1, keepdim=True)
-    std = r.std(1, keepdim=True)                               # Bessel's correction, as TRL's `nanstd`
+    sampled = r[:, :group_size - n_off]
+    centred = r - sampled.mean(1, keepdim=True)
+    std = sampled.std(1, keepdim=True)                         # Bessel's correction, as TRL's `nanstd`
     zero = std == 0
-    if scale == "group": centred = centred / (std + 1e-4)
-    elif scale == "batch": centred = centred / ((rewards.double().std() if batch_std is None else batch_std) + 1e-4)
-    adv = torch.where(zero, 0.0, centred)                      # exactly zero, whatever the rounding of the mean
+    if scale == "group": centred = centred / (torch.where(zero, 1.0, std) + 1e-4)   # 1 where the sampled rows agree (LUFFY)
+    elif scale == "batch": centred = centred / ((sampled.std() if batch_std is None else batch_std) + 1e-4)
+    on = torch.arange(group_size) < group_size - n_off
+    adv = torch.where(zero & on, 0.0, centred)                 # exactly zero, whatever the rounding of the mean
     return adv.flatten().to(rewards.dtype), zero.expand_as(r).flatten()
 
 # %% ../../nbs/35_rl.ipynb #49feb90b
@@ -223,33 +225,36 @@ class RolloutLoader:
 # %% ../../nbs/35_rl.ipynb #0b3ae876
 @patch
 def _sample(self: RolloutLoader, idx: list[int]) -> tuple:
-    "Completions of prompts `idx` (G each) from the current weights, which of them stopped, the seconds it took, and each row's summed token entropy (adaptive entropy control only)."
+    "Completions of prompts `idx` (G each: `rl.off_policy_rows` of them the reference answer) from the current weights, which of them stopped, the seconds it took, and each row's summed token entropy (adaptive entropy control only)."
     model, rl = _plain_module(self.model), self.rl
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(int(np.random.SeedSequence([self.seed, self.round, self.rank]).generate_state(1)[0]))
     was = model.training
     model.eval()
-    ent = torch.zeros(len(idx) * rl.group_size, dtype=torch.float64, device=dev)
+    n_sampled = rl.group_size - rl.off_policy_rows
+    ent = torch.zeros(len(idx) * n_sampled, dtype=torch.float64, device=dev)
     t0 = time.perf_counter()
     try:
         with autocast_context(dev, self.precision):
-            outs, stopped = group_rollouts(model, [self.prompt_ids[i] for i in idx], rl.group_size, rl.max_new_tokens,
+            outs, stopped = group_rollouts(model, [self.prompt_ids[i] for i in idx], n_sampled, rl.max_new_tokens,
                                            rl.temperature, rl.top_p, rl.top_k, self.stop_ids, self.pad_id, gen,
                                            lockstep=is_fsdp(self.model) and self.world_size > 1,
                                            entropies=ent if self.control is not None else None)
     finally: model.train(was)
-    return outs, stopped, time.perf_counter() - t0, ent.cpu()
+    secs = time.perf_counter() - t0
+    if rl.off_policy_rows: outs, stopped, ent = self._add_references(idx, outs, stopped, ent)   # below
+    return outs, stopped, secs, ent.cpu()
 
 @patch
 def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tuple[torch.Tensor, dict]:
     "Rewards `[N]` of the completions and the mean of each reward part."
-    stop_set, rewards, parts = set(self.stop_ids), [], {}
+    stop_set, rewards, parts, G = set(self.stop_ids), [], {}, self.rl.group_size
     for j, (o, s) in enumerate(zip(outs, stopped)):
         text = self.tok.decode([t for t in o if t not in stop_set])
-        r = self.rewarder(self.examples[idx[j // self.rl.group_size]], text, s)
+        r = self.rewarder(self.examples[idx[j // G]], text, s)
         rewards.append(r["total"])
         for k, v in r.items():
-            if k != "total": parts[k] = parts.get(k, 0.0) + v
+            if k != "total" and j % G < G - self.rl.off_policy_rows: parts[k] = parts.get(k, 0.0) + v   # the sampled rows' parts
     return torch.tensor(rewards, dtype=torch.float32), parts
 
 # %% ../../nbs/35_rl.ipynb #af806801
@@ -296,8 +301,9 @@ def differs(rewards: torch.Tensor) -> bool:
 # %% ../../nbs/35_rl.ipynb #5650dbe6
 @patch
 def _sample_groups(self: RolloutLoader) -> tuple:
-    "Groups `(prompt, completions, stopped, rewards, entropies)` of up to `rl.sampling_rounds` rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose rewards differ."
+    "Groups `(prompt, completions, stopped, rewards, entropies)` of up to `rl.sampling_rounds` rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose sampled rows' rewards differ."
     G, P, groups, parts, secs = self.rl.group_size, self.prompts_per_rank, [], {}, 0.0
+    S = G - self.rl.off_policy_rows                                  # the sampled rows judge a group
     for n in range(1, self.rl.sampling_rounds + 1):
         idx = self._next_prompts()
         outs, stopped, s, ent = self._sample(idx)
@@ -306,19 +312,19 @@ def _sample_groups(self: RolloutLoader) -> tuple:
         parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
         new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G], ent[j * G:(j + 1) * G])
                for j, i in enumerate(idx)]
-        if self.focus is not None: self.focus.update(all_reduce(self.focus.counts(self.examples, new)))
+        if self.focus is not None: self.focus.update(all_reduce(self.focus.counts(self.examples, [g[:3] + (g[3][:S],) for g in new])))
         groups += new
-        good = sum(differs(g[3]) for g in groups)
+        good = sum(differs(g[3][:S]) for g in groups)
         short, found = all_reduce(torch.tensor([max(P - good, 0), good], dtype=torch.float64)).tolist()
         if short == 0: break
     return groups, parts, secs, n, found > 0
 
 # %% ../../nbs/35_rl.ipynb #aba3b2c1
-def choose_groups(groups: list, n: int, rounds: int) -> tuple[list, list[bool]]:
-    "The step's `n` groups and which are fillers: all in order for one round, else differing ones first, then equal ones."
+def choose_groups(groups: list, n: int, rounds: int, n_sampled: Optional[int] = None) -> tuple[list, list[bool]]:
+    "The step's `n` groups and which are fillers: all in order for one round, else differing ones (judged on the first `n_sampled` rows) first, then equal ones."
     if rounds == 1: return groups[:n], [False] * len(groups[:n])
-    good = [g for g in groups if differs(g[3])][:n]
-    rest = [g for g in groups if not differs(g[3])][:n - len(good)]
+    good = [g for g in groups if differs(g[3][:n_sampled])][:n]
+    rest = [g for g in groups if not differs(g[3][:n_sampled])][:n - len(good)]
     return good + rest, [False] * len(good) + [True] * len(rest)
 
 # %% ../../nbs/35_rl.ipynb #d1f6f6ab
@@ -334,25 +340,30 @@ def _batch_std(self: RolloutLoader, rewards: torch.Tensor) -> torch.Tensor:
 def _rollout_round(self: RolloutLoader):
     "Sample, score and choose this rank's groups of the next step; fill `buffer` with the step's micro-batches."
     rl, G = self.rl, self.rl.group_size
-    skipped = self.skipped
+    S, skipped = G - rl.off_policy_rows, self.skipped                 # S sampled rows per group; the figures are theirs
     groups, parts, secs, rounds, found = self._sample_groups()
-    chosen, filler = choose_groups(groups, self.prompts_per_rank, rl.sampling_rounds)
+    chosen, filler = choose_groups(groups, self.prompts_per_rank, rl.sampling_rounds, S)
     rewards = torch.cat([g[3] for g in chosen])
-    adv, _ = group_advantages(rewards, G, rl.scale_rewards, self._batch_std(rewards) if rl.scale_rewards == "batch" else None)
-    every = torch.cat([g[3] for g in groups])
-    stats = _global_stats(every, group_advantages(every, G)[1], torch.tensor([len(o) for g in groups for o in g[1]]),
-                          torch.tensor([s for g in groups for s in g[2]]), parts, secs, G) | {"sampling_rounds": rounds}
+    bstd = self._batch_std(rewards.view(-1, G)[:, :S]) if rl.scale_rewards == "batch" else None
+    adv, _ = group_advantages(rewards, G, rl.scale_rewards, bstd, rl.off_policy_rows)
+    every = torch.cat([g[3][:S] for g in groups])
+    stats = _global_stats(every, group_advantages(every, S)[1], torch.tensor([len(o) for g in groups for o in g[1][:S]]),
+                          torch.tensor([s for g in groups for s in g[2][:S]]), parts, secs, S) | {"sampling_rounds": rounds}
+    if rl.off_policy_rows: stats |= self._reference_stats(groups)   # below
     if self.focus is not None:
         skipped = self.skipped - skipped
         stats["skipped_prompts"] = skipped / (skipped + rounds * self.prompts_per_rank * self.world_size)
     outs, stopped = [o for g in chosen for o in g[1]], torch.tensor([s for g in chosen for s in g[2]])
-    keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G)
+    off = (torch.arange(G) >= S).repeat(len(chosen))                  # the reference rows
+    fill = torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G) & ~off   # a filler's reference rows stay
+    keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~fill
     rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
-    coef = self._control_entropy(chosen, outs, keep) if self.control is not None else {}
+    coef = self._control_entropy(chosen, outs, keep & ~off) if self.control is not None else {}
     self.buffer = []
     for s in range(0, len(rows), self.micro):
         b = collate_rollouts(rows[s:s + self.micro], outs[s:s + self.micro], self.seq_len, self.pad_id)
         b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "stats": stats | coef} | coef
+        if rl.off_policy_rows: b["off_policy"] = off[s:s + self.micro]
         self.buffer.append(self._extra_logps(b))
     self.pos, self.passes_left = 0, rl.num_iterations
 
@@ -470,6 +481,53 @@ def _control_entropy(self: RolloutLoader, chosen: list, outs: list, keep: torch.
     self.control.update((s[0] / s[1].clamp(min=1)).item())
     return {"entropy_coef": coef}
 
+# %% ../../nbs/35_rl.ipynb #b5326bd4
+def reference_completion(tokenizer, example: RLExample, plain: bool = False) -> list[int]:
+    "The example's answer as completion ids: the assistant turn's supervised tokens (content and `<|eot_id|>`), or (plain) its text and EOS."
+    if plain: return tokenizer.encode(example.answer) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    ids, supervised = tokenizer.render_chat([{"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.answer}])
+    return [t for t, m in zip(ids, supervised) if m]
+
+# %% ../../nbs/35_rl.ipynb #6f0d9ca6
+@patch
+def _reference(self: RolloutLoader, i: int) -> list[int]:
+    "Prompt `i`'s reference completion (computed once)."
+    if not hasattr(self, "_references"): self._references = {}
+    if i not in self._references: self._references[i] = reference_completion(self.tok, self.examples[i], self.rl.plain_prompts)
+    return self._references[i]
+
+@patch
+def _add_references(self: RolloutLoader, idx: list[int], outs: list, stopped: list, ent: torch.Tensor) -> tuple:
+    "Each prompt's sampled rows followed by `rl.off_policy_rows` copies of its reference completion (cut at `rl.max_new_tokens`)."
+    k, n = self.rl.off_policy_rows, self.rl.group_size - self.rl.off_policy_rows
+    o, s = [], []
+    for j, i in enumerate(idx):
+        ref = self._reference(i)
+        o += outs[j * n:(j + 1) * n] + [ref[:self.rl.max_new_tokens]] * k
+        s += stopped[j * n:(j + 1) * n] + [len(ref) <= self.rl.max_new_tokens] * k
+    return o, s, F.pad(ent.view(-1, n), (0, k)).flatten()
+
+@patch
+def _reference_stats(self: RolloutLoader, groups: list) -> dict:
+    "The mean reward of every rank's reference rows."
+    r = torch.cat([g[3][self.rl.group_size - self.rl.off_policy_rows:] for g in groups]).double()
+    s = all_reduce(torch.stack([r.sum(), torch.tensor(float(r.numel()), dtype=torch.float64)]))
+    return {"reference_reward": (s[0] / s[1]).item()}
+
+# %% ../../nbs/35_rl.ipynb #cc229232
+def reference_losses(logps: torch.Tensor, advantages: torch.Tensor, loss: str = "shaped", shaping: float = 0.1) -> torch.Tensor:
+    "Per-token losses `[B, T]` of reference rows: minus the advantage times the shaped probability p / (p + shaping), or (log_likelihood) times log p."
+    if loss == "log_likelihood": return -logps * advantages[:, None]
+    p = logps.exp()
+    return -(p / (p + shaping)) * advantages[:, None]
+
+def with_references(per_token: torch.Tensor, ratio: torch.Tensor, kl, logps: torch.Tensor, advantages: torch.Tensor,
+                    off: torch.Tensor, rl) -> tuple:
+    "Per-token losses and ratios with the reference rows' (`off`) swapped for the shaped term (and the KL when beta > 0); their ratio is 1: nothing to clip."
+    off = off.to(logps.device)[:, None]
+    shaped = reference_losses(logps, advantages, rl.off_policy_loss, rl.off_policy_shaping) + (0.0 if kl is None else rl.beta * kl)
+    return torch.where(off, shaped, per_token), ratio.masked_fill(off, 1.0)
+
 # %% ../../nbs/35_rl.ipynb #814ea3b2
 @torch.no_grad()
 def heldout_hits(model, tokenizer, examples: list[RLExample], k: int = 4, max_new_tokens: int = 24,
@@ -571,14 +629,15 @@ def loss(self: RLTask, model, batch: dict):
     old = batch.get("old_logps")
     old = logps.detach() if old is None else old.to(logps)
     ref = batch.get("ref_logps")
-    per_token, ratio, kl = token_losses(logps, old, batch["advantages"].to(logps), rl.epsilon_low, rl.epsilon_high,
-                                        rl.beta, None if ref is None else ref.to(logps))
+    adv = batch["advantages"].to(logps)
+    per_token, ratio, kl = token_losses(logps, old, adv, rl.epsilon_low, rl.epsilon_high, rl.beta, None if ref is None else ref.to(logps))
+    if "off_policy" in batch: per_token, ratio = with_references(per_token, ratio, kl, logps, adv, batch["off_policy"], rl)
     loss_sum, _ = loss_parts(per_token, mask, rl.loss_type, rl.max_new_tokens)
     count = self.count(batch)
     if coef: loss_sum = loss_sum - coef * entropy_sum(ent, mask, count)
     ent, w, m = ent.detach(), count.double(), mask.double()
     tokens = m.sum().clamp(min=1)
-    a = batch["advantages"].to(logps)[:, None]
+    a = adv[:, None]
     clipped = ((ratio < 1 - rl.epsilon_low) & (a < 0)) | ((ratio > 1 + rl.epsilon_high) & (a > 0))
     metrics = {"entropy": (ent.double() * m).sum() / tokens * w, "clip_fraction": (clipped.double() * m).sum() / tokens * w}
     if kl is not None: metrics["kl"] = (kl.detach().double() * m).sum() / tokens * w
