@@ -244,8 +244,10 @@ class RLConfig:
     sampling_rounds: int = 1                 # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
     task_focus: float = 0.0                  # 0: every prompt of the stream; > 0: a task's prompts are kept as often as its groups' rewards differ, at least this often
     off_policy_rows: int = 0                 # of a group's G rows, this many are the prompt's reference answer (LUFFY's off-policy guidance); 0: all sampled
+    off_policy_prompts: Literal["own", "failed"] = "own"   # whose references: the group's own prompt (LUFFY), or prompts whose samples all failed (ReLIFT)
     off_policy_loss: Literal["shaped", "log_likelihood"] = "shaped"   # reference rows: -A p / (p + gamma) (LUFFY's policy shaping), or -A log p
     off_policy_shaping: float = 0.1          # gamma of the shaped probability
+    off_policy_weight: float = 1.0           # the reference rows' loss times this (CHORD's weight of the expert term); 1: as LUFFY
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Optional[int] = None
@@ -546,6 +548,7 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     if not 0 <= rl.off_policy_rows <= rl.group_size - 2:
         raise ConfigError(f"rl.off_policy_rows: got {rl.off_policy_rows}; must be in [0, rl.group_size - 2 = {rl.group_size - 2}] (the baseline needs two sampled rows)")
     if rl.off_policy_shaping <= 0: raise ConfigError(f"rl.off_policy_shaping: got {rl.off_policy_shaping}; must be > 0 (p / (p + gamma))")
+    if not rl.off_policy_weight >= 0: raise ConfigError(f"rl.off_policy_weight: got {rl.off_policy_weight}; must be >= 0 (the reference rows' loss weight)")
     if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")
     if cfg.training.stage != "rl": return
     t = cfg.training

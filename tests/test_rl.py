@@ -325,8 +325,8 @@ def test_sampling_settings_out_of_range_are_one_line(setting, message):
 
 
 # -- off-policy guidance (LUFFY): reference rows in the group ----------------------------------------------------------
-def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high):
-    "LUFFY's mixed objective written out row by row: the sampled rows' mean and std (1 where they agree) as the baseline, clipped ratios on sampled rows, -A p/(p+gamma) (or -A log p) on reference rows, the mean over every token."
+def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high, weight=1.0):
+    "LUFFY's mixed objective written out row by row: the sampled rows' mean and std (1 where they agree) as the baseline, clipped ratios on sampled rows, -w A p/(p+gamma) (or -w A log p) on reference rows, the mean over every token."
     import math
     total, tokens = 0.0, 0
     for g0 in range(0, len(rewards), G):
@@ -338,10 +338,10 @@ def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high
             a = 0.0 if (std == 0 and j < G - k) else (rewards[row] - mean) / ((std if std else 1.0) + 1e-4)
             for t in range(logps.shape[1]):
                 if not mask[row, t]: continue
-                if j >= G - k and kind == "log_likelihood": total = total - a * logps[row, t]
+                if j >= G - k and kind == "log_likelihood": total = total - weight * a * logps[row, t]
                 elif j >= G - k:
                     p = logps[row, t].exp()
-                    total = total - a * p / (p + gamma)
+                    total = total - weight * a * p / (p + gamma)
                 else:
                     r = (logps[row, t] - old[row, t]).exp()
                     total = total - torch.min(r * a, r.clamp(1 - eps_low, 1 + eps_high) * a)
@@ -349,8 +349,8 @@ def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high
     return total / tokens
 
 
-@pytest.mark.parametrize("kind,gamma", [("shaped", 0.1), ("shaped", 0.5), ("log_likelihood", 0.1)])
-def test_guided_loss_equals_luffy_written_out(kind, gamma):
+@pytest.mark.parametrize("kind,gamma,weight", [("shaped", 0.1, 1.0), ("shaped", 0.5, 1.0), ("log_likelihood", 0.1, 1.0), ("log_likelihood", 0.1, 6.0)])
+def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
     "rl.off_policy_rows: advantages, the shaped unclipped term on reference rows and the clipped one on sampled rows (dapo), loss and gradient."
     from gradient_garden.tasks.rl import with_references
     g = torch.Generator().manual_seed(4)
@@ -361,12 +361,12 @@ def test_guided_loss_equals_luffy_written_out(kind, gamma):
     old = base + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
     adv, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, n_off=k)
     off = (torch.arange(G) >= G - k).repeat(B // G)
-    rl = RLConfig(group_size=G, off_policy_rows=k, off_policy_loss=kind, off_policy_shaping=gamma)
+    rl = RLConfig(group_size=G, off_policy_rows=k, off_policy_loss=kind, off_policy_shaping=gamma, off_policy_weight=weight)
     ours_lp, plain_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
     per_token, ratio, kl = token_losses(ours_lp, old, adv, 0.2, 0.28)
     per_token, ratio = with_references(per_token, ratio, kl, ours_lp, adv, off, rl)
     s, n = loss_parts(per_token, mask, "dapo", T)
-    ours, plain = s / n, _luffy_plain(rewards, plain_lp, old, mask, G, k, kind, gamma, 0.2, 0.28)
+    ours, plain = s / n, _luffy_plain(rewards, plain_lp, old, mask, G, k, kind, gamma, 0.2, 0.28, weight)
     ours.backward(); plain.backward()
     assert abs(ours.item() - plain.item()) < 1e-12
     assert (ours_lp.grad - plain_lp.grad).abs().max().item() < 1e-12
@@ -390,7 +390,18 @@ def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp
 
 
 @pytest.mark.parametrize("setting,message", [({"group_size": 4, "off_policy_rows": 3}, r"rl.off_policy_rows: got 3; must be in \[0, rl.group_size - 2 = 2\]"),
-                                             ({"off_policy_shaping": 0.0}, r"rl.off_policy_shaping: got 0.0; must be > 0")])
+                                             ({"off_policy_shaping": 0.0}, r"rl.off_policy_shaping: got 0.0; must be > 0"),
+                                             ({"off_policy_weight": -1.0}, r"rl.off_policy_weight: got -1.0; must be >= 0")])
 def test_guidance_settings_out_of_range_are_one_line(setting, message):
     with pytest.raises(ConfigError, match=message) as e: validate(from_plain(GlobalConfig, {"rl": setting}))
     _one_line(e)
+
+
+def test_failure_stack_is_in_the_loader_state_and_loads_weights_only(tmp_path):
+    "rl.off_policy_prompts: failed: the stack of failed prompts survives a checkpoint (weights_only=True) and a resume."
+    _, loader, _ = _fixed_loader(0, 1)
+    loader.failed = [(3, 1.0), (5, 1.1)]
+    torch.save(loader.state_dict(), tmp_path/"state.pt")
+    _, again, _ = _fixed_loader(0, 1)
+    again.load_state_dict(torch.load(tmp_path/"state.pt", weights_only=True))
+    assert again.failed == [(3, 1.0), (5, 1.1)]

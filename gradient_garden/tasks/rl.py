@@ -210,7 +210,7 @@ class RolloutLoader:
         self.prompts_per_rank = rows // rl.group_size
         self.epoch, self.cursor, self.round = 0, 0, 0
         self.focus = TaskFocus([e.task for e in self.examples], rl.task_focus) if rl.task_focus else None   # below
-        self.skipped = 0
+        self.skipped, self.failed = 0, []     # prompts whose samples all failed, and their references' advantages
         self.control = EntropyControl.from_rl(rl) if rl.use_adaptive_entropy else None   # below
         self.buffer, self.pos, self.passes_left = [], 0, 0
         self.stop_ids = sorted({t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None} |
@@ -314,6 +314,7 @@ def _sample_groups(self: RolloutLoader) -> tuple:
                for j, i in enumerate(idx)]
         if self.focus is not None: self.focus.update(all_reduce(self.focus.counts(self.examples, [g[:3] + (g[3][:S],) for g in new])))
         groups += new
+        if self.rl.off_policy_prompts == "failed": self._note_failures(new)   # below
         good = sum(differs(g[3][:S]) for g in groups)
         short, found = all_reduce(torch.tensor([max(P - good, 0), good], dtype=torch.float64)).tolist()
         if short == 0: break
@@ -354,10 +355,11 @@ def _rollout_round(self: RolloutLoader):
         skipped = self.skipped - skipped
         stats["skipped_prompts"] = skipped / (skipped + rounds * self.prompts_per_rank * self.world_size)
     outs, stopped = [o for g in chosen for o in g[1]], torch.tensor([s for g in chosen for s in g[2]])
+    rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
+    if rl.off_policy_prompts == "failed": self._swap_in_failures(len(chosen), rows, outs, stopped, adv, bstd)   # below
     off = (torch.arange(G) >= S).repeat(len(chosen))                  # the reference rows
     fill = torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G) & ~off   # a filler's reference rows stay
     keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~fill
-    rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
     coef = self._control_entropy(chosen, outs, keep & ~off) if self.control is not None else {}
     self.buffer = []
     for s in range(0, len(rows), self.micro):
@@ -383,7 +385,7 @@ def state_dict(self: RolloutLoader) -> dict:
     return dict(kind="rl", stream="global", epoch=self.epoch, cursor=self.cursor, round=self.round, seed=self.seed,
                 rank=self.rank, world_size=self.world_size, n_prompts=len(self.examples), group_size=self.rl.group_size,
                 pos=self.pos, passes_left=self.passes_left, buffer=self.buffer if self.passes_left else [],
-                skipped=self.skipped, focus=None if self.focus is None else dict(self.focus.rate),
+                skipped=self.skipped, failed=[list(f) for f in self.failed], focus=None if self.focus is None else dict(self.focus.rate),
                 entropy_control=None if self.control is None else self.control.state_dict()) | (
                 {"reference": {k: v.detach().cpu() for k, v in self.reference.model.state_dict().items()}} if self.reference is not None else {})
 
@@ -398,7 +400,7 @@ def load_state_dict(self: RolloutLoader, d: dict):
         raise ConfigError(f"loader state: saved in the middle of a rollout batch on {d.get('world_size')} ranks; resume on as many (or with --reset-loader)")
     self.epoch, self.cursor, self.round = int(d["epoch"]), int(d["cursor"]), int(d["round"])
     self.pos, self.passes_left, self.buffer = int(d.get("pos", 0)), int(d.get("passes_left", 0)), list(d.get("buffer", []))
-    self.skipped = int(d.get("skipped", 0))
+    self.skipped, self.failed = int(d.get("skipped", 0)), [(int(i), float(a)) for i, a in d.get("failed", [])]
     if self.focus is not None and d.get("focus"): self.focus.rate = {t: float(d["focus"].get(t, 1.0)) for t in self.focus.tasks}
     if self.control is not None and d.get("entropy_control"): self.control.load_state_dict(d["entropy_control"])
     if self.reference is not None and d.get("reference"): self.reference.model.load_state_dict(d["reference"])
@@ -523,10 +525,32 @@ def reference_losses(logps: torch.Tensor, advantages: torch.Tensor, loss: str = 
 
 def with_references(per_token: torch.Tensor, ratio: torch.Tensor, kl, logps: torch.Tensor, advantages: torch.Tensor,
                     off: torch.Tensor, rl) -> tuple:
-    "Per-token losses and ratios with the reference rows' (`off`) swapped for the shaped term (and the KL when beta > 0); their ratio is 1: nothing to clip."
+    "Per-token losses and ratios with the reference rows' (`off`) swapped for their term, times `rl.off_policy_weight` (and the KL when beta > 0); their ratio is 1: nothing to clip."
     off = off.to(logps.device)[:, None]
-    shaped = reference_losses(logps, advantages, rl.off_policy_loss, rl.off_policy_shaping) + (0.0 if kl is None else rl.beta * kl)
+    shaped = rl.off_policy_weight * reference_losses(logps, advantages, rl.off_policy_loss, rl.off_policy_shaping) + (0.0 if kl is None else rl.beta * kl)
     return torch.where(off, shaped, per_token), ratio.masked_fill(off, 1.0)
+
+# %% ../../nbs/35_rl.ipynb #00cf882f
+@patch
+def _note_failures(self: RolloutLoader, groups: list, limit: int = 4096):
+    "Put each group whose sampled rows all scored below its reference on the stack of failures, with the reference's advantage."
+    S = self.rl.group_size - self.rl.off_policy_rows
+    for g in groups:
+        if not differs(g[3][:S]) and g[3][S] > g[3][0]: self.failed.append((g[0], float(g[3][S] - g[3][0])))
+    del self.failed[:-limit]
+
+@patch
+def _swap_in_failures(self: RolloutLoader, n_groups: int, rows: list, outs: list, stopped: torch.Tensor, adv: torch.Tensor,
+                      batch_std: Optional[torch.Tensor] = None):
+    "Give the step's reference slots, in place, the references of the newest failures (ReLIFT); slots left over keep the group's own."
+    rl, G = self.rl, self.rl.group_size
+    scale = {"group": 1.0, "batch": float(batch_std) if batch_std is not None else 1.0, "none": None}[rl.scale_rewards]
+    for r in [j * G + c for j in range(n_groups) for c in range(G - rl.off_policy_rows, G)]:
+        if not self.failed: return
+        i, a = self.failed.pop()
+        ref = self._reference(i)
+        rows[r], outs[r], stopped[r] = self.prompt_ids[i], ref[:rl.max_new_tokens], len(ref) <= rl.max_new_tokens
+        adv[r] = a if scale is None else a / (scale + 1e-4)
 
 # %% ../../nbs/35_rl.ipynb #814ea3b2
 @torch.no_grad()
