@@ -182,14 +182,18 @@ def reference_bytes(cfg: GlobalConfig) -> dict:
 
 # %% ../../nbs/46_plan.ipynb #5ebf56ce
 @functools.lru_cache(maxsize=8)
-def teacher_size(name_or_path: str) -> dict | None:
-    "A Hugging Face teacher's parameters, output rows, layers and width, from its local config on the meta device; None if not local."
+def _local_teacher_size(name_or_path: str) -> dict:
+    "`teacher_size`'s count; raises when there is no local config, so the cache keeps only teachers it found."
     from transformers import AutoConfig, AutoModelForCausalLM   # lazy: only a distillation plan needs transformers
-    try: conf = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except (OSError, ValueError): return None
+    conf = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     with torch.device("meta"): teacher = AutoModelForCausalLM.from_config(conf)
     return dict(parameters=sum(p.numel() for p in teacher.parameters()), vocab=teacher.get_output_embeddings().weight.shape[0],
                 layers=conf.num_hidden_layers, dim=conf.hidden_size)
+
+def teacher_size(name_or_path: str) -> dict | None:
+    "A Hugging Face teacher's parameters, output rows, layers and width, from its local config on the meta device; None if not local."
+    try: return _local_teacher_size(name_or_path)
+    except (OSError, ValueError): return None
 
 def distillation_bytes(cfg: GlobalConfig) -> dict:
     "Per-rank bytes of a distillation run's teacher (whole on every rank) and of its full-vocabulary loss; zeros without one."
