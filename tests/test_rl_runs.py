@@ -33,12 +33,13 @@ def rl_inputs(tmp_path_factory):
 
 
 def small(rl_inputs, out: Path, **extra) -> list[str]:
-    """2 layers of 64, plain prompts, G 4, 16 rows per step (4 prompts) in micro-batches of 8, 6 new tokens, fp32 on the
-    CPU, 4 steps, checkpoints every 2 (all kept), validation (held-out exact match) every 2."""
+    """2 layers of 64, plain prompts, G 4 (one row a failed prompt's reference answer, the recipe's guidance scaled
+    down), 16 rows per step (4 prompts) in micro-batches of 8, 6 new tokens, fp32 on the CPU, 4 steps, checkpoints every
+    2 (all kept), validation (held-out exact match) every 2."""
     s = {"paths.runs": out/"runs", "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
          "model.vocab_size": 768, "model.max_seq_len": 64, "training.seq_len": 32, "training.micro_batch_size": 8,
          "training.total_batch_size": 32 * 16, "training.max_steps": 4, "training.log_every": 1, "rl.group_size": 4,
-         "rl.max_new_tokens": 6, "rl.plain_prompts": "true", "rl.temperature": 1.0, "rl.eval_k": 2, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
+         "rl.off_policy_rows": 1, "rl.max_new_tokens": 6, "rl.plain_prompts": "true", "rl.temperature": 1.0, "rl.eval_k": 2, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
          "optimizers.adamw.max_lr": 3e-3, "optimizers.adamw.warmup_steps": 1, "validation.every": 2,
          "checkpointing.every": 2, "checkpointing.keep_last": 10, "runtime.device": "cpu", "runtime.precision": "fp32",
          **extra}
