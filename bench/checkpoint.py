@@ -69,11 +69,11 @@ def release_memory():
 
 def worker(args):
     from gradient_garden.config import RuntimeConfig, load_config
-    from gradient_garden.engine.distributed import init_distributed, parallelize, barrier, all_gather_objects, destroy_distributed
-    from gradient_garden.engine.optim import build_optimizers
-    from gradient_garden.engine.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,
+    from gradient_garden.parallel.distributed import init_distributed, parallelize, barrier, all_gather_objects, destroy_distributed
+    from gradient_garden.train.optim import build_optimizers
+    from gradient_garden.checkpoint.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,
                                                     load_sharded_state)
-    from gradient_garden.engine.trainer import full_state, load_full_state
+    from gradient_garden.train.trainer import full_state, load_full_state
     from gradient_garden.models.tendril import build_model, count_parameters
     torch.set_num_threads(1)
     env = init_distributed(RuntimeConfig(device="cpu"))

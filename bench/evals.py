@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gradient_garden import evals as E
+from gradient_garden.evals import benchmarks as B, multiple_choice as E
 from gradient_garden.config import ModelConfig, TokenizerConfig
 
 
@@ -73,7 +73,7 @@ def main():
     a = ap.parse_args()
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     from lm_eval.models.huggingface import HFLM
-    from gradient_garden.lm_eval_model import GardenLM
+    from gradient_garden.evals.lm_eval import GardenLM
     from gradient_garden.models.hf import export_hf
     device, work = torch.device(a.device), Path(tempfile.mkdtemp())
     tokenizer, tok_name = debug_tokenizer(work)
@@ -96,9 +96,9 @@ def main():
           f"requests); {a.repeats} repeats", file=sys.stderr)
     figures, load_before = {}, os.getloadavg()
     print(f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", file=sys.stderr)
-    for name in E.TASKS:
-        exs = E.load_examples(name)
-        exs = [exs[i] for i in E.sample_indices(len(exs), a.examples, 0)]
+    for name in B.TASKS:
+        exs = B.load_examples(name)
+        exs = [exs[i] for i in B.sample_indices(len(exs), a.examples, 0)]
         ref = modes["lm_eval_hf"](exs)
         diffs = {m: max(abs(x - y) for g, r in zip(modes[m](exs), ref) for x, y in zip(g, r)) for m in modes if m != "lm_eval_hf"}
         times = {m: [] for m in modes}

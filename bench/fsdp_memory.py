@@ -40,8 +40,8 @@ def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
     "Footprint (bytes) of one wrapped model (`ddp`, `fsdp2` or `hsdp`) before its second optimizer step."
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.engine.distributed import parallelize, grad_sync, memory_footprint
-    from gradient_garden.engine.optim import build_optimizers
+    from gradient_garden.parallel.distributed import parallelize, grad_sync, memory_footprint
+    from gradient_garden.train.optim import build_optimizers
     cfg.optimizers.muon.enabled = muon
     torch.manual_seed(0)
     mesh = dict(replicate=args.replicate, shard=env.world_size // args.replicate) if wrapper == "hsdp" else \
@@ -65,7 +65,7 @@ def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
 def worker(args):
     "One rank: measure every (wrapper, optimizer) pair; rank 0 prints all ranks' figures as JSON."
     from gradient_garden.config import RuntimeConfig, load_config
-    from gradient_garden.engine.distributed import init_distributed, all_gather_objects, destroy_distributed
+    from gradient_garden.parallel.distributed import init_distributed, all_gather_objects, destroy_distributed
     from gradient_garden.models.tendril import build_model, count_parameters
     env = init_distributed(RuntimeConfig(device=args.device))
     cfg, _ = load_config(recipe=args.recipe, overrides=args.overrides)

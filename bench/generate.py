@@ -118,7 +118,7 @@ def main(argv=None):
     torch.manual_seed(0)
     model, run_cfg = Tendril(cfg).eval(), None
     if args.checkpoint:   # trained weights: greedy choices are decided by real margins, not random-init ties
-        from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+        from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
         model, run_cfg = load_model_from_checkpoint(args.checkpoint)
         cfg = run_cfg.model
     hf = to_hf_model(model).to(args.device, DTYPES[dtype]).eval()

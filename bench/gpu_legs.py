@@ -47,8 +47,8 @@ def leg_step(recipe: str, micro: int) -> dict:
     "Timed training steps (forward, backward, optimizers) of RECIPE's model on random tokens; FSDP2 under torchrun."
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from gradient_garden.engine.distributed import apply_fsdp, grad_sync
-    from gradient_garden.engine.optim import build_optimizers
+    from gradient_garden.parallel.distributed import apply_fsdp, grad_sync
+    from gradient_garden.train.optim import build_optimizers
     from gradient_garden.models.tendril import build_model, count_parameters, flops_per_token
     cfg = config(recipe, [] if SMOKE else ["runtime.compile=true"])
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))

@@ -33,7 +33,7 @@ def parse_args(argv=None):
 def count_ns_flops(counts: list):
     "Make every Newton-Schulz call of the optimizer module add its counted matmul FLOPs to `counts`."
     from torch.utils.flop_counter import FlopCounterMode
-    import gradient_garden.engine.optim as optim
+    import gradient_garden.train.optim as optim
     inner = optim.zeropower_via_newtonschulz
     def counted(*a, **k):
         with FlopCounterMode(display=False) as fc: out = inner(*a, **k)
@@ -46,8 +46,8 @@ def build(args, layout: str, world: int):
     "The model wrapped for `layout`, after one backward; its hidden matrices."
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.engine.optim import classify_parameters
-    from gradient_garden.engine.distributed import apply_fsdp
+    from gradient_garden.train.optim import classify_parameters
+    from gradient_garden.parallel.distributed import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def build(args, layout: str, world: int):
 
 def time_steps(args, layout, world, counts):
     "Median step seconds and per-rank NS FLOPs of the gathered and the distributed algorithm, alternating."
-    from gradient_garden.engine.optim import Muon, _replica_group
+    from gradient_garden.train.optim import Muon, _replica_group
     wrapped, mats = build(args, layout, world)
     group = _replica_group(wrapped)
     opts = {alg: Muon(mats, lr=0.02, weight_decay=0.0, ns_dtype="fp32", distributed=alg == "distributed",

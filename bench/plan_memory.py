@@ -50,8 +50,8 @@ def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.engine.distributed import DistEnv, parallelize, grad_sync
-    from gradient_garden.engine.optim import build_optimizers
+    from gradient_garden.parallel.distributed import DistEnv, parallelize, grad_sync
+    from gradient_garden.train.optim import build_optimizers
     torch.manual_seed(0)
     model = parallelize(build_model(cfg.model), cfg.runtime, DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world))
     opts = build_optimizers(model, cfg.optimizers, "cpu")
@@ -121,7 +121,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.out = args.out or str(ROOT/"bench"/"results"/("plan_memory.json" if args.accum == 1 else "plan_memory_accum.json"))
-    from gradient_garden.engine.plan import memory_plan, parameter_counts
+    from gradient_garden.train.plan import memory_plan, parameter_counts
     rows = []
     for size in args.sizes.split(","):
         for world in map(int, args.worlds.split(",")):

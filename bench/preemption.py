@@ -18,8 +18,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 HOOK = """
 import json, os, sys
 from pathlib import Path
-from gradient_garden.engine.trainer import Trainer
-from gradient_garden.engine.run import StopRequest
+from gradient_garden.train.trainer import Trainer
+from gradient_garden.train.run import StopRequest
 where, now = Path(sys.argv.pop(1)), {"step": 0}
 real_step, real_handle = Trainer.train_step, StopRequest._handle
 def train_step(self):

@@ -26,7 +26,7 @@ def parse():
 
 
 def setup(args):
-    from gradient_garden.engine.checkpoints import load_checkpoint, base_weights
+    from gradient_garden.checkpoint.checkpoints import load_checkpoint, base_weights
     from gradient_garden.config import GlobalConfig, from_plain
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tokenizer import init_tokenizer

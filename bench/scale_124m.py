@@ -50,7 +50,7 @@ def hf_logits_match(ckpt: Path, out: Path) -> float:
     "Export `ckpt` with `gg export` and return the max |logit difference| between the HF model and ours."
     import torch
     from transformers import AutoModelForCausalLM
-    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
     run([*GG, "export", "--checkpoint", ckpt, "--out", out])
     ours, cfg = load_model_from_checkpoint(ckpt, "cpu", torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     res["export_s"] = time.perf_counter() - t0
     sys.path.insert(0, str(ROOT))
     from gradient_garden.config import load_config
-    from gradient_garden.engine.plan import memory_plan
+    from gradient_garden.train.plan import memory_plan
     cfg, _ = load_config(recipe=ROOT/RECIPE, overrides=overrides(work, work/"full"), world_size=2)
     res["plan_per_rank_mib"] = memory_plan(cfg, "fsdp2", 2, device_type="cpu")["total"]["selective"] / 2**20
     res["tokens_per_s"] = STEPS * 2048 / res["train_2ranks_s"]

@@ -2,7 +2,7 @@
 
 `whole`: every rank builds and initialises the whole fp32 model on its CPU, then FSDP2 shards it (the start before
 the meta device). `meta`: every rank builds the model on the meta device, FSDP2 shards it there, and
-`materialize` gives the rank storage for its own shards only and initialises them block by block (`43_distributed`).
+`materialize` gives the rank storage for its own shards only and initialises them block by block (`21_distributed`).
 Each mode runs in fresh processes; a rank measures its resident set (`VmRSS`) after imports and the process group,
 resets the kernel's high-water mark (`/proc/self/clear_refs`), builds, and reports `VmHWM` minus that baseline: the
 host memory the start itself took (tracemalloc would see none of it: torch allocates outside Python's allocator).
@@ -30,7 +30,7 @@ def _rank(rank, world, init, mode, out):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     from gradient_garden.config import RuntimeConfig, load_recipe
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.engine.distributed import DistEnv, parallelize
+    from gradient_garden.parallel.distributed import DistEnv, parallelize
     cfg = load_recipe(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml").config
     runtime = RuntimeConfig(device="cpu", precision="fp32", fsdp=True)
     env = DistEnv(rank, rank, world, torch.device("cpu"), "gloo", world)

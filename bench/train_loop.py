@@ -17,9 +17,9 @@ rounds' own ratios. Target: trainer >= 0.95 x bare at accumulation 8. Last line:
 import argparse, json, os, statistics, time
 import torch
 from gradient_garden.config import load_config
-from gradient_garden.engine.distributed import DistEnv, resolve_device
-from gradient_garden.engine.optim import build_optimizers
-from gradient_garden.engine.trainer import Trainer
+from gradient_garden.parallel.distributed import DistEnv, resolve_device
+from gradient_garden.train.optim import build_optimizers
+from gradient_garden.train.trainer import Trainer
 from gradient_garden.models.tendril import build_model
 from gradient_garden.tasks.pretraining import CausalLMTask
 from gradient_garden.data.loaders import pretraining_loaders

@@ -36,7 +36,7 @@ class RunConfig:
 class RuntimeConfig:
     "Where and how the computation runs."
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"   # auto: bf16 where the device has fast bf16 (engine.trainer)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"   # auto: bf16 where the device has fast bf16 (train.trainer)
     fsdp: bool = False
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
@@ -44,8 +44,8 @@ class RuntimeConfig:
     num_workers: int = 0        # background threads that prepare (and pin) the next batches
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 42_activation_checkpointing
-    fsdp_accumulation: Literal["reduce_scatter", "no_sync"] = "reduce_scatter"  # FSDP2 micro-steps; see 43_distributed
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 20_activation_checkpointing
+    fsdp_accumulation: Literal["reduce_scatter", "no_sync"] = "reduce_scatter"  # FSDP2 micro-steps; see 21_distributed
     collective_timeout_s: float = 120.0        # a rank waiting longer in a collective ends the run (training steps)
     long_collective_timeout_s: float = 1800.0  # the same for start-up, the first step, validation, evals, checkpoints
     flight_recorder: int = 2000                # NCCL flight-recorder entries per rank, dumped on a timeout (0: off)
@@ -100,7 +100,7 @@ class TrainingConfig:
     grad_clip: Optional[float] = 1.0
     log_every: int = 10
     packing: bool = True
-    virtual_ranks: int = 0      # >1 on one process: sum each step's gradients as that many DDP ranks would (47_trainer)
+    virtual_ranks: int = 0      # >1 on one process: sum each step's gradients as that many DDP ranks would (54_trainer)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 # %% ../nbs/00_config.ipynb #de38a117

@@ -93,8 +93,8 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
     import torch
     from unittest import mock
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from gradient_garden.engine.distributed import DistEnv
-    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.parallel.distributed import DistEnv
+    from gradient_garden.train.trainer import Trainer
     from test_hot_path import make_parts
     from gradient_garden.models import attention, tendril
     attention.FLEX_COMPILE_BACKEND = "aot_eager"  # packed documents: flex_attention as traced for Inductor, likewise
@@ -146,9 +146,9 @@ def run_fit(precision: str) -> dict:
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensorMode
     from gradient_garden.engine import trainer as trainer_module
-    from gradient_garden.engine.checkpoints import CheckpointManager
-    from gradient_garden.engine.distributed import DistEnv
-    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.checkpoint.checkpoints import CheckpointManager
+    from gradient_garden.parallel.distributed import DistEnv
+    from gradient_garden.train.trainer import Trainer
     from test_hot_path import make_parts
     from gradient_garden.models import tendril
     tendril.LOSS_IMPL, tendril.LOSS_COMPILE_BACKEND = "compiled", "aot_eager"

@@ -6,8 +6,8 @@ import torch
 from gloo_ranks import run_ranks
 from gradient_garden.config import ConfigError, GlobalConfig, LoraConfig, ModelConfig, RuntimeConfig, from_plain
 from gradient_garden.models.tendril import build_model
-from gradient_garden.engine.activation_checkpointing import apply_activation_checkpointing
-from gradient_garden.engine.distributed import DistEnv, parallelize
+from gradient_garden.parallel.activation_checkpointing import apply_activation_checkpointing
+from gradient_garden.parallel.distributed import DistEnv, parallelize
 
 SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64)
 MOE = dict(SMALL, architecture="tendril_moe", n_experts=4, n_experts_per_token=2)

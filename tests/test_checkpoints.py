@@ -6,14 +6,14 @@ import torch
 from conftest import kill_once_partly_written
 
 from gradient_garden.config import ConfigError, GlobalConfig, ModelConfig
-from gradient_garden.engine.checkpoints import (CheckpointManager, list_checkpoints, load_checkpoint,
+from gradient_garden.checkpoint.checkpoints import (CheckpointManager, list_checkpoints, load_checkpoint,
                                                 load_model_from_checkpoint, rng_state, save_checkpoint, set_rng_state)
 
 BIG = 25_000_000  # float32 elements: a 100 MB checkpoint, about a second to write on these machines
 
 WRITER = textwrap.dedent(f"""
     import sys, torch
-    from gradient_garden.engine.checkpoints import CheckpointManager
+    from gradient_garden.checkpoint.checkpoints import CheckpointManager
     mgr = CheckpointManager(sys.argv[1], keep_last=2, keep_best=False)
     def state(step, n):
         return dict(step=step, stage="pretraining", architecture="tendril", config={{}},
@@ -112,7 +112,7 @@ def test_load_model_from_checkpoint_with_real_builder(tmp_path):
 
 # -- sharded checkpoint directories (torch.distributed.checkpoint) --------------------------------------------------
 def _sharded(tmp_path, **meta_kw):
-    from gradient_garden.engine.checkpoints import save_sharded_checkpoint, sharded_state
+    from gradient_garden.checkpoint.checkpoints import save_sharded_checkpoint, sharded_state
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     meta = {k: v for k, v in _state().items() if k != "model"} | meta_kw
@@ -145,7 +145,7 @@ def test_damaged_sharded_directories_give_clear_errors(tmp_path, damage):
 
 
 def test_sharded_checkpoint_of_another_architecture_or_stage_is_refused(tmp_path):
-    from gradient_garden.engine.checkpoints import check_compatible
+    from gradient_garden.checkpoint.checkpoints import check_compatible
     d, model = _sharded(tmp_path)
     meta = load_checkpoint(tmp_path/"ckpts", weights=False)
     assert "model" not in meta and meta["sharded"] == str(d)
@@ -158,7 +158,7 @@ def test_sharded_checkpoint_of_another_architecture_or_stage_is_refused(tmp_path
 
 def test_a_shard_overwritten_in_place_is_corrupted_for_resume_and_load(tmp_path):
     "Bytes changed without changing the length (the file check passes): a resume and a full load both say 'corrupted'."
-    from gradient_garden.engine.checkpoints import load_sharded_state, save_sharded_checkpoint, sharded_state
+    from gradient_garden.checkpoint.checkpoints import load_sharded_state, save_sharded_checkpoint, sharded_state
     def stepped():
         torch.manual_seed(0)
         m = torch.nn.Linear(64, 64); opt = torch.optim.AdamW(m.parameters())

@@ -43,7 +43,7 @@ def test_evaluate_and_export_run(checkpoint, prepared, tmp_path):
 def test_generate_bf16_on_cpu_decodes_fp32_weights_under_autocast(checkpoint, tmp_path, monkeypatch):
     import torch
     import gradient_garden.cli.generate as cli_generate
-    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
     from gradient_garden.generation import PRETRAINING_TEST_PROMPTS, generate_text
     from gradient_garden.tokenizer import init_tokenizer
     loaded = []

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradient_garden.config import ConfigError, TokenizerConfig
-from gradient_garden import eval_data as D
-from gradient_garden import evals as E
+from gradient_garden.evals import benchmarks as D
+from gradient_garden.evals import multiple_choice as E
 from gradient_garden.cli import evaluate as CE, prepare as CP
 
 LLAMA3_MODEL = Path(sys.prefix)/"lib"/f"python{sys.version_info.major}.{sys.version_info.minor}"/"site-packages"/"llama_models"/"llama3"/"tokenizer.model"
@@ -228,11 +228,6 @@ def test_subsets_are_seeded_random():
     a, b = D.sample_indices(1000, 100, 1), D.sample_indices(1000, 100, 2)
     assert a == D.sample_indices(1000, 100, 1) and a != b and a != list(range(100)) and len(set(a)) == 100
 
-def test_evals_still_exports_the_data_names():
-    "The rows and tasks moved to eval_data; `from gradient_garden.evals import load_examples` and the like still work."
-    assert D.__all__ and set(D.__all__) <= set(E.__all__)
-    for name in D.__all__: assert getattr(E, name) is getattr(D, name), name
-
 # -- ranks: two processes, gloo, FSDP2, unequal shares ------------------------------------------------------------
 
 WORKER = textwrap.dedent('''
@@ -241,7 +236,7 @@ WORKER = textwrap.dedent('''
     from torch.distributed.fsdp import fully_shard
     from transformers import PreTrainedTokenizerFast
     import test_evals as T
-    from gradient_garden import evals as E
+    from gradient_garden.evals import multiple_choice as E
     dist.init_process_group("gloo")
     tok = PreTrainedTokenizerFast(tokenizer_object=T._train_bpe(), bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
     model = T._tiny_llama(len(tok))
@@ -298,7 +293,7 @@ def test_tendril_batched_and_shared_match_reference(tok):
 def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
     pytest.importorskip("gradient_garden.models.tendril")
     from gradient_garden.config import GlobalConfig, ModelConfig
-    from gradient_garden.engine.checkpoints import save_checkpoint
+    from gradient_garden.checkpoint.checkpoints import save_checkpoint
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tokenizer import train_bpe, init_tokenizer
     texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
@@ -394,7 +389,7 @@ def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok)
     plain = E.score_examples(m, tok, exs, batch_size=8, share_context=False)
     np.testing.assert_allclose(np.array(sum(shared, [])), np.array(sum(plain, [])), atol=1e-4, rtol=0)
     Instance = pytest.importorskip("lm_eval.api.instance").Instance      # GardenLM: one row per context too
-    from gradient_garden.lm_eval_model import GardenLM
+    from gradient_garden.evals.lm_eval import GardenLM
     class Tok:                                                             # the platform tokenizer surface GardenLM reads
         eos_id, bos_id, pad_id, special_ids, markup_tokens, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, {}, "bpe"
         def encode(self, s): return tok.encode(s, add_special_tokens=False)

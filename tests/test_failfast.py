@@ -23,7 +23,7 @@ def sets(prepared, out: Path, **extra) -> list[str]:
 HANG_RANK_1 = """
 import os, sys, time
 from pathlib import Path
-from gradient_garden.engine.trainer import Trainer
+from gradient_garden.train.trainer import Trainer
 real, mark = Trainer.train_step, Path(sys.argv.pop(1))
 def train_step(self):
     if os.environ["RANK"] == "1" and self.state.step == 6:      # step 7 never comes on rank 1
@@ -35,7 +35,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 def test_a_rank_that_hangs_ends_the_run_with_one_line(prepared, tmp_path):
-    from gradient_garden.engine.checkpoints import list_checkpoints, load_checkpoint
+    from gradient_garden.checkpoint.checkpoints import list_checkpoints, load_checkpoint
     script, mark = tmp_path/"hang.py", tmp_path/"hung_at"
     script.write_text(HANG_RANK_1)
     t0 = time.time()

@@ -171,7 +171,7 @@ def make_parts(kind: str, n_layers: int = 2, **training):
 
 def make_trainer(kind: str, n_layers: int = 2, **training):
     "A Trainer for `kind` in dense | moe | sft | dpo | distillation, on CPU, with in-memory batches."
-    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.train.trainer import Trainer
     cfg, model, task, loader, val_loader = make_parts(kind, n_layers, **training)
     return Trainer(cfg, model, task, loader, val_loader, log_to_console=False)
 
@@ -190,8 +190,8 @@ def _fsdp_reduce_scatters(rank, world, out_dir, mode):
     "Two micro-steps of an FSDP2 Tendril under `runtime.fsdp_accumulation=mode`; write how many reduce-scatters each optimizer step ran."
     import json
     import torch.distributed as dist
-    from gradient_garden.engine.distributed import DistEnv, apply_fsdp
-    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.parallel.distributed import DistEnv, apply_fsdp
+    from gradient_garden.train.trainer import Trainer
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tasks.pretraining import CausalLMTask
     cfg = tiny_cfg(total_batch_size=2 * 2 * T * world)            # micro-batches of 2 x 16, 2 per rank per step
@@ -208,7 +208,7 @@ def _fsdp_reduce_scatters(rank, world, out_dir, mode):
         for _ in range(2):
             n = len(calls); tr.train_step(); per_step.append(len(calls) - n)
     from gradient_garden.config import RuntimeConfig
-    from gradient_garden.engine.distributed import parallelize
+    from gradient_garden.parallel.distributed import parallelize
     ddp = parallelize(build_model(cfg.model), RuntimeConfig(device="cpu"), DistEnv(rank, rank, world))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(dict(per_step=per_step, grad_accum=tr.grad_accum,
                                                                  units=len(model.layers) + 1,
@@ -314,7 +314,7 @@ def test_logged_throughput_leaves_out_validation(monkeypatch):
     "A slow validation inside a logging interval does not lower the logged tokens/s (nor the MFU)."
     import time, types
     from gradient_garden.engine import trainer as trainer_module
-    from gradient_garden.engine.telemetry import read_metrics
+    from gradient_garden.train.telemetry import read_metrics
     skipped = [0.0]  # a clock that jumps 100 s forward during each validation: what a slow validation looks like
     clock = types.SimpleNamespace(**{k: getattr(time, k) for k in ("time", "sleep", "monotonic")},
                                   perf_counter=lambda: time.perf_counter() + skipped[0])
@@ -338,7 +338,7 @@ def test_final_evaluation_runs_under_the_run_autocast():
     tr.cfg.runtime.precision = "bf16"
     tr.final_evaluate = lambda m: {"autocast_dtype": str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off"}
     tr.fit()
-    from gradient_garden.engine.telemetry import read_metrics
+    from gradient_garden.train.telemetry import read_metrics
     assert read_metrics(tr.run_dir)[-1]["autocast_dtype"] == "torch.bfloat16"
 
 
@@ -347,7 +347,7 @@ def test_prefetching_trainer_trains_and_resumes_like_the_plain_one():
     from gradient_garden.data.loaders import PrefetchLoader
     plain = make_trainer("dense")
     ahead = make_trainer("dense"); ahead.cfg.runtime.num_workers = 3
-    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.train.trainer import Trainer
     ahead = Trainer(ahead.cfg, ahead.model, ahead.task, ahead.train_loader, log_to_console=False)
     assert isinstance(ahead.train_loader, PrefetchLoader)
     for _ in range(2):
@@ -358,8 +358,8 @@ def test_prefetching_trainer_trains_and_resumes_like_the_plain_one():
 
 def test_each_rank_restores_its_own_cuda_rng():
     "With torch.cuda mocked: every rank's CUDA generator states are saved, and rank r gets rank r's back (rank 0's if fewer)."
-    from gradient_garden.engine.checkpoints import rng_state, set_rng_state
-    from gradient_garden.engine.trainer import _rank_entry
+    from gradient_garden.checkpoint.checkpoints import rng_state, set_rng_state
+    from gradient_garden.train.trainer import _rank_entry
     per_rank = [[torch.tensor([r, d], dtype=torch.uint8) for d in range(2)] for r in range(2)]   # 2 ranks x 2 devices
     restored = {}
     states = []

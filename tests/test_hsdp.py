@@ -7,7 +7,7 @@ it; and a 2 x 2 sharded checkpoint resumes on 2 x 2 (bit for bit) and on 1 rank.
 import json
 import pytest
 from trainer_worlds import STEPS, all_runs, ckpts, losses, run_dir
-from gradient_garden.engine.checkpoints import load_checkpoint
+from gradient_garden.checkpoint.checkpoints import load_checkpoint
 
 @pytest.fixture(scope="module")
 def runs(prepared, tmp_path_factory): return all_runs(prepared, tmp_path_factory)

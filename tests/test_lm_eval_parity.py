@@ -13,12 +13,12 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from gradient_garden import eval_data as D
-from gradient_garden import evals as E
+from gradient_garden.evals import benchmarks as D
+from gradient_garden.evals import multiple_choice as E
 from gradient_garden.cli import evaluate as CE
 from gradient_garden.cli import main as gg
 from gradient_garden.config import GlobalConfig, ModelConfig
-from gradient_garden.engine.checkpoints import load_model_from_checkpoint, save_checkpoint
+from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint, save_checkpoint
 from gradient_garden.models.tendril import build_model
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
@@ -176,7 +176,7 @@ def test_gg_evaluate_errors_are_one_line(setup, capsys):
 def test_lora_and_moe_checkpoints_through_lm_eval(setup, tmp_path):
     "GardenLM on a LoRA checkpoint (merged on load) and on a mixture-of-experts one equals the trained model's own forward."
     from gradient_garden.config import from_plain
-    from gradient_garden.lm_eval_model import GardenLM
+    from gradient_garden.evals.lm_eval import GardenLM
     from gradient_garden.models.lora import apply_lora
     reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate([("Question: What melts?\nAnswer:", " ice"), ("", "Rain.")])]
     pair = E.pair_encoder(setup["tok"])
@@ -268,7 +268,7 @@ def _by_doc(run, task, field):
 @pytest.mark.parametrize("how", list(CHAT_RUNS))
 def test_chat_format_equals_lm_eval_hf(how, setup, chat_tasks, hf_chat_runs):
     "Markup in prompts and apply_chat_template: same prompts, same ids, log-likelihoods within 1e-4, identical greedy answers."
-    from gradient_garden.lm_eval_model import GardenLM
+    from gradient_garden.evals.lm_eval import GardenLM
     (arc, qa), kw = CHAT_RUNS[how]
     lm = GardenLM(setup["model"], setup["tok"], batch_size=8)
     ours, theirs = lm_eval.simple_evaluate(model=lm, tasks=[arc, qa], task_manager=chat_tasks[1], log_samples=True, **kw), hf_chat_runs[how]

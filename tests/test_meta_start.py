@@ -8,8 +8,8 @@ def _initial_weights(rank, world, out, tie):
     "Build the run model of a small config under FSDP2 on `world` ranks; rank 0 saves the gathered full weights."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from gradient_garden.config import GlobalConfig, RuntimeConfig
-    from gradient_garden.engine.distributed import DistEnv
-    from gradient_garden.engine.run import build_run_model
+    from gradient_garden.parallel.distributed import DistEnv
+    from gradient_garden.train.run import build_run_model
     cfg = GlobalConfig()
     cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size, cfg.model.tie_embeddings = 256, 2, 5000, tie  # 1.28M-element embedding: two init blocks
     cfg.runtime = RuntimeConfig(device="cpu", fsdp=True)

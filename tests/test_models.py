@@ -19,7 +19,7 @@ def _corpus() -> list[str]:
 def run(tmp_path_factory):
     "A tokenizer folder and a checkpoint of a tiny random Tendril that uses it."
     from gradient_garden.tokenizer import train_bpe
-    from gradient_garden.engine.checkpoints import save_checkpoint
+    from gradient_garden.checkpoint.checkpoints import save_checkpoint
     base = tmp_path_factory.mktemp("models")
     tok_dir = train_bpe(_corpus(), 640, base / "tok")
     cfg = GlobalConfig()

@@ -166,7 +166,7 @@ def test_router_metrics_count_supervised_tokens_of_eval_forwards():
 
 
 def test_state_dict_roundtrip_lora_hf_and_checkpoint_shape_checks(tmp_path):
-    from gradient_garden.engine.checkpoints import check_compatible
+    from gradient_garden.checkpoint.checkpoints import check_compatible
     from gradient_garden.models.hf import check_llama_compatible
     from gradient_garden.models.lora import apply_lora, lora_modules
     model = moe(n_shared_experts=1)
@@ -215,7 +215,7 @@ def _reference(batches, world, steps=2):
 
 def _dist_worker(rank, world, out_dir):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from gradient_garden.engine.distributed import apply_fsdp
+    from gradient_garden.parallel.distributed import apply_fsdp
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 128, (4, 17), generator=g) for _ in range(2)]
     ddp = _train(DDP(moe()), batches, rank, world)
@@ -251,8 +251,8 @@ def _router_worker(rank, world, out_dir):
     import json
     from unittest import mock
     from gradient_garden.config import from_plain
-    from gradient_garden.engine.distributed import DistEnv
-    from gradient_garden.engine.trainer import Trainer
+    from gradient_garden.parallel.distributed import DistEnv
+    from gradient_garden.train.trainer import Trainer
     from gradient_garden.tasks.pretraining import CausalLMTask
     cfg = from_plain(GlobalConfig, dict(model=dataclasses.asdict(CFG), runtime=dict(device="cpu"),
                      training=dict(seq_len=16, micro_batch_size=2, total_batch_size=2 * 16 * world, max_steps=1),

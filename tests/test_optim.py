@@ -9,7 +9,7 @@ import torch.distributed as dist
 from gloo_ranks import run_ranks
 
 from gradient_garden.config import GlobalConfig
-from gradient_garden.engine.optim import (Muon, build_optimizers, classify_parameters, set_learning_rates, ns_flops,
+from gradient_garden.train.optim import (Muon, build_optimizers, classify_parameters, set_learning_rates, ns_flops,
                                          part_shapes, _replica_group)
 
 
@@ -76,7 +76,7 @@ def _muon(params, **kw):
 def _ns_counter(counts):
     "Wrap the optimizer module's Newton-Schulz so every call adds its matmul FLOPs (FlopCounterMode) to `counts`."
     from torch.utils.flop_counter import FlopCounterMode
-    import gradient_garden.engine.optim as optim
+    import gradient_garden.train.optim as optim
     inner = optim.zeropower_via_newtonschulz
     def counted(*a, **k):
         with FlopCounterMode(display=False) as fc: out = inner(*a, **k)

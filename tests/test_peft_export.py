@@ -10,7 +10,7 @@ peft = pytest.importorskip("peft")
 
 from gradient_garden.cli import main
 from gradient_garden.config import GlobalConfig, LoraConfig, ModelConfig, TokenizerConfig, to_plain
-from gradient_garden.engine.checkpoints import load_model_from_checkpoint, save_checkpoint
+from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint, save_checkpoint
 from gradient_garden.models.lora import apply_lora, lora_modules
 from gradient_garden.models.tendril import Tendril
 from gradient_garden.tokenizer import train_bpe

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_gg
 from gradient_garden.config import ConfigError, load_recipe
-from gradient_garden.engine.plan import plan, format_plan, fit_message
+from gradient_garden.train.plan import plan, format_plan, fit_message
 
 RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT/"recipes").rglob("*.yaml"))
 

@@ -190,7 +190,7 @@ def test_merged_lora_logits_equal_unmerged_and_only_adapters_train():
         unmerge_lora(model); again = model(x)
     assert torch.allclose(merged, ref, atol=1e-5) and torch.allclose(again, ref, atol=1e-5)
     assert len(lora_state_dict(model)) == 2 * 7 * 2
-    from gradient_garden.engine.checkpoints import base_weights
+    from gradient_garden.checkpoint.checkpoints import base_weights
     plain = tiny_tendril(seed=5)
     plain.load_state_dict(base_weights({"model": model.state_dict(), "config": {"lora": {"alpha": 8}}}, plain))
     with torch.no_grad(): assert torch.allclose(plain.eval()(x), ref, atol=1e-5)
@@ -296,7 +296,7 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
 
 # -- DPO under FSDP2 on two ranks ---------------------------------------------------------------------------------------
 def _dpo_fsdp_worker(rank, world, dpo_dir, out_dir):
-    from gradient_garden.engine.distributed import apply_fsdp
+    from gradient_garden.parallel.distributed import apply_fsdp
     policy = apply_fsdp(tiny_tendril())
     ref = PrecomputedReference(policy, {"val": PairDataset(dpo_dir, "val")}, SEQ, 7, rank, world)
     loader = DPOLoader(dpo_dir, "val", 4, SEQ, rank, world, reference=ref)
@@ -344,7 +344,7 @@ def _losses(run_dir):
 
 @pytest.mark.parametrize("stage,over", [("instruct", {}), ("dpo", {}), ("dpo", {"dpo": {"reference": "copy"}})])
 def test_resume_is_exact(data, tmp_path, stage, over):
-    from gradient_garden.engine.run import run_training
+    from gradient_garden.train.run import run_training
     full = _run_cfg(data, stage, tmp_path/"full", **over)
     run_training(full, checkpoint=None)
     ckpt = full.run_dir/"checkpoints"/"step_0000002.pt"

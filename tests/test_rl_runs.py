@@ -48,7 +48,7 @@ def small(rl_inputs, out: Path, **extra) -> list[str]:
 
 def train(overrides, checkpoint=None, world: int = 1):
     from gradient_garden.config import load_config
-    from gradient_garden.engine.run import run_training
+    from gradient_garden.train.run import run_training
     cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
     return run_training(cfg, checkpoint=checkpoint)
 
@@ -60,7 +60,7 @@ def records(out: Path) -> dict:
 
 
 def last_weights(out: Path) -> dict:
-    from gradient_garden.engine.checkpoints import load_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_checkpoint
     ck = sorted((out/"runs"/"rl"/"debug"/"checkpoints").glob("step_*"))[-1]
     return load_checkpoint(ck)["model"]
 
@@ -74,7 +74,7 @@ ADAPTIVE = {"rl.use_adaptive_entropy": "true", "rl.entropy_target": 100.0, "rl.e
 def test_resume_is_bit_exact_weights_and_rollouts(rl_inputs, tmp_path):
     """Resumed from its step-2 checkpoint, the run samples the same rollouts and ends with the same weights, bit for bit;
     the adaptive entropy control (on here, its target above any entropy) continues where it stood."""
-    from gradient_garden.engine.checkpoints import load_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_checkpoint
     full, resumed = tmp_path/"full", tmp_path/"resumed"
     train(small(rl_inputs, full, **ADAPTIVE))
     ckpt = full/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt"
@@ -136,7 +136,7 @@ def test_lora_trains_only_the_adapters(rl_inputs, tmp_path):
     train(small(rl_inputs, tmp_path, **{"training.max_steps": 2, "lora.enabled": "true", "lora.rank": 4}))
     recs = records(tmp_path)
     assert sorted(recs) == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in recs.values())
-    from gradient_garden.engine.checkpoints import load_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_checkpoint
     ck = load_checkpoint(tmp_path/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt")
     lora = [k for k in ck["model"] if "lora_" in k]
     assert lora, "no adapter weights in the checkpoint"

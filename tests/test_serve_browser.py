@@ -20,7 +20,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python
 def page_server(tmp_path_factory):
     "A real uvicorn server in this process serving a tiny instruct checkpoint."
     import torch, uvicorn
-    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
     from gradient_garden.serve.api import Served
     from gradient_garden.serve.app import create_app
     from gradient_garden.serve.decoder import BatchDecoder

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT, kill_once_partly_written, run_gg
 from gradient_garden.config import ConfigError
-from gradient_garden.engine.checkpoints import CheckpointManager, list_checkpoints, load_checkpoint
+from gradient_garden.checkpoint.checkpoints import CheckpointManager, list_checkpoints, load_checkpoint
 
 from trainer_worlds import STEPS, all_runs, ckpts, losses
 
@@ -83,7 +83,7 @@ def test_generate_evaluate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, time, torch
-    from gradient_garden.engine.checkpoints import CheckpointManager
+    from gradient_garden.checkpoint.checkpoints import CheckpointManager
     mode, d, big = sys.argv[1], sys.argv[2], int(sys.argv[3])
     mgr = CheckpointManager(d, keep_last=3, keep_best=False, async_save=mode == "async")
     meta = dict(stage="pretraining", architecture="tendril", config={})
@@ -117,7 +117,7 @@ from test_post_training import _losses, _run_cfg, data, tok, tok_dir  # noqa: F4
 @pytest.mark.parametrize("stage,over", [("instruct", {}), ("dpo", {})])
 def test_sharded_resume_is_exact_for_sft_and_dpo(data, tmp_path, stage, over):
     "SFT and DPO (precomputed reference in the loader state) resume from an asynchronous sharded save bit for bit."
-    from gradient_garden.engine.run import run_training
+    from gradient_garden.train.run import run_training
     sharded = {"checkpointing": {"every": 2, "keep_last": 5, "format": "sharded", "async_save": True}}
     full = _run_cfg(data, stage, tmp_path/"full", **over, **sharded)
     run_training(full)
@@ -176,6 +176,6 @@ def test_a_damaged_shard_is_corrupted_in_every_verb(prepared, sharded_run, tmp_p
     assert not (tmp_path/"hf").exists()
     assert json.loads((run/"metrics.jsonl").read_text().splitlines()[-1])["step"] == 2   # the run directory untouched
     # `gg serve` loads through the same function as generate and evaluate
-    from gradient_garden.engine.checkpoints import load_model_from_checkpoint
+    from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
     with pytest.raises(ConfigError) as e: load_model_from_checkpoint(ck)
     assert f"error: {e.value}" == said["generate"]

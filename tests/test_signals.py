@@ -111,7 +111,7 @@ def test_a_two_rank_checkpoint_resumes_bit_exactly_on_one_process(prepared, tmp_
 
 FAIL_SECOND_SAVE = """
 import errno, sys, unittest.mock as m
-import gradient_garden.engine.checkpoints as ck
+import gradient_garden.checkpoint.checkpoints as ck
 real, calls = ck.torch.save, []
 def save(*a, **k):
     calls.append(1)
@@ -166,7 +166,7 @@ def test_a_failed_sharded_write_is_one_line(prepared, tmp_path, async_save, kind
 def test_ctrl_c_while_waiting_for_a_background_write(tmp_path):
     "A second Ctrl-C while the run waits for its background write: the one line; the write is never committed."
     from concurrent.futures import Future
-    from gradient_garden.engine.checkpoints import CheckpointManager, CheckpointWriteError, list_checkpoints
+    from gradient_garden.checkpoint.checkpoints import CheckpointManager, CheckpointWriteError, list_checkpoints
     mgr = CheckpointManager(tmp_path, keep_last=2, keep_best=False, async_save=True, raise_failures=True)
     meta = dict(stage="pretraining", architecture="tendril", config={})
     import torch

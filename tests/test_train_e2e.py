@@ -33,7 +33,7 @@ def test_train_writes_the_run_directory(prepared, tmp_path):
     assert ckpts == ["step_0000004.pt", "step_0000008.pt"]
     snap = json.loads((run_dir/"snapshot.json").read_text())
     assert snap["config"]["training"]["max_steps"] == 8 and "workload" in snap and "versions" in snap
-    from gradient_garden.engine.trainer import resolve_precision   # the recipe's `auto`, resolved and explained
+    from gradient_garden.train.trainer import resolve_precision   # the recipe's `auto`, resolved and explained
     assert snap["precision"] == dict(zip(["requested", "used", "why"], ["auto", *resolve_precision(torch.device("cpu"), "auto")]))
     assert snap["config"]["runtime"]["precision"] == snap["precision"]["used"]
     for p in run_dir.rglob("*"):
@@ -92,7 +92,7 @@ def _exact_match_worker(rank, world, tok_dir, out_dir):
     "Evaluate exact match on 5 held-out examples (3 + 2 per rank) with an FSDP2 model, in lockstep."
     from gradient_garden.config import ModelConfig, TokenizerConfig
     from gradient_garden.data.verifiable import heldout_examples
-    from gradient_garden.engine.distributed import apply_fsdp
+    from gradient_garden.parallel.distributed import apply_fsdp
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tasks.sft import evaluate_exact_match
     from gradient_garden.tokenizer import init_tokenizer

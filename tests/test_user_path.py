@@ -6,7 +6,7 @@ import torch
 from gradient_garden.cli import main as gg
 from gradient_garden.cli.prepare import prepare_lock
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig, to_plain
-from gradient_garden.engine.checkpoints import save_checkpoint
+from gradient_garden.checkpoint.checkpoints import save_checkpoint
 from gradient_garden.models.tendril import Tendril
 from gradient_garden.tokenizer import train_bpe
 
@@ -90,7 +90,7 @@ def test_a_one_process_sharded_save_prints_no_warning(tmp_path):
     code = """
 import sys, torch
 from pathlib import Path
-from gradient_garden.engine.checkpoints import CheckpointManager
+from gradient_garden.checkpoint.checkpoints import CheckpointManager
 meta = dict(stage="pretraining", architecture="tendril", config={})
 for async_save in (False, True):
     m = CheckpointManager(Path(sys.argv[1])/str(async_save), keep_last=2, keep_best=False, async_save=async_save, raise_failures=True)

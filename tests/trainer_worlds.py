@@ -56,7 +56,7 @@ def post_training_inputs(prepared, base: Path) -> dict:
 def train(overrides: list[str], checkpoint=None, world: int = 1):
     "One run of the trainer in this process (or on this rank of a spawned world)."
     from gradient_garden.config import load_config
-    from gradient_garden.engine.run import run_training
+    from gradient_garden.train.run import run_training
     cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
     return run_training(cfg, checkpoint=checkpoint)
 
@@ -64,7 +64,7 @@ def probe_mesh(out: Path):
     "Write where an HSDP-wrapped Tendril's parameters live (mesh shape, dim names, placements) to `out` (rank 0)."
     import torch, torch.distributed as dist
     from gradient_garden.config import ModelConfig, RuntimeConfig
-    from gradient_garden.engine.distributed import init_distributed, parallelize
+    from gradient_garden.parallel.distributed import init_distributed, parallelize
     from gradient_garden.models.tendril import build_model
     runtime = RuntimeConfig(device="cpu", fsdp=True, replicate=2, shard=2)
     env = init_distributed(runtime)

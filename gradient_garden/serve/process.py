@@ -6,7 +6,8 @@ Python."""
 
 # %% ../../nbs/64_serve_process.ipynb #4857cb3a
 from __future__ import annotations
-import argparse, itertools, json, multiprocessing, os, queue, signal, threading, time, traceback
+import itertools, json, multiprocessing, os, queue, signal, threading, time, traceback
+from types import SimpleNamespace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -15,7 +16,7 @@ from fastcore.basics import patch
 from ..config import ConfigError, TokenizerConfig
 from ..runtime import DTYPES as _DTYPES, resolve_device
 from ..tokenizer import init_tokenizer
-from ..engine.checkpoints import load_model_from_checkpoint
+from ..checkpoint.checkpoints import load_model_from_checkpoint
 from ..models.hf import load_hf
 from .decoder import BatchDecoder, DecoderClosed, QueueFull, Sequence
 from .api import Served, StreamInterval
@@ -127,11 +128,11 @@ def serve(self: DecoderProcess, requests, info: dict):
 DECODER_FLAGS = ("checkpoint", "hf_checkpoint", "device", "dtype", "threads", "max_batch_size", "max_queue", "model_name",
                 "stream_interval", "stream_interval_ms")
 
-def decoder_args(args) -> argparse.Namespace:
+def decoder_args(args) -> SimpleNamespace:
     "The flags the decoder process loads its model with (the API key and the web server's flags stay in the front end)."
-    return argparse.Namespace(**{k: getattr(args, k, None) for k in DECODER_FLAGS})
+    return SimpleNamespace(**{k: getattr(args, k, None) for k in DECODER_FLAGS})
 
-def decoder_process_main(args: argparse.Namespace, requests, events):
+def decoder_process_main(args: SimpleNamespace, requests, events):
     "The decoder process: load the model, say it is ready (or why not), decode until the front end closes."
     signal.signal(signal.SIGINT, signal.SIG_IGN)         # Ctrl-C reaches the front end too, which closes the decoder
     try: decoder, info = load_decoder(args)
