@@ -145,7 +145,7 @@ def run_fit(precision: str) -> dict:
     from unittest import mock
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from gradient_garden.engine import trainer as trainer_module
+    from gradient_garden.train import trainer as trainer_module
     from gradient_garden.checkpoint.checkpoints import CheckpointManager
     from gradient_garden.parallel.distributed import DistEnv
     from gradient_garden.train.trainer import Trainer

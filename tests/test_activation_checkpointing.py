@@ -1,4 +1,4 @@
-"""Activation checkpointing composes with what the engine applies around it: FSDP2 and DDP on 2 gloo ranks,
+"""Activation checkpointing composes with what the trainer applies around it: FSDP2 and DDP on 2 gloo ranks,
 torch.compile, LoRA and TendrilMoE, with gradients equal to the model without it (fp32); a bad setting is one line."""
 import copy
 import pytest

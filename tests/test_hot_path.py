@@ -313,7 +313,7 @@ def test_gpu_datasheet_matches_exact_names():
 def test_logged_throughput_leaves_out_validation(monkeypatch):
     "A slow validation inside a logging interval does not lower the logged tokens/s (nor the MFU)."
     import time, types
-    from gradient_garden.engine import trainer as trainer_module
+    from gradient_garden.train import trainer as trainer_module
     from gradient_garden.train.telemetry import read_metrics
     skipped = [0.0]  # a clock that jumps 100 s forward during each validation: what a slow validation looks like
     clock = types.SimpleNamespace(**{k: getattr(time, k) for k in ("time", "sleep", "monotonic")},

@@ -233,7 +233,7 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         assert ddp < 1e-5 and fsdp < 1e-5, (r, ddp, fsdp)
 
 
-# -- router statistics: local in the model, summed over ranks by the engine ---------------------------------------
+# -- router statistics: local in the model, summed over ranks by the trainer ---------------------------------------
 def _router_batch(rank):
     "A validation batch of this rank: its own tokens, the first three positions unsupervised."
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(100 + rank))
@@ -282,4 +282,4 @@ def test_router_metrics_are_summed_over_ranks_by_the_engine(tmp_path):
         got = json.loads((tmp_path / f"router{r}.json").read_text())
         assert got["metrics"].keys() == expected.keys()
         assert all(abs(got["metrics"][k] - v) < 1e-6 for k, v in expected.items()), (r, got["metrics"], expected)
-        assert got["reduces"] == 2                    # the engine's two: router counts, then the loss sums
+        assert got["reduces"] == 2                    # the trainer's two: router counts, then the loss sums

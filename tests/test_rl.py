@@ -1,6 +1,6 @@
 """The RL stage beyond the notebook: the objective against TRL's own `GRPOTrainer._compute_loss` (loss and gradient, every
 normalisation), advantages against TRL's `nanstd`, one-line errors for bad input, and the rollout micro-batches
-(whole groups, the engine's division giving the batch mean)."""
+(whole groups, the trainer's division giving the batch mean)."""
 from collections import defaultdict
 from types import SimpleNamespace
 import pytest

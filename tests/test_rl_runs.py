@@ -1,4 +1,4 @@
-"""The RL stage run by the engine at small scale: exact resume (weights and rollout sampling), FSDP2 on 2 gloo ranks,
+"""The RL stage run by the trainer at small scale: exact resume (weights and rollout sampling), FSDP2 on 2 gloo ranks,
 and activation checkpointing, torch.compile and LoRA composed with it. A tiny BPE trained on the verifiable chats and
 a random two-layer Tendril prompted in the plain mode (`rl.plain_prompts`: no chat checkpoint needed)."""
 import json, os

@@ -313,7 +313,7 @@ def router_counts(self: TendrilMoE) -> torch.Tensor | None:
 
 @patch
 def router_stats(self: TendrilMoE) -> torch.Tensor | None:
-    "The protocol's local statistics: `router_counts()`, for the engine to sum over ranks."
+    "The protocol's local statistics: `router_counts()`, for the trainer to sum over ranks."
     return self.router_counts()
 
 # %% ../../nbs/12_moe.ipynb #5d1d67d7
@@ -328,7 +328,7 @@ def router_load(self: TendrilMoE, counts: torch.Tensor | None = None) -> torch.T
 @patch
 def router_metrics(self: TendrilMoE, stats: torch.Tensor | None = None, reset: bool = True,
                    per_expert: bool = True) -> dict[str, float]:
-    "Flat routing metrics of `stats` (summed over ranks by the engine; this process's own when None); then reset."
+    "Flat routing metrics of `stats` (summed over ranks by the trainer; this process's own when None); then reset."
     load = self.router_load(stats)
     if reset: self.reset_router_stats()
     return {} if load is None else router_metrics_from_load(load, per_expert)

@@ -272,7 +272,7 @@ class TrainableModel:
         "Forget the statistics accumulated by eval-mode forwards; nothing to forget by default."
 
     def router_stats(self) -> torch.Tensor | None:
-        "This process's accumulated statistics, sums and counts in one tensor (the engine sums it over ranks); None by default."
+        "This process's accumulated statistics, sums and counts in one tensor (the trainer sums it over ranks); None by default."
         return None
 
     def router_metrics(self, stats: torch.Tensor | None = None) -> dict[str, float]:

@@ -620,7 +620,7 @@ def evaluate_generative(model, tokenizer, examples: list[RLExample], k: int = 4,
 class RLTask:
     "The clipped policy-gradient loss on rollout micro-batches; held-out exact match on validation batches."
     chat_prompts = True      # the trainer samples chat-formatted prompts
-    rollouts = True          # the loader samples from the model: the engine reports update tokens/s apart from it
+    rollouts = True          # the loader samples from the model: the trainer reports update tokens/s apart from it
     reports_val_metrics = True
 
     def __init__(self, rl, tokenizer=None, heldout: Optional[list] = None, lockstep: bool = False, seed: int = 0):
@@ -678,7 +678,7 @@ def _heldout(self: RLTask, model, batch: dict):
                                self.seed, lockstep=self.lockstep, n_rows=batch.get("n_rows"))
     t = lambda x: torch.tensor(float(x), dtype=torch.float64, device=dev)
     out = {"exact_match": t(sum(hits)), f"pass@{rl.eval_k}": t(sum(k > 0 for k in khits))}
-    for task, n in sorted(Counter(e.task for e in self.heldout).items()):   # x all / n: the engine divides by all prompts
+    for task, n in sorted(Counter(e.task for e in self.heldout).items()):   # x all / n: the trainer divides by all prompts
         out[f"exact_match/{task}"] = t(sum(h for e, h in zip(exs, hits) if e.task == task) * len(self.heldout) / n)
     return t(len(exs) - sum(hits)), out
 

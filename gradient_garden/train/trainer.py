@@ -259,7 +259,7 @@ def validate(self: Trainer) -> float:
             if getattr(self.task, "reports_val_metrics", False):   # the RL stage's held-out exact match and pass@k
                 for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + device_scalar(v, dev)
     finally: self.model.train()
-    stats = model.router_stats()   # this rank's sums and counts: the engine adds them over ranks, the model never does
+    stats = model.router_stats()   # this rank's sums and counts: the trainer adds them over ranks, the model never does
     self.router_metrics = model.router_metrics(None if stats is None else all_reduce(stats))
     keys = sorted(metric_sums)     # every rank reports the same keys
     sums = all_reduce(torch.cat([sums, torch.stack([metric_sums[k] for k in keys])]) if keys else sums)
