@@ -186,7 +186,7 @@ def leg_rl() -> dict:
     from gradient_garden.config import RLConfig
     from gradient_garden.models.tendril import build_model, flops_per_token
     from gradient_garden.runtime import autocast_context
-    from gradient_garden.tasks.rl import RLExample, RLTask, RolloutLoader
+    from gradient_garden.stages.rl import RLExample, RLTask, RolloutLoader
     cfg = config("recipes/pretraining/tendril-124m.yaml")
     P, G, M, seq, steps = (4, 4, 8, 32, 2) if SMOKE else (32, 8, 64, 128, 3)
     precision = "fp32" if SMOKE else "bf16"

@@ -42,7 +42,7 @@ def setup(args):
 
 def bench_ours(args, cfg, model, tok, exs) -> dict:
     from gradient_garden.config import RLConfig
-    from gradient_garden.tasks.rl import RLExample, RLTask, Rewarder, RolloutLoader
+    from gradient_garden.stages.rl import RLExample, RLTask, Rewarder, RolloutLoader
     rl = RLConfig(group_size=args.group, loss_type="dapo", temperature=1.0, max_new_tokens=args.max_new_tokens)
     examples = [RLExample("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer}) for e in exs]
     rows = args.prompts * args.group
@@ -68,7 +68,7 @@ def bench_trl(args, cfg, model, tok, exs) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from gradient_garden.models.hf import export_hf
-    from gradient_garden.tasks.rl import encode_prompt
+    from gradient_garden.stages.rl import encode_prompt
     from gradient_garden.data.verifiable import exact_match
     out = Path(tempfile.mkdtemp())/"hf"
     export_hf(model, out, tok, tokenizer_dir=cfg.tokenizer.path)

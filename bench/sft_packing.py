@@ -21,7 +21,7 @@ from common import bench_parser, setup, sync
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig
 from gradient_garden.data.verifiable import WORDS, sample_conversations
 from gradient_garden.models.tendril import build_model, count_parameters
-from gradient_garden.tasks.sft import SFTLoader, SFTTask, prepare_instruct
+from gradient_garden.stages.sft import SFTLoader, SFTTask, prepare_instruct
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
 DEFAULT_TOKENIZER = Path("data/tokenizers/garden-bpe-4k")

@@ -34,13 +34,13 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.serve.decoder`: `BatchDecoder`: continuous batching. One KV cache for every running request, new requests prefilled together and
 - `gradient_garden.serve.process`: A checkpoint loaded into a `BatchDecoder`, and that decoder in a process of its own, spoken to over two pipes
 - `gradient_garden.serve.streams`: Token ids in, text out one piece at a time: whole characters only, and stop strings cut exactly, even across tokens.
-- `gradient_garden.tasks.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled by $T^2$) mixed with cross-entropy,
-- `gradient_garden.tasks.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses,
-- `gradient_garden.tasks.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the
-- `gradient_garden.tasks.rewards`: The prompts of the RL stage and what scores their answers: the embedded tasks' exact match, GSM8K's final number,
-- `gradient_garden.tasks.rl`: GRPO-family policy optimisation on prompts whose answers can be checked: G completions per prompt sampled by our own
-- `gradient_garden.tasks.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document
-- `gradient_garden.tasks.stages`: `StageParts`: the task, the loaders and the final evaluation that a training stage (pretraining, instruct, DPO, or a
+- `gradient_garden.stages.base`: `StageParts`: the task, the loaders and the final evaluation that a training stage (pretraining, instruct, DPO, or a
+- `gradient_garden.stages.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled by $T^2$) mixed with cross-entropy,
+- `gradient_garden.stages.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses,
+- `gradient_garden.stages.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the
+- `gradient_garden.stages.rewards`: The prompts of the RL stage and what scores their answers: the embedded tasks' exact match, GSM8K's final number,
+- `gradient_garden.stages.rl`: GRPO-family policy optimisation on prompts whose answers can be checked: G completions per prompt sampled by our own
+- `gradient_garden.stages.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document
 - `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` — with the Llama 3
 - `gradient_garden.train.optim`: Which parameters get weight decay, which get Muon, and a Muon that matches `torch.optim.Muon` step for step
 - `gradient_garden.train.plan`: `plan(cfg, gpu=..., gpus_per_node=..., nodes=...)` answers before anything is allocated: per-rank memory for parameters, gradients,

@@ -147,21 +147,21 @@ def causal_batches(n=4, packed=False, seed=0):
 def make_parts(kind: str, n_layers: int = 2, **training):
     "Config, model, task and loaders for `kind` in dense | moe | sft | dpo | distillation, on CPU, in memory."
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.tasks.pretraining import CausalLMTask
+    from gradient_garden.stages.pretraining import CausalLMTask
     cfg = tiny_cfg("tendril_moe" if kind == "moe" else "tendril", n_layers, **training)
     torch.manual_seed(0)
     model = build_model(cfg.model)
     task, batches = CausalLMTask(), causal_batches(packed=kind == "sft")
     if kind == "sft":
-        from gradient_garden.tasks.sft import SFTTask
+        from gradient_garden.stages.sft import SFTTask
         task = SFTTask()
     elif kind == "dpo":
-        from gradient_garden.tasks.dpo import DPOTask, ModelReference
+        from gradient_garden.stages.dpo import DPOTask, ModelReference
         task = DPOTask(cfg.dpo, ModelReference(model))
         for b in batches: b["labels"][:, :5] = -100     # the prompt; rows 0 and 1 are one (chosen, rejected) pair
     elif kind == "distillation":
         from transformers import LlamaConfig, LlamaForCausalLM
-        from gradient_garden.tasks.distillation import DistillationTask
+        from gradient_garden.stages.distillation import DistillationTask
         teacher = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T))
         task = DistillationTask(cfg.distillation, teacher.eval().requires_grad_(False), CausalLMTask())
@@ -193,7 +193,7 @@ def _fsdp_reduce_scatters(rank, world, out_dir, mode):
     from gradient_garden.parallel.distributed import DistEnv, apply_fsdp
     from gradient_garden.train.trainer import Trainer
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.tasks.pretraining import CausalLMTask
+    from gradient_garden.stages.pretraining import CausalLMTask
     cfg = tiny_cfg(total_batch_size=2 * 2 * T * world)            # micro-batches of 2 x 16, 2 per rank per step
     cfg.runtime.fsdp_accumulation = mode
     torch.manual_seed(0)

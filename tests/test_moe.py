@@ -253,7 +253,7 @@ def _router_worker(rank, world, out_dir):
     from gradient_garden.config import from_plain
     from gradient_garden.parallel.distributed import DistEnv
     from gradient_garden.train.trainer import Trainer
-    from gradient_garden.tasks.pretraining import CausalLMTask
+    from gradient_garden.stages.pretraining import CausalLMTask
     cfg = from_plain(GlobalConfig, dict(model=dataclasses.asdict(CFG), runtime=dict(device="cpu"),
                      training=dict(seq_len=16, micro_batch_size=2, total_batch_size=2 * 16 * world, max_steps=1),
                      validation=dict(steps=1), paths=dict(runs=str(out_dir))))

@@ -15,10 +15,10 @@ from gradient_garden.data.verifiable import (TASKS, WORDS, heldout_examples, sam
                                              sample_preference_pairs, split_of)
 from gradient_garden.models.lora import apply_lora, lora_state_dict, merge_lora, unmerge_lora, merge_and_unload
 from gradient_garden.models.tendril import build_model
-from gradient_garden.tasks.distillation import DistillationTask, check_vocab, distillation_kl, load_teacher
-from gradient_garden.tasks.dpo import (DPOLoader, DPOTask, ModelReference, PairDataset, PrecomputedReference, dpo_loss,
+from gradient_garden.stages.distillation import DistillationTask, check_vocab, distillation_kl, load_teacher
+from gradient_garden.stages.dpo import (DPOLoader, DPOTask, ModelReference, PairDataset, PrecomputedReference, dpo_loss,
                                        prepare_dpo, preference_accuracy, sequence_logps)
-from gradient_garden.tasks.sft import IGNORE_INDEX, SFTLoader, SFTTask, prepare_instruct, tokenize_chat
+from gradient_garden.stages.sft import IGNORE_INDEX, SFTLoader, SFTTask, prepare_instruct, tokenize_chat
 from gradient_garden.cli.prepare import run_prepare_dpo, run_prepare_instruct   # the gg prepare --instruct/--dpo hooks
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
@@ -212,7 +212,7 @@ def test_sft_mask_is_assistant_content_and_eot(tok):
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_loader_labels_are_only_assistant_tokens(data, tok, packing):
-    from gradient_garden.tasks.sft import SFTDataset
+    from gradient_garden.stages.sft import SFTDataset
     ds = SFTDataset(data["instruct"], "train")
     supervised = set()
     for i in range(len(ds)):
@@ -315,7 +315,7 @@ def test_dpo_reference_and_loss_under_fsdp2_match_one_process(data, tmp_path):
     one = PrecomputedReference(policy, {"val": ds}, SEQ, 20)
     assert torch.allclose(r[0]["table"], one.table("val"), atol=1e-3) and torch.equal(r[0]["table"], r[1]["table"])
     assert not set(r[0]["pairs"].tolist()) & set(r[1]["pairs"].tolist())
-    from gradient_garden.tasks.dpo import collate_pairs
+    from gradient_garden.stages.dpo import collate_pairs
     loss = 0.0
     for i in range(2):
         b = one.attach(collate_pairs(ds, r[i]["pairs"].numpy(), int(ds.meta["pad_id"]), SEQ), "val")

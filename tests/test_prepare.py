@@ -363,7 +363,7 @@ def test_cli_two_stage_flags_is_a_usage_error():
 
 def test_cli_rl_flag_prepares_the_embedded_prompts(tmp_path, tok):
     "`gg prepare --rl` (no recipe): the embedded verifiable prompts, train and held-out, where the rl stage reads them."
-    from gradient_garden.tasks.rl import read_prompts
+    from gradient_garden.stages.rl import read_prompts
     assert cli("--rl", "--set", f"tokenizer.path={tok.path}", f"paths.datasets={tmp_path}") == 0
     folders = sorted({f.parent for f in (tmp_path / "rl").rglob("prompts.jsonl")})
     assert folders and all(read_prompts(f) for f in folders)

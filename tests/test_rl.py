@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradient_garden.config import ConfigError, GlobalConfig, RLConfig, from_plain, validate
-from gradient_garden.tasks.rl import (RL_LOSSES, RLExample, RLTask, Rewarder, call_reward, check_rl_start,
+from gradient_garden.stages.rl import (RL_LOSSES, RLExample, RLTask, Rewarder, call_reward, check_rl_start,
                                       group_advantages, load_prompts, load_reward_function, loss_parts, token_losses)
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
@@ -68,7 +68,7 @@ def test_loss_and_gradient_equal_trl(loss_type, beta):
 @pytest.mark.parametrize("loss_type", RL_LOSSES)
 def test_entropy_bonus_equals_trl(loss_type):
     "rl.entropy_coef: the loss minus coef x the mean completion-token entropy, and its gradient, as TRL's `entropy_coef`."
-    from gradient_garden.tasks.rl import entropy_sum
+    from gradient_garden.stages.rl import entropy_sum
     g = torch.Generator().manual_seed(2)
     B, T, coef = 8, 10, 0.03
     mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
@@ -90,7 +90,7 @@ def test_entropy_bonus_equals_trl(loss_type):
 def test_adaptive_entropy_equals_trl(loss_type):
     """rl.use_adaptive_entropy: over steps whose entropy crosses the target both ways and hits both bounds, the applied
     bonus (loss and gradient) and the coefficient equal TRL's `use_adaptive_entropy` control, step by step."""
-    from gradient_garden.tasks.rl import EntropyControl, entropy_sum
+    from gradient_garden.stages.rl import EntropyControl, entropy_sum
     g = torch.Generator().manual_seed(3)
     B, T = 8, 10
     mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
@@ -123,7 +123,7 @@ def test_logps_at_the_sampling_temperature_equal_trl(temperature):
     from trl.trainer.utils import selective_log_softmax_and_entropy
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.tasks.rl import IGNORE_INDEX, collate_rollouts, completion_logps
+    from gradient_garden.stages.rl import IGNORE_INDEX, collate_rollouts, completion_logps
     torch.manual_seed(0)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
     b = collate_rollouts([[1, 5, 9, 11], [1, 7]], [[4, 40, 2], [6, 70, 71, 3]], 32, 0)
@@ -234,7 +234,7 @@ def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
     "The real-scale recipe validates, and its prompts prepare from local files in GSM8K's exact schema (no hub)."
     import json
     from gradient_garden.config import load_config
-    from gradient_garden.tasks.rl import heldout_examples_for, numeric_match
+    from gradient_garden.stages.rl import heldout_examples_for, numeric_match
     cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
     assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
     rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -251,7 +251,7 @@ def _fixed_loader(rank, world, seed=0):
     "A rollout loader over 8 prompts (G 4, 32 rows per step) whose completions and rewards are fixed functions of the prompt."
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.tasks.rl import RolloutLoader
+    from gradient_garden.stages.rl import RolloutLoader
     torch.manual_seed(seed)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
     tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
@@ -352,7 +352,7 @@ def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high
 @pytest.mark.parametrize("kind,gamma,weight", [("shaped", 0.1, 1.0), ("shaped", 0.5, 1.0), ("log_likelihood", 0.1, 1.0), ("log_likelihood", 0.1, 6.0)])
 def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
     "rl.off_policy_rows: advantages, the shaped unclipped term on reference rows and the clipped one on sampled rows (dapo), loss and gradient."
-    from gradient_garden.tasks.rl import with_references
+    from gradient_garden.stages.rl import with_references
     g = torch.Generator().manual_seed(4)
     G, k, B, T = 4, 1, 12, 6
     rewards = [0., 0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1]          # samples all fail / differ / all right (and the reference too)
@@ -377,7 +377,7 @@ def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
 
 def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp_path):
     "A GSM8K row's reference completion is its whole worked answer as the assistant turn; the numeric verifier accepts it."
-    from gradient_garden.tasks.rl import reference_completion
+    from gradient_garden.stages.rl import reference_completion
     tok = SimpleNamespace(eot_id=2, eos_id=3, encode=lambda s: [ord(c) for c in s], decode=lambda ids: "".join(chr(i) for i in ids),
                           render_chat=lambda msgs, add_generation_prompt=False: (
                               [1, 9] + [ord(c) for c in msgs[0]["content"]] + [2, 9] + [ord(c) for c in msgs[1]["content"]] + [2],

@@ -20,7 +20,7 @@ def rl_inputs(tmp_path_factory):
     "A 768-token BPE and the RL prompts (train and held-out) prepared with it; returns the overrides that point at them."
     from gradient_garden.config import load_config
     from gradient_garden.data.verifiable import WORDS, sample_conversations
-    from gradient_garden.tasks.rl import prepare_rl, rl_dir
+    from gradient_garden.stages.rl import prepare_rl, rl_dir
     from gradient_garden.tokenizer import train_bpe
     base = tmp_path_factory.mktemp("rl_inputs")
     texts = [m["content"] for c in sample_conversations(300, seed=0) for m in c] + [" ".join(WORDS)] * 2

@@ -94,7 +94,7 @@ def _exact_match_worker(rank, world, tok_dir, out_dir):
     from gradient_garden.data.verifiable import heldout_examples
     from gradient_garden.parallel.distributed import apply_fsdp
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.tasks.sft import evaluate_exact_match
+    from gradient_garden.stages.sft import evaluate_exact_match
     from gradient_garden.tokenizer import init_tokenizer
     tok = init_tokenizer(TokenizerConfig(path=tok_dir))
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def test_sft_exact_match_under_fsdp2_is_lockstep_with_uneven_shards(prepared, tm
     from gradient_garden.config import ModelConfig, TokenizerConfig
     from gradient_garden.data.verifiable import heldout_examples
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.tasks.sft import evaluate_exact_match
+    from gradient_garden.stages.sft import evaluate_exact_match
     from gradient_garden.tokenizer import init_tokenizer
     torch.manual_seed(0)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128))

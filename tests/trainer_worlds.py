@@ -41,8 +41,8 @@ def post_training_inputs(prepared, base: Path) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch
     from gradient_garden.config import load_config
-    from gradient_garden.tasks.dpo import prepare_dpo
-    from gradient_garden.tasks.sft import prepare_instruct
+    from gradient_garden.stages.dpo import prepare_dpo
+    from gradient_garden.stages.sft import prepare_instruct
     cfg, _ = load_config(recipe=RECIPE, overrides=sets(prepared, base/"unused"))
     src = {"type": "verifiable", "train": 160, "val": 16, "max_turns": 1, "seed": 0}
     prepare_instruct({"sources": [src]}, cfg, base/"datasets"/"instruct", progress=False)

@@ -63,7 +63,7 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 # %% ../../nbs/73_cli_evaluate.ipynb #9808ad1d
-from ..tasks.rl import evaluate_generative, heldout_examples_for, load_prompts
+from ..stages.rl import evaluate_generative, heldout_examples_for, load_prompts
 
 def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k)."

@@ -12,9 +12,9 @@ from ..tokenizer import ensure_tokenizer
 from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_file_data,
                                           parse_pretraining_data, prepare_pretraining, tokenizer_texts)
 from ..evals.benchmarks import TASKS, eval_source, prepare_evals
-from ..tasks.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
-from ..tasks.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
-from ..tasks.rl import DEFAULT_RL_SOURCES, prepare_rl
+from ..stages.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
+from ..stages.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
+from ..stages.rl import DEFAULT_RL_SOURCES, prepare_rl
 from ..train.plan import estimate_workload   # no trainer: the plan's arithmetic adds ~0.1 s to start-up
 
 # %% auto #0

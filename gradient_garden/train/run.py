@@ -25,12 +25,12 @@ from ..checkpoint.checkpoints import base_weights, check_compatible, list_checkp
 from ..models.lora import apply_lora
 from ..models.tendril import build_model, unwrap_model
 from ..tokenizer import init_tokenizer
-from ..tasks.stages import StageParts
-from ..tasks.pretraining import build_pretraining
-from ..tasks.sft import build_instruct
-from ..tasks.dpo import build_dpo
-from ..tasks.rl import build_rl, check_rl_start
-from ..tasks.distillation import wrap_with_distillation
+from ..stages.base import StageParts
+from ..stages.pretraining import build_pretraining
+from ..stages.sft import build_instruct
+from ..stages.dpo import build_dpo
+from ..stages.rl import build_rl, check_rl_start
+from ..stages.distillation import wrap_with_distillation
 
 # %% auto #0
 __all__ = ['STAGES', 'STOP_SIGNALS', 'RUN_RECORDS', 'register_stage', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records',

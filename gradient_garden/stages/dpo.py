@@ -25,7 +25,7 @@ from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 
 # %% ../../nbs/43_dpo.ipynb #02e75e41
-from .stages import (IGNORE_INDEX, SplitStream, StageParts, check_identity, check_messages, check_source,
+from .base import (IGNORE_INDEX, SplitStream, StageParts, check_identity, check_messages, check_source,
                                           check_stream_state, datasets_progress, load_ragged, load_rows, open_split, save_ragged,
                                           stage_sources, stream_positions)
 from ..models.tendril import unwrap_model

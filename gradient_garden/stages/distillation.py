@@ -20,7 +20,7 @@ __all__ = ['distillation_kl', 'load_teacher', 'teacher_vocab_size', 'check_vocab
 # %% ../../nbs/44_distillation.ipynb #ecefaf60
 from ..runtime import parse_dtype
 from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
-from .stages import IGNORE_INDEX
+from .base import IGNORE_INDEX
 from ..models.attention import additive_mask, attention_mask
 
 # %% ../../nbs/44_distillation.ipynb #0850eee8

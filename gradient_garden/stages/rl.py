@@ -21,7 +21,7 @@ from .rewards import (RLExample, Rewarder, correctness, from_verifiable, load_pr
 from ..generation import (_left_padded, _no_grad_mode, decode_step, decode_step_applies, hold_decode_weights,
                           sample_next)
 from ..models.tendril import unwrap_model
-from .stages import StageParts
+from .base import StageParts
 from fastcore.basics import patch
 
 # %% auto #0
@@ -177,7 +177,7 @@ def completion_logps(model, batch: dict, entropy_grad: bool = False, temperature
     return lp, ent
 
 # %% ../../nbs/46_rl.ipynb #5630412c
-from .stages import stream_positions
+from .base import stream_positions
 from ..runtime import autocast_context
 
 def _plain_module(model):

@@ -27,7 +27,7 @@ from ..generation import generate
 from .pretraining import CausalLMTask
 
 # %% ../../nbs/42_sft.ipynb #348b3223
-from .stages import (IGNORE_INDEX, StageParts, SplitStream, check_identity, check_messages,
+from .base import (IGNORE_INDEX, StageParts, SplitStream, check_identity, check_messages,
                                           check_source, check_stream_state, datasets_progress, load_ragged, load_rows,
                                           open_split, save_ragged, stage_sources, stream_positions)
 from fastcore.basics import patch   # the loader is built up method by method below

@@ -16,7 +16,7 @@ from ..models.tendril import trainable
 __all__ = ['MODEL_INPUTS', 'causal_lm_loss_sum', 'CausalLMTask', 'build_pretraining', 'unigram_baseline']
 
 # %% ../../nbs/41_pretraining.ipynb #728dd1f3
-from .stages import StageParts
+from .base import StageParts
 
 # %% ../../nbs/41_pretraining.ipynb #0f43a562
 MODEL_INPUTS = ("doc_ids", "position_ids", "attn_mask")
