@@ -6,6 +6,7 @@ n_experts / k times as many. One step = forward + cross-entropy (+ the MoE's aux
 fixed batch. Contenders run side by side in one process in rotated order each round; figures are medians.
 
     OMP_NUM_THREADS=1 python bench/moe_step.py               # CPU fp32
+    python bench/moe_step.py --smoke                         # tiny batch, one round: seconds
     python bench/moe_step.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
 
 The last line of stdout is one JSON object with the figures (ratio = MoE tokens/s / dense tokens/s; target >= 0.7).
@@ -13,7 +14,7 @@ The last line of stdout is one JSON object with the figures (ratio = MoE tokens/
 from __future__ import annotations
 import dataclasses, json, statistics, time
 import torch
-from common import bench_parser, setup, sync
+from common import apply_smoke, bench_parser, setup, sync
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import build_model, count_parameters, ffn_hidden_dim, flops_per_token
@@ -25,7 +26,7 @@ def parse_args(argv=None):
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="also time the capacity (padded bmm) path; 0 = skip")
-    return p.parse_args(argv)
+    return apply_smoke(p.parse_args(argv), batch_size=1, seq_len=32, rounds=1, steps_per_round=1, warmup=1)
 
 
 def configs(args) -> dict[str, ModelConfig]:
@@ -47,8 +48,8 @@ def step(model, opt, x, y, autocast_dtype, device_type):
     "Forward with the model's own (fused) loss (+ aux loss when the model has one), backward, AdamW; returns the loss."
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         loss = model(x, labels=y) / y.numel()
-    aux = getattr(model, "aux_loss", None)
-    (loss + aux() if callable(aux) else loss).backward()
+    aux = model.aux_loss()   # the router's losses of this forward; None for the dense model
+    (loss if aux is None else loss + aux).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -91,7 +92,7 @@ def main(argv=None):
         print(f"{n:14s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['dense']:8.2f}x {params[n]:11,d} {fpt[n]/1e9:12.4f}  "
               f"({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
     moe = cfgs["moe"]
-    result = dict(bench="moe_step", device=args.device, threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
+    result = dict(bench="moe_step", smoke=args.smoke, device=args.device, threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
                   shape=dict(dim=moe.dim, n_layers=moe.n_layers, vocab=moe.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
                              n_experts=moe.n_experts, top_k=moe.n_experts_per_token, expert_hidden=768 // args.top_k, dense_hidden=768,
                              active_ffn_params_per_layer=moe_active_matmul_params(moe) - moe.dim * moe.n_experts),
