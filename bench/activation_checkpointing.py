@@ -9,6 +9,7 @@ of selective) is measured for comparison.
 
     python bench/activation_checkpointing.py                  # CPU, micro batch 2, writes bench/results/activation_checkpointing.json
     python bench/activation_checkpointing.py --device cuda --batch-size 8 --dtype bf16
+    python bench/activation_checkpointing.py --smoke          # the recipe's model shrunk to dim 64, 2 layers: seconds
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -19,6 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common import add_smoke, apply_smoke, results_path
 from gradient_garden.config import load_recipe
 from gradient_garden.models.tendril import build_model, count_parameters
 from gradient_garden.parallel.activation_checkpointing import apply_activation_checkpointing, activation_peak, checkpoint_module
@@ -54,13 +56,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default=str(ROOT/"bench"/"results"/"activation_checkpointing.json"))
-    args = p.parse_args(argv)
+    args = apply_smoke(add_smoke(p).parse_args(argv), batch_size=1, seq_len=64, rounds=1)
+    if args.smoke: args.out = str(results_path(args.out, True))
     cfg = load_recipe(args.recipe).config
+    if args.smoke: cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.vocab_size = 64, 2, 4, 2, 1024
     device, dtype = torch.device(args.device), (torch.bfloat16 if args.dtype == "bf16" else None)
     modes = args.modes.split(",")
     tokens = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
     models = {m: build(cfg, m, device) for m in modes}
-    res = dict(parameters=count_parameters(models[modes[0]]), batch_size=args.batch_size, seq_len=args.seq_len,
+    res = dict(smoke=args.smoke, parameters=count_parameters(models[modes[0]]), batch_size=args.batch_size, seq_len=args.seq_len,
                device=device.type, dtype=args.dtype, threads=torch.get_num_threads(), modes={})
     for m in modes:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):

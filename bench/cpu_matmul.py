@@ -7,6 +7,7 @@ losing to MKL in fp32.
 
     python bench/cpu_matmul.py                 # torch's threads
     python bench/cpu_matmul.py --threads 1
+    python bench/cpu_matmul.py --smoke         # two shapes, two row counts, a few calls: seconds
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -14,13 +15,17 @@ from __future__ import annotations
 import argparse, json, statistics, time
 import torch
 import torch.nn.functional as F
+from common import add_smoke
 
 SHAPES = [(128, 128), (256, 256), (512, 256), (1536, 256), (4096, 128), (2304, 768)]
 ROWS = [1, 2, 4, 8, 16, 32]
 
-def median_us(f, calls: int = 300, repeats: int = 5) -> float:
+CALLS, REPEATS, WARMUP, GEMM_N = 300, 5, 20, 1024
+
+def median_us(f, calls: int = None, repeats: int = None) -> float:
     "Median over `repeats` of the mean time of `calls` calls, in microseconds."
-    for _ in range(20): f()
+    calls, repeats = calls or CALLS, repeats or REPEATS
+    for _ in range(WARMUP): f()
     ts = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -31,8 +36,10 @@ def median_us(f, calls: int = 300, repeats: int = 5) -> float:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
+    args = add_smoke(p).parse_args(argv)
     if args.threads: torch.set_num_threads(args.threads)
+    global SHAPES, ROWS, CALLS, REPEATS, WARMUP, GEMM_N
+    if args.smoke: SHAPES, ROWS, CALLS, REPEATS, WARMUP, GEMM_N = SHAPES[:2], [1, 8], 5, 1, 2, 256
     mk, out = torch.ops.mkldnn, {}
     print(f"threads {torch.get_num_threads()}; us per call, MKL fp32 / oneDNN fp32 / oneDNN bf16")
     with torch.inference_mode():
@@ -47,13 +54,14 @@ def main(argv=None):
                                                            lambda: mk._linear_pointwise(xb, p16, None, "none", [], ""))]
             out[f"{o}x{i}"] = row
             print(f"{o:>5} x {i:<4} " + "  ".join(f"{m}: {a:.0f}/{b:.0f}/{c:.0f}" for m, (a, b, c) in row.items()))
-        a = torch.randn(1024, 1024); pa, pb = mk._reorder_linear_weight(a, 1024), mk._reorder_linear_weight(a.bfloat16(), 1024)
-        flops = 2 * 1024 ** 3
-        gemm = {name: round(flops / median_us(f, calls=20) / 1e3, 1) for name, f in (
+        n = GEMM_N
+        a = torch.randn(n, n); pa, pb = mk._reorder_linear_weight(a, n), mk._reorder_linear_weight(a.bfloat16(), n)
+        flops = 2 * n ** 3
+        gemm = {name: round(flops / median_us(f, calls=min(20, CALLS)) / 1e3, 1) for name, f in (
             ("mkl_fp32", lambda: a @ a), ("onednn_fp32", lambda: mk._linear_pointwise(a, pa, None, "none", [], "")),
             ("onednn_bf16", lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], "")))}
-    print("1024^3 GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in gemm.items()))
-    print(json.dumps(dict(bench="cpu_matmul", threads=torch.get_num_threads(), torch=torch.__version__, us_per_call=out, gemm_gflops=gemm)))
+    print(f"{n}^3 GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in gemm.items()))
+    print(json.dumps(dict(bench="cpu_matmul", smoke=args.smoke, gemm_n=n, threads=torch.get_num_threads(), torch=torch.__version__, us_per_call=out, gemm_gflops=gemm)))
 
 if __name__ == "__main__":
     main()

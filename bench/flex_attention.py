@@ -8,13 +8,15 @@ the JSON says). `--backend-compile` sets Inductor or another backend for the fle
 
     python bench/flex_attention.py                      # CPU fp32
     python bench/flex_attention.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
+    python bench/flex_attention.py --smoke               # 2 x 64 tokens, one layer, one round; the flex kernel compiled
+                                                         # by the `eager` backend on CPU (Inductor's C++ build alone takes 15 s)
 
 The last line of stdout is one JSON object with the figures.
 """
 from __future__ import annotations
 import json, statistics, time
 import torch
-from common import bench_parser, setup, sync
+from common import apply_smoke, bench_parser, setup, sync
 from gradient_garden.config import ModelConfig
 from gradient_garden.models import attention
 from gradient_garden.models.attention import attention_mask, document_block_mask, flex_gqa, sdpa_gqa
@@ -26,8 +28,11 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--doc-len", type=float, default=50.0, help="mean document length in tokens")
-    p.add_argument("--backend-compile", default="inductor")
-    return p.parse_args(argv)
+    p.add_argument("--backend-compile", default=None, help="default: inductor (eager in smoke mode on CPU)")
+    args = apply_smoke(p.parse_args(argv), batch_size=2, seq_len=64, dim=64, n_layers=1, doc_len=16.0, rounds=1,
+                       steps_per_round=1, warmup=1)
+    if args.backend_compile is None: args.backend_compile = "eager" if args.smoke and args.device == "cpu" else "inductor"
+    return args
 
 
 def timed(f, device, n):
@@ -86,7 +91,7 @@ def main(argv=None):
     for what in ("mask_ms", "attention_ms", "forward_ms", "train_step_ms"):
         a, b = med.get(f"{what}_flex"), med.get(f"{what}_sdpa")
         print(f"{what:14s} flex {a if a is not None else 'n/a':>8} sdpa {b:>8}" + (f"  sdpa/flex {b / a:.2f}x" if a else ""))
-    result = dict(bench="flex_attention", device=dev, dtype=dtype, threads=torch.get_num_threads(), torch=torch.__version__,
+    result = dict(bench="flex_attention", smoke=args.smoke, backend_compile=args.backend_compile, device=dev, dtype=dtype, threads=torch.get_num_threads(), torch=torch.__version__,
                   shape=dict(batch=B, seq_len=T, dim=args.dim, n_layers=args.n_layers, heads=H, kv_heads=KV, head_dim=d,
                              mean_doc_len=args.doc_len, docs_per_row=round(float((doc.max(-1).values + 1).float().mean()), 1)),
                   flex_compile_s=round(compile_s, 2), max_abs_diff_vs_sdpa=diff, medians=med,
