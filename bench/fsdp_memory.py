@@ -13,6 +13,7 @@ two steps is reported as well.
     python bench/fsdp_memory.py                      # 2 CPU ranks, gloo, the debug recipe's model
     python bench/fsdp_memory.py --ranks 4                  # adds HSDP 2 x 2
     python bench/fsdp_memory.py --ranks 4 --device cuda --set model.dim=1024 model.n_layers=16
+    python bench/fsdp_memory.py --smoke                    # 2 CPU ranks, dim 64, 2 layers, 1 x 16 tokens: seconds
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+from common import add_smoke
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024"]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,7 +37,10 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--replicate", type=int, default=2, help="HSDP replicate degree (with 4 or more ranks)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = add_smoke(p).parse_args(argv)
+    if args.smoke and not args.worker:
+        args.ranks, args.device, args.batch_size, args.seq_len, args.overrides = 2, "cpu", 1, 16, TINY + args.overrides
+    return args
 
 def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
     "Footprint (bytes) of one wrapped model (`ddp`, `fsdp2` or `hsdp`) before its second optimizer step."
@@ -89,7 +95,7 @@ def main(argv=None):
     mb = lambda b: b / 2**20
     print(f"{res['parameters']:,} parameters, {res['world_size']} ranks ({res['device']}); MiB per rank "
           f"(parameters + gradients + optimizer = total), max over ranks:")
-    out = dict(parameters=res["parameters"], world_size=res["world_size"], device=res["device"])
+    out = dict(smoke=args.smoke, parameters=res["parameters"], world_size=res["world_size"], device=res["device"])
     for key in res["ranks"][0]:
         worst = {k: max(r[key][k] for r in res["ranks"]) for k in res["ranks"][0][key]}
         out[key.replace("/", "_")] = worst
