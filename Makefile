@@ -32,12 +32,17 @@ run: install
 	$(BIN)/gg prepare --recipe $(RECIPE)
 	$(BIN)/gg train --recipe $(RECIPE)
 
+# gg notebook's template is package data, outside nbs/: cleaned the same way
+TEMPLATE := gradient_garden/assets/runs/train.ipynb
+
 export:
 	$(BIN)/nbdev-export
 	$(BIN)/nbdev-clean
+	$(BIN)/nbdev-clean --fname $(TEMPLATE)
 
 check-clean:
 	$(BIN)/nbdev-clean
+	$(BIN)/nbdev-clean --fname $(TEMPLATE)
 	$(BIN)/nbdev-export
 	@if [ -n "$$(git status --porcelain -- nbs gradient_garden)" ]; then \
 		echo "nbdev-clean/nbdev-export changed files; run 'make export' and commit:"; \

@@ -44,10 +44,10 @@ def unclean(cell) -> list[str]:
 BASELINE = Path(__file__).with_name("book_outputs_baseline.json")   # cells not yet clean, per notebook: may only shrink
 
 def book(nbs: Path):
-    "(path relative to `nbs`, code cells) of each notebook of the book (checkpoints and run reports aside)."
+    "(path relative to `nbs`, code cells) of each notebook of the book (Jupyter's checkpoints aside)."
     for nb_path in sorted(nbs.rglob("*.ipynb")):
         rel = nb_path.relative_to(nbs)
-        if ".ipynb_checkpoints" in rel.parts or rel.parts[0] == "runs": continue
+        if ".ipynb_checkpoints" in rel.parts: continue
         yield rel, [c for c in json.loads(nb_path.read_text())["cells"] if c["cell_type"] == "code"]
 
 def dirty(nbs: Path) -> list[str]:

@@ -7,8 +7,8 @@ FLOPs, tokens and time) before anything is allocated."""
 from __future__ import annotations
 import argparse, contextlib, os, signal, subprocess, sys, threading, time
 from pathlib import Path
+from importlib import resources
 import psutil
-import gradient_garden
 from . import tell_torchrun
 from ..config import ConfigError, STAGE_FLAGS, load_config
 from ..checkpoint.checkpoints import list_checkpoints
@@ -89,8 +89,8 @@ def forwarding_stop_signals(received: list):
 
 # %% ../../nbs/74_cli_train.ipynb #e99d65a5
 def default_train_notebook() -> Path:
-    "The parameterised training notebook of this checkout."
-    return Path(gradient_garden.__file__).resolve().parent.parent/"nbs"/"runs"/"train.ipynb"
+    "The parameterised training notebook that ships in the package's assets (any install, editable or not)."
+    return Path(str(resources.files("gradient_garden")/"assets"/"runs"/"train.ipynb"))
 
 def report_path(run_dir, rank: int) -> Path:
     "`report.ipynb` for rank 0, `report_rank<N>.ipynb` for the others."
@@ -106,7 +106,7 @@ def _is_kernel_startup_error(e: Exception) -> bool:
 def add_notebook_args(p: argparse.ArgumentParser):
     "Flags of `gg notebook`."
     add_train_args(p)
-    p.add_argument("--notebook", help="parameterised notebook to execute (default: nbs/runs/train.ipynb)")
+    p.add_argument("--notebook", help="parameterised notebook to execute (default: the package's assets/runs/train.ipynb)")
     p.add_argument("--output", help="executed notebook path (default: <run_dir>/report.ipynb)")
     p.add_argument("--retries", type=int, default=3, help="kernel start-up attempts")
 
@@ -136,7 +136,9 @@ def run_notebook(args) -> int:
     cfg, _ = config_from_args(args)  # fail fast, before starting a kernel
     rank = int(os.environ.get("RANK", 0))
     nb = Path(args.notebook) if args.notebook else default_train_notebook()
-    if not nb.is_file(): raise ConfigError(f"--notebook: {nb} not found")
+    if not nb.is_file() and args.notebook: raise ConfigError(f"--notebook: {nb} not found")
+    if not nb.is_file(): raise ConfigError(f"the report notebook template {nb} is missing from this install of "
+                                           "gradient_garden; reinstall it, or pass --notebook")
     if not args.checkpoint and not args.overwrite:  # refuse before papermill overwrites the old run's report
         try: prepare_run_dir(cfg.run_dir)
         except ConfigError as e: e.same_on_every_rank = True; raise
