@@ -84,7 +84,9 @@ def results_path(default, smoke: bool):
 def reference_available(module: str, leg: str) -> bool:
     "Whether the reference library `module` can be imported; when not, say on stderr that `leg` is skipped."
     import importlib.util, sys
-    if importlib.util.find_spec(module) is not None: return True
+    try:
+        if importlib.util.find_spec(module) is not None: return True
+    except (ImportError, ValueError): pass
     print(f"skipped {leg}: {module} is not installed", file=sys.stderr)
     return False
 

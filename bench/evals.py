@@ -7,6 +7,10 @@ process, one torch thread, fp32, every contender run once untimed first; medians
 mode's log-likelihoods are checked against `HFLM`'s. The load average is printed and stored with the figures.
 
     .venv/bin/python bench/evals.py [--repeats 11] [--batch-size 16] [--lm-eval-batch-size N] [--device cpu]
+    .venv/bin/python bench/evals.py --smoke      # 2 examples a task, one repeat, lm-eval's HFLM still the reference
+
+Without lm-evaluation-harness installed, `GardenLM` and `HFLM` are skipped (a line says so) and the other modes are
+checked against one forward per choice.
 
 The last line of stdout is one JSON object with the figures."""
 import argparse, json, os, shutil, statistics, sys, tempfile, time
@@ -16,6 +20,7 @@ import torch
 
 from gradient_garden.evals import benchmarks as B, multiple_choice as E
 from gradient_garden.config import ModelConfig, TokenizerConfig
+from common import add_smoke, apply_smoke, reference_available
 
 
 def debug_tokenizer(work: Path):
@@ -70,27 +75,30 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lm-eval-batch-size", type=int, default=None, help="HFLM's batch size (default: --batch-size)")
     ap.add_argument("--examples", type=int, default=0, help="examples per task (fixture rows; 0 = all 40)")
-    a = ap.parse_args()
+    a = apply_smoke(add_smoke(ap).parse_args(), examples=2, repeats=1, batch_size=4)
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
-    from lm_eval.models.huggingface import HFLM
-    from gradient_garden.evals.lm_eval import GardenLM
-    from gradient_garden.models.hf import export_hf
+    lm_eval = reference_available("lm_eval", "GardenLM and lm-eval's HFLM (the reference)")
     device, work = torch.device(a.device), Path(tempfile.mkdtemp())
     tokenizer, tok_name = debug_tokenizer(work)
     mc = ModelConfig(vocab_size=tokenizer.vocab_size)
     model = debug_model(mc).to(device)
-    export_hf(model, work/"hf", tokenizer=tokenizer, tokenizer_dir=tokenizer.path)
-    hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.lm_eval_batch_size or a.batch_size, dtype="float32")
-    garden = GardenLM(model, tokenizer, batch_size=a.batch_size)
     n_params = sum(p.numel() for p in model.parameters())
     modes = {
         "one_per_choice": lambda exs: one_forward_per_choice(model, tokenizer, exs, device),
         "default": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, max_len=mc.max_seq_len),
         "per_choice_rows": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, share_context=False,
                                                         max_len=mc.max_seq_len),
-        "garden_lm": lambda exs: regroup(garden.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs),
-        "lm_eval_hf": lambda exs: regroup(hf.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs),
     }
+    if lm_eval:
+        from lm_eval.models.huggingface import HFLM
+        from gradient_garden.evals.lm_eval import GardenLM
+        from gradient_garden.checkpoint.hf import export_hf
+        export_hf(model, work/"hf", tokenizer=tokenizer, tokenizer_dir=tokenizer.path)
+        hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.lm_eval_batch_size or a.batch_size, dtype="float32")
+        garden = GardenLM(model, tokenizer, batch_size=a.batch_size)
+        modes["garden_lm"] = lambda exs: regroup(garden.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs)
+        modes["lm_eval_hf"] = lambda exs: regroup(hf.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs)
+    REF = "lm_eval_hf" if lm_eval else "one_per_choice"   # what every other mode's timings and log-likelihoods are held against
     print(f"model tendril, {n_params/1e6:.2f}M params; tokenizer {tok_name}; device {device}; "
           f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (GardenLM: {a.batch_size}, HFLM: {a.lm_eval_batch_size or a.batch_size} "
           f"requests); {a.repeats} repeats", file=sys.stderr)
@@ -99,8 +107,8 @@ def main():
     for name in B.TASKS:
         exs = B.load_examples(name)
         exs = [exs[i] for i in B.sample_indices(len(exs), a.examples, 0)]
-        ref = modes["lm_eval_hf"](exs)
-        diffs = {m: max(abs(x - y) for g, r in zip(modes[m](exs), ref) for x, y in zip(g, r)) for m in modes if m != "lm_eval_hf"}
+        ref = modes[REF](exs)
+        diffs = {m: max(abs(x - y) for g, r in zip(modes[m](exs), ref) for x, y in zip(g, r)) for m in modes if m != REF}
         times = {m: [] for m in modes}
         for _ in range(a.repeats):
             for m in times:
@@ -109,18 +117,18 @@ def main():
         f = {"examples": len(exs), "choices": sum(len(ex.requests) for ex in exs)}
         for m, t in med.items(): f[f"{m}_examples_per_s"] = round(len(exs) / t, 2)
         for m in diffs:
-            f[f"{m}_vs_lm_eval_hf"] = round(med["lm_eval_hf"] / med[m], 2)
-            f[f"{m}_max_abs_diff_vs_lm_eval_hf"] = float(f"{diffs[m]:.2e}")
+            f[f"{m}_vs_{REF}"] = round(med[REF] / med[m], 2)
+            f[f"{m}_max_abs_diff_vs_{REF}"] = float(f"{diffs[m]:.2e}")
         figures[name] = f
-        print(f"{name:14s} " + "  ".join(f"{m} {len(exs)/t:7.1f} ex/s" for m, t in med.items()) + "  | vs lm_eval_hf: " +
-              "  ".join(f"{m} x{f[f'{m}_vs_lm_eval_hf']}" for m in diffs), file=sys.stderr)
+        print(f"{name:14s} " + "  ".join(f"{m} {len(exs)/t:7.1f} ex/s" for m, t in med.items()) + f"  | vs {REF}: " +
+              "  ".join(f"{m} x{f[f'{m}_vs_{REF}']}" for m in diffs), file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
     load_after = os.getloadavg()
-    ratios = {n: f["default_vs_lm_eval_hf"] for n, f in figures.items()}
-    print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; default scorer vs lm-eval HFLM: " +
+    ratios = {n: f[f"default_vs_{REF}"] for n, f in figures.items()}
+    print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; default scorer vs {REF}: " +
           ", ".join(f"{n} x{r}" for n, r in ratios.items()) + f" (target >= 2x on each: "
           f"{'met' if all(r >= 2 for r in ratios.values()) else 'not met'})", file=sys.stderr)
-    print(json.dumps({"bench": "evals", "load_average_before": [round(x, 2) for x in load_before],
+    print(json.dumps({"bench": "evals", "smoke": a.smoke, "reference": REF, "load_average_before": [round(x, 2) for x in load_before],
                       "load_average_after": [round(x, 2) for x in load_after], "device": str(device), "model": "tendril", "params": n_params, "tokenizer": tok_name,
                       "batch_size": a.batch_size, "lm_eval_batch_size": a.lm_eval_batch_size or a.batch_size, "repeats": a.repeats, "torch_threads": torch.get_num_threads(), "tasks": figures}))
 

@@ -8,6 +8,7 @@ measured matmul peak (and the datasheet peak on GPU).
     python bench/generate.py                                  # CPU fp32
     python bench/generate.py --dtype bf16                     # CPU bf16 weights, with an fp32 Tendril beside them
     python bench/generate.py --device cuda --dtype bf16 --batch-size 32
+    python bench/generate.py --smoke                          # dim 64, 2 layers, 2 prompts x 4 new tokens, one round
 
 With `--dtype bf16`, Tendril decodes its fp32 weights under `torch.autocast(bf16)` (bf16 matmuls on held bf16 weight
 copies, fp32 residual stream, fp32 attention on CPU over an fp32 KV cache, the head's top logits re-scored in fp32), and
@@ -26,12 +27,12 @@ from __future__ import annotations
 import argparse, copy, json, statistics, time
 import torch
 from gradient_garden.hardware import gpu_datasheet_flops
-from common import matmul_peak_flops, sync
+from common import add_smoke, apply_smoke, matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.generation import generate
 from gradient_garden.models.tendril import Tendril, flops_per_token
-from gradient_garden.models.hf import to_hf_model
+from gradient_garden.checkpoint.hf import to_hf_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", choices=["auto", "text", "random"], default="auto",
                    help="text: windows of the checkpoint's validation split; auto: text when there is one, else random")
     p.add_argument("--agreement-batches", type=int, default=8, help="batches of fresh prompts for the bf16 agreement")
-    return p.parse_args(argv)
+    return apply_smoke(add_smoke(p).parse_args(argv), batch_size=2, min_prompt=4, max_prompt=8, new_tokens=4, rounds=1,
+                       agreement_batches=1)
 
 def prompt_source(args, run_cfg, vocab_size: int):
     "A function seed -> prompts of the bench's lengths: random token ids, or windows of the validation text."
@@ -115,6 +117,8 @@ def main(argv=None):
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
     cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
                       max_seq_len=args.max_prompt + args.new_tokens, tie_embeddings=False)
+    if args.smoke: cfg = ModelConfig(**{**cfg.__dict__, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 1024,
+                                        "multiple_of": 64})
     torch.manual_seed(0)
     model, run_cfg = Tendril(cfg).eval(), None
     if args.checkpoint:   # trained weights: greedy choices are decided by real margins, not random-init ties
@@ -169,10 +173,10 @@ def main(argv=None):
     cpu_med = {n: statistics.median(v) for n, v in cpu_times.items()}
     tps = {n: args.batch_size * n_new / t for n, t in med.items()}
 
-    peak = matmul_peak_flops(args.device, DTYPES[dtype])
+    peak = matmul_peak_flops(args.device, DTYPES[dtype], args.smoke)
     ctx = sum(lens) / len(lens) + n_new / 2
     fwd_flops = flops_per_token(cfg, int(ctx)) / 3         # forward only, at the mean context length while decoding
-    peak_fp32 = peak if dtype == "fp32" else matmul_peak_flops(args.device, torch.float32)
+    peak_fp32 = peak if dtype == "fp32" else matmul_peak_flops(args.device, torch.float32, args.smoke)
     mfu = {n: fwd_flops * v / (peak_fp32 if n.endswith("_fp32") else peak) for n, v in tps.items()}
     datasheet = None
     if dev_type == "cuda":
@@ -190,7 +194,7 @@ def main(argv=None):
     if sample is not None:
         print(f"free-running agreement over {sample['rows']} rows ({args.agreement_batches} batches of {prompt_kind} prompts): "
               f"{sample['agreement']:.1%}; {sample['rows_differing']} rows differ, first at new token {sample['first_differences']}")
-    result = dict(bench="generate", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+    result = dict(bench="generate", smoke=args.smoke, device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile, checkpoint=args.checkpoint,
                   prompts=prompt_kind, agreement_sample_vs_fp32=sample,
                   batch_size=args.batch_size, prompt_lens=lens, new_tokens=n_new, rounds=args.rounds,

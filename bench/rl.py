@@ -67,7 +67,7 @@ def bench_trl(args, cfg, model, tok, exs) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    from gradient_garden.models.hf import export_hf
+    from gradient_garden.checkpoint.hf import export_hf
     from gradient_garden.stages.rl import encode_prompt
     from gradient_garden.data.verifiable import exact_match
     out = Path(tempfile.mkdtemp())/"hf"
