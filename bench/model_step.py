@@ -12,6 +12,7 @@ MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (
     python bench/model_step.py --dtype bf16                        # CPU bf16 autocast, with an fp32 Tendril beside it
     python bench/model_step.py --device cuda --dtype bf16 --batch-size 32 --seq-len 1024
     git worktree add /tmp/base <commit> && python bench/model_step.py --no-compile --no-memory --against /tmp/base
+    python bench/model_step.py --smoke               # dim 64, 2 layers, 1 x 32 tokens, one round, no torch.compile
 
 With `--against DIR`, `tendril_against` is the Tendril of another checkout of the project (an earlier commit, say),
 imported beside this one in the same process, given the same weights (fused projections split where it keeps them
@@ -29,12 +30,12 @@ from __future__ import annotations
 import argparse, copy, gc, json, os, statistics, subprocess, sys, time
 import torch
 from gradient_garden.hardware import gpu_datasheet_flops
-from common import bench_parser, matmul_peak_flops, setup, sync
+from common import apply_smoke, bench_parser, matmul_peak_flops, setup, sync
 import torch.nn.functional as F
 
 from gradient_garden.config import ModelConfig
-from gradient_garden.models.tendril import Tendril, count_parameters, flops_per_token
-from gradient_garden.models.hf import to_hf_model
+from gradient_garden.models.tendril import Tendril, count_parameters, ffn_hidden_dim, flops_per_token
+from gradient_garden.checkpoint.hf import to_hf_model
 import gradient_garden.models.attention as attention
 BLOCK_BYTES = attention.BLOCK_ATTENTION_MAX_BYTES
 
@@ -54,10 +55,12 @@ def parse_args(argv=None):
                    help="the fused loss of the tendril contenders (auto: eager on CPU, Liger or compiled chunks on CUDA)")
     p.add_argument("--against", default=None, help="another checkout of the project: time its Tendril beside this one")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return apply_smoke(p.parse_args(argv), batch_size=1, seq_len=32, rounds=1, steps_per_round=1, warmup=1, no_compile=True)
 
 def model_config(args) -> ModelConfig:
-    "The issue's shape: dim 256, 4 layers, 8 heads / 4 KV heads, SwiGLU 768, vocab 8192, untied."
+    "The issue's shape: dim 256, 4 layers, 8 heads / 4 KV heads, SwiGLU 768, vocab 8192, untied (smoke: dim 64, 2 layers, vocab 1024)."
+    if args.smoke: return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, multiple_of=64,
+                                      max_seq_len=max(64, args.seq_len), tie_embeddings=False)
     return ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
                        max_seq_len=max(256, args.seq_len), tie_embeddings=False)
 
@@ -74,9 +77,9 @@ def other_tendril(path: str, cfg: ModelConfig, base: torch.nn.Module) -> torch.n
         sys.path.remove(str(path))
         for k in [k for k in sys.modules if k.split(".")[0] == "gradient_garden"]: del sys.modules[k]
         sys.modules.update(ours)
-    from gradient_garden.models.attention import fused_layout, split_fused_state_dict
+    from gradient_garden.checkpoint.state_dict import StateDictAdapter
     sd = base.state_dict()
-    if "layers.0.attention.wqkv.weight" not in model.state_dict(): sd = split_fused_state_dict(sd, fused_layout(base))
+    if "layers.0.attention.wqkv.weight" not in model.state_dict(): sd = StateDictAdapter(base).split(sd)
     model.load_state_dict(sd)
     return model
 
@@ -160,7 +163,7 @@ def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
         return (torch.cuda.max_memory_allocated() - before + own) / 2**20
     cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     if args.threads: cmd += ["--threads", str(args.threads)]
-    cmd += ["--compile-mode", args.compile_mode] + (["--dtype", args.dtype] if args.dtype else [])
+    cmd += ["--compile-mode", args.compile_mode] + (["--dtype", args.dtype] if args.dtype else []) + ["--smoke"] * args.smoke
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode: raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -208,8 +211,8 @@ def main(argv=None):
     tps = {n: tokens / t for n, t in med.items()}
 
     peak_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    peak = matmul_peak_flops(args.device, peak_dtype)
-    peak_fp32 = peak if dtype == "fp32" else matmul_peak_flops(args.device, torch.float32)
+    peak = matmul_peak_flops(args.device, peak_dtype, args.smoke)
+    peak_fp32 = peak if dtype == "fp32" else matmul_peak_flops(args.device, torch.float32, args.smoke)
     fpt = flops_per_token(cfg, args.seq_len)
     mfu = {n: fpt * v / (peak_fp32 if n.endswith("_fp32") else peak) for n, v in tps.items()}
     datasheet = None
@@ -235,9 +238,9 @@ def main(argv=None):
               f"CPU time {against['cpu_step_ratio']:.3f}")
     if "tendril_fp32" in names:
         print("vs tendril_fp32 (median step): " + ", ".join(f"{n} {med['tendril_fp32']/med[n]:.2f}x" for n in names if n != "tendril_fp32"))
-    result = dict(bench="model_step", device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+    result = dict(bench="model_step", smoke=args.smoke, device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
-                  shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden=768,
+                  shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden=ffn_hidden_dim(cfg.dim, cfg.multiple_of),
                              vocab=cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
                   rounds=args.rounds, steps_per_round=args.steps_per_round, compile_mode=args.compile_mode,
                   step_ms={n: round(v * 1e3, 2) for n, v in med.items()},
