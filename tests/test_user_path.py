@@ -141,8 +141,9 @@ def test_gg_notebook_says_the_kernels_error_as_gg_train_does(prepared, tmp_path)
 
 
 def test_gg_notebook_says_any_other_kernel_error_in_one_line(prepared, tmp_path):
-    from conftest import ROOT, run_gg
-    nb = json.loads((ROOT/"nbs"/"runs"/"train.ipynb").read_text())
+    from conftest import run_gg
+    from gradient_garden.cli.train import default_train_notebook
+    nb = json.loads(default_train_notebook().read_text())
     params = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
     nb["cells"] = [params, {"cell_type": "code", "execution_count": None, "id": "boom", "metadata": {}, "outputs": [],
                             "source": "print('before')\n1 / 0"}]
