@@ -10,6 +10,7 @@ Newton-Schulz call under torch's `FlopCounterMode` (matmul FLOPs only). Newton-S
 
     python bench/muon.py                    # 1, 2 and 4 ranks, about 2-4 minutes on 2 busy cores
     python bench/muon.py --dim 384 --rounds 9       # larger matrices
+    python bench/muon.py --smoke                    # 1 and 2 ranks, dim 64, one layer, one round: seconds
 
 The last line of stdout is one JSON object: `ns_flops_per_rank_ratio` (busiest rank / one process, for 2 and 4 ranks,
 distributed) and `step_time_ratio` (2 ranks FSDP2, distributed / gathered median step time), with the details.
@@ -19,6 +20,7 @@ import argparse, json, os, statistics, sys, tempfile, time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import add_smoke, apply_smoke
 
 
 def parse_args(argv=None):
@@ -27,7 +29,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    return p.parse_args(argv)
+    return apply_smoke(add_smoke(p).parse_args(argv), dim=64, layers=1, rounds=1, worlds=[1, 2])
 
 
 def count_ns_flops(counts: list):
@@ -97,7 +99,7 @@ def rank_main(rank, world, init_file, args, out_dir):
 
 def main(argv=None):
     args = parse_args(argv)
-    out = {"dim": args.dim, "layers": args.layers, "rounds": args.rounds, "ns_dtype": "fp32", "threads_per_rank": 1,
+    out = {"bench": "muon", "smoke": args.smoke, "dim": args.dim, "layers": args.layers, "rounds": args.rounds, "ns_dtype": "fp32", "threads_per_rank": 1,
            "machine": "shared CPU (gloo); medians", "worlds": {}}
     with tempfile.TemporaryDirectory() as d:
         for world in args.worlds:

@@ -16,6 +16,7 @@ in which the peak was reached, and the innermost module running then.
     python bench/plan_memory.py               # all rows (about 10 minutes on 2 busy cores)
     python bench/plan_memory.py --sizes 10m   # one size
     python bench/plan_memory.py --accum 4 --worlds 2 --modes none --accumulation reduce_scatter,no_sync --batch-size 1 --seq-len 512
+    python bench/plan_memory.py --smoke       # the `tiny` size (dim 64, 2 layers), checkpointing none, 1 and 2 ranks, 1 x 64
 """
 from __future__ import annotations
 import argparse, json, os, sys, tempfile, time
@@ -27,11 +28,13 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from gradient_garden.config import RuntimeConfig, load_recipe
+from common import add_smoke, apply_smoke, results_path
 
 SIZES = {  # overrides of the 124M recipe's model
     "10m": dict(dim=256, n_layers=6, n_heads=4, n_kv_heads=4, vocab_size=8192, tie_embeddings=False),
     "50m": dict(dim=512, n_layers=10, n_heads=8, n_kv_heads=4, vocab_size=32768, tie_embeddings=True),
     "124m": {},
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, tie_embeddings=False),   # --smoke
 }
 
 def config(size: str, mode: str, batch: int, seq: int, accum: int = 1, world: int = 1, accumulation: str = "reduce_scatter"):
@@ -119,8 +122,9 @@ def main(argv=None):
     p.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--accumulation", default="reduce_scatter", help="FSDP2 accumulation modes, comma-separated")
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args = apply_smoke(add_smoke(p).parse_args(argv), sizes="tiny", modes="none", worlds="1,2", batch_size=1, seq_len=64)
     args.out = args.out or str(ROOT/"bench"/"results"/("plan_memory.json" if args.accum == 1 else "plan_memory_accum.json"))
+    if args.smoke: args.out = str(results_path(args.out, True))
     from gradient_garden.train.plan import memory_plan, parameter_counts
     rows = []
     for size in args.sizes.split(","):
@@ -138,7 +142,7 @@ def main(argv=None):
                     if args.accum > 1: row |= dict(accumulation=acc, unsharded_gradients_mib=round(mp_["unsharded_gradients"] / 2**20, 1))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    res = dict(batch_size=args.batch_size, seq_len=args.seq_len, precision="fp32", rows=rows) | (
+    res = dict(smoke=args.smoke, batch_size=args.batch_size, seq_len=args.seq_len, precision="fp32", rows=rows) | (
         dict(accum=args.accum) if args.accum > 1 else {})
     if args.sizes == "10m,50m,124m": Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res))

@@ -9,9 +9,10 @@ host memory the start itself took (tracemalloc would see none of it: torch alloc
 Writes bench/results/startup_memory.json; the last stdout line is the same JSON.
 
     python bench/startup_memory.py
+    python bench/startup_memory.py --smoke     # the model shrunk to dim 64, 2 layers; the JSON goes to a temporary folder
 """
 from __future__ import annotations
-import json, sys, tempfile, time
+import argparse, json, sys, tempfile, time
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -19,19 +20,23 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common import add_smoke, results_path
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024)
 
 def _status(key: str) -> int:
     "A `/proc/self/status` figure in bytes (VmRSS, VmHWM)."
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
     return int(line.split()[1]) * 1024
 
-def _rank(rank, world, init, mode, out):
+def _rank(rank, world, init, mode, out, smoke=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     from gradient_garden.config import RuntimeConfig, load_recipe
     from gradient_garden.models.tendril import build_model
     from gradient_garden.parallel.distributed import DistEnv, parallelize
     cfg = load_recipe(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml").config
+    if smoke:
+        for k, v in TINY.items(): setattr(cfg.model, k, v)
     runtime = RuntimeConfig(device="cpu", precision="fp32", fsdp=True)
     env = DistEnv(rank, rank, world, torch.device("cpu"), "gloo", world)
     dist.barrier()
@@ -50,22 +55,23 @@ def _rank(rank, world, init, mode, out):
                                                      shards=local, seconds=seconds)))
     dist.barrier(); dist.destroy_process_group()
 
-def measure(mode: str, world: int = 2) -> dict:
+def measure(mode: str, world: int = 2, smoke: bool = False) -> dict:
     "Worst rank's figures for one start-up `mode`."
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank, args=(world, f"{d}/init", mode, f"{d}/out"), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, f"{d}/init", mode, f"{d}/out", smoke), nprocs=world, join=True)
         ranks = [json.loads(Path(f"{d}/out.{r}").read_text()) for r in range(world)]
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
 
-def main():
+def main(argv=None):
+    args = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     mib = lambda b: round(b / 2**20, 1)
-    res = {mode: measure(mode) for mode in ("whole", "meta")}
-    out = dict(model="tendril-124m", ranks=2, **{f"{m}_{k}_mib": mib(v) for m, r in res.items() for k, v in r.items() if k != "seconds"},
+    res = {mode: measure(mode, smoke=args.smoke) for mode in ("whole", "meta")}
+    out = dict(bench="startup_memory", smoke=args.smoke, model="tendril-124m" + (" (dim 64, 2 layers)" if args.smoke else ""), ranks=2, **{f"{m}_{k}_mib": mib(v) for m, r in res.items() for k, v in r.items() if k != "seconds"},
                **{f"{m}_seconds": round(r["seconds"], 2) for m, r in res.items()})
-    out["peak_ratio"] = round(res["meta"]["peak"] / res["whole"]["peak"], 3)
+    out["peak_ratio"] = round(res["meta"]["peak"] / res["whole"]["peak"], 3) if res["whole"]["peak"] else None
     for m in res: print(f"{m:6s} peak {mib(res[m]['peak']):8.1f} MiB above the baseline, shards {mib(res[m]['shards']):7.1f} MiB, {res[m]['seconds']:.1f} s")
-    print(f"meta / whole peak: {out['peak_ratio']:.3f}")
-    Path(ROOT/"bench"/"results"/"startup_memory.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(f"meta / whole peak: {out['peak_ratio']}")
+    results_path(ROOT/"bench"/"results"/"startup_memory.json", args.smoke).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))
 
 if __name__ == "__main__":
