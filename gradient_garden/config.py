@@ -12,13 +12,14 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 import yaml
 
 # %% auto #0
-__all__ = ['RECIPE_KEYS', 'STAGE_FLAGS', 'SECRET_KEYS', 'ConfigError', 'RunConfig', 'RuntimeConfig', 'ModelConfig',
+__all__ = ['STAGE_NAME', 'RECIPE_KEYS', 'SECRET_KEYS', 'ConfigError', 'RunConfig', 'RuntimeConfig', 'ModelConfig',
            'EarlyStoppingConfig', 'TrainingConfig', 'AdamWConfig', 'MuonConfig', 'OptimizersConfig', 'PathsConfig',
            'ValidationConfig', 'EvalsConfig', 'GenerationConfig', 'CheckpointingConfig', 'TokenizerConfig',
            'LoraConfig', 'DistillationConfig', 'DPOConfig', 'RLConfig', 'WandbConfig', 'TorchProfilerConfig',
-           'GlobalConfig', 'from_plain', 'to_plain', 'grad_accum_steps', 'check_ranges', 'notice', 'clamp_warmup',
-           'validate', 'parse_override', 'apply_overrides', 'Recipe', 'syntax_error_line', 'read_data_file',
-           'read_yaml', 'load_recipe', 'load_config', 'save_config', 'load_dotenv', 'redact']
+           'stage_folder', 'GlobalConfig', 'from_plain', 'to_plain', 'grad_accum_steps', 'check_ranges', 'notice',
+           'clamp_warmup', 'check_rl_section', 'check_dpo_section', 'validate', 'parse_override', 'apply_overrides',
+           'Recipe', 'syntax_error_line', 'read_data_file', 'read_yaml', 'load_recipe', 'load_config', 'save_config',
+           'load_dotenv', 'redact']
 
 # %% ../nbs/00_config.ipynb #b3a413df
 class ConfigError(ValueError):
@@ -91,7 +92,7 @@ class EarlyStoppingConfig:
 @dataclass
 class TrainingConfig:
     "The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps (`packing`: SFT rows hold several chats)."
-    stage: Literal["pretraining", "instruct", "dpo", "rl"] = "pretraining"
+    stage: str = "pretraining"      # a registered stage (40_stages) or a plugin's `module:attr` naming its `Stage`
     seed: int = 1337
     total_batch_size: int = 8192
     micro_batch_size: int = 8
@@ -282,6 +283,13 @@ class TorchProfilerConfig:
     profile_memory: bool = False
     with_stack: bool = False
 
+# %% ../nbs/00_config.ipynb #d1d29a3a
+STAGE_NAME = re.compile(r"[A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+def stage_folder(stage: str) -> str:
+    "The run folder of `training.stage`: its name, or the attribute a plugin's `module:attr` names."
+    return stage.rpartition(":")[2]
+
 # %% ../nbs/00_config.ipynb #d898e170
 @dataclass
 class GlobalConfig:
@@ -303,9 +311,10 @@ class GlobalConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     torch_profiler: TorchProfilerConfig = field(default_factory=TorchProfilerConfig)
+    stage_options: dict = field(default_factory=dict)   # a plugin stage's own options, checked by its `Stage`
 
     @property
-    def run_dir(self) -> Path: return Path(self.paths.runs)/self.training.stage/self.run.name
+    def run_dir(self) -> Path: return Path(self.paths.runs)/stage_folder(self.training.stage)/self.run.name
 
     def to_dict(self) -> dict: return to_plain(self)
 
@@ -532,8 +541,8 @@ def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
         raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
 
 # %% ../nbs/00_config.ipynb #d5916ed7
-def _check_rl(cfg: GlobalConfig, world_size: int):
-    "Group size, clipping, passes, sampling and the batch in whole groups per rank, for the rl stage."
+def check_rl_section(cfg: GlobalConfig, world_size: int):
+    "The `rl` section's ranges and the batch in whole groups per rank: the rl stage's `Stage.check`."
     rl = cfg.rl
     if rl.group_size < 2:
         raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of one prompt)")
@@ -550,7 +559,6 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     if rl.off_policy_shaping <= 0: raise ConfigError(f"rl.off_policy_shaping: got {rl.off_policy_shaping}; must be > 0 (p / (p + gamma))")
     if not rl.off_policy_weight >= 0: raise ConfigError(f"rl.off_policy_weight: got {rl.off_policy_weight}; must be >= 0 (the reference rows' loss weight)")
     if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")
-    if cfg.training.stage != "rl": return
     t = cfg.training
     if cfg.runtime.num_workers:
         raise ConfigError(f"runtime.num_workers: got {cfg.runtime.num_workers}; the rl stage samples from the current weights, so no batch can be prepared ahead (use 0)")
@@ -562,9 +570,18 @@ def _check_rl(cfg: GlobalConfig, world_size: int):
     if rl.max_new_tokens >= t.seq_len:
         raise ConfigError(f"rl.max_new_tokens: got {rl.max_new_tokens}; must be < training.seq_len = {t.seq_len} (prompt + completion fit a row)")
 
+def check_dpo_section(cfg: GlobalConfig, world_size: int):
+    "The `dpo` section's ranges: the dpo stage's `Stage.check`."
+    if not 0 <= cfg.dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
+    _positive("dpo.beta", cfg.dpo.beta)
+
 # %% ../nbs/00_config.ipynb #6da88fd0
 def _check_stages(cfg: GlobalConfig, world_size: int):
-    "Checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA, DPO and validation."
+    "The stage's name, checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA and validation."
+    if not STAGE_NAME.fullmatch(cfg.training.stage):
+        raise ConfigError(f"training.stage: got {cfg.training.stage!r}; expected a stage's name (pretraining, instruct, dpo, rl "
+                          f"or one a plugin registered) or a plugin's 'module:attr' naming its Stage")
     c = cfg.checkpointing
     if c.format == "auto": c.format = "sharded" if world_size > 1 or c.async_save else "full"
     if c.async_save and c.format != "sharded":
@@ -574,10 +591,6 @@ def _check_stages(cfg: GlobalConfig, world_size: int):
     if not 0 <= cfg.distillation.alpha <= 1:
         raise ConfigError(f"distillation.alpha: got {cfg.distillation.alpha}; must be in [0, 1]")
     if cfg.lora.enabled: _positive("lora.rank", cfg.lora.rank)
-    if not 0 <= cfg.dpo.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing: got {cfg.dpo.label_smoothing}; must be in [0, 0.5)")
-    _positive("dpo.beta", cfg.dpo.beta)
-    _check_rl(cfg, world_size)
     for p in ["every", "steps"]:
         if getattr(cfg.validation, p) <= 0:   # not 0 = never, as generation.every: one switch turns it off
             raise ConfigError(f"validation.{p}: got {getattr(cfg.validation, p)!r}; must be > 0 (validation.enabled: false turns validation off)")
@@ -684,16 +697,12 @@ def load_recipe(path, overrides: list[str] | None = None) -> Recipe:
     return Recipe(raw["name"], raw.get("description", ""), cfg, data, str(path))
 
 # %% ../nbs/00_config.ipynb #e7303721
-STAGE_FLAGS = ("pretraining", "instruct", "dpo", "rl")
-
 def load_config(recipe=None, config=None, overrides: list[str] | None = None, stage: str | None = None,
                 world_size: int | None = None) -> tuple[GlobalConfig, Optional[Recipe]]:
     "Resolve the run's config from a recipe or a config YAML (or defaults), overrides and a stage flag."
     if recipe and config: raise ConfigError("--recipe and --config cannot be combined; pick one source of configuration")
     if recipe and stage:
         raise ConfigError(f"--{stage} cannot be combined with --recipe: the recipe defines the training stage")
-    if stage is not None and stage not in STAGE_FLAGS:
-        raise ConfigError(f"stage: got {stage!r}; expected one of {', '.join(STAGE_FLAGS)}")
     rec = None
     if recipe:
         rec = load_recipe(recipe, overrides)

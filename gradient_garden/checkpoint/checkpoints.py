@@ -25,20 +25,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from ..models.attention import FUSED_NAMES, fuse_state_dict, fused_layout
+from ..models.attention import fused_layout
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from .state_dict import StateDictAdapter
 from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, first_line, is_corruption,
                                               read_metadata, read_sharded)
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
-           'STAGE_ORDER', 'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'find_unsafe', 'rng_state', 'set_rng_state',
-           'save_checkpoint', 'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint',
-           'check_compatible', 'CheckpointManager', 'sharded_state', 'load_sharded_state', 'fuse_optimizer_state',
-           'fit_fused_layout', 'sharded_meta', 'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint',
-           'staging_options', 'CheckpointWriteError', 'write_failure_line', 'consolidate_checkpoint', 'base_weights',
-           'load_model_from_checkpoint']
+           'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'find_unsafe', 'rng_state', 'set_rng_state', 'save_checkpoint',
+           'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint', 'check_compatible',
+           'CheckpointManager', 'sharded_state', 'load_sharded_state', 'sharded_meta', 'begin_sharded',
+           'commit_sharded', 'save_sharded_checkpoint', 'staging_options', 'CheckpointWriteError', 'write_failure_line',
+           'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/27_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -173,7 +173,6 @@ def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool
     return ckpt
 
 # %% ../../nbs/27_checkpoints.ipynb #b2d76044
-STAGE_ORDER = ("pretraining", "instruct", "dpo", "rl")  # a later stage may start from an earlier one
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
                 "tie_embeddings")
 
@@ -188,7 +187,7 @@ def _describe(ckpt: dict) -> str:
 # %% ../../nbs/27_checkpoints.ipynb #1bdbd9b7
 def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool = False,
                      tokenizer_identity: str | None = None) -> None:
-    "Raise `ConfigError` unless checkpoint `ckpt` fits `cfg` (architecture, shapes, stage, LoRA, tokenizer)."
+    "Raise `ConfigError` unless checkpoint `ckpt` fits `cfg` (architecture, shapes, same stage, LoRA, tokenizer); the stage order is the registry's (`49_registry`)."
     what, m = _describe(ckpt), cfg.model
     if ckpt["architecture"] != m.architecture:
         raise ConfigError(f"model.architecture: got {m.architecture!r}; the {what} is a {ckpt['architecture']!r} model")
@@ -198,14 +197,10 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
         if f in saved and saved[f] != getattr(m, f):
             raise ConfigError(f"model.{f}: got {getattr(m, f)!r}; the {what} has {saved[f]!r}")
     stage, want = ckpt["stage"], cfg.training.stage
-    if stage not in STAGE_ORDER: raise ConfigError(f"the {what} has unknown stage {stage!r}; expected one of {', '.join(STAGE_ORDER)}")
     if stage != want:
         if not allow_stage_change:
             raise ConfigError(f"training.stage: got {want!r}; the {what} is from stage {stage!r} and resuming needs "
                               f"the same stage (starting a new stage from it is a separate, explicit operation)")
-        if STAGE_ORDER.index(stage) > STAGE_ORDER.index(want):
-            raise ConfigError(f"training.stage: got {want!r}; cannot start it from a later stage's {what} "
-                              f"(allowed: {' -> '.join(STAGE_ORDER)})")
     else:
         saved_lora, lora = ckpt["config"].get("lora", {}), cfg.lora
         for f in ("enabled", "rank", "target_modules"):
@@ -307,9 +302,15 @@ def sharded_state(model: nn.Module, optimizers=()) -> dict:
 # %% ../../nbs/27_checkpoints.ipynb #45af6066
 def load_sharded_state(path, model: nn.Module, optimizers=None):
     "Read sharded checkpoint `path` into `model` (and `optimizers`) in their current layout: any ranks, any mesh."
-    if _load_unfused_sharded(path, model, optimizers): return     # saved before q/k/v and w1/w3 were stored fused
     p, m = Path(path), _owner(model)
-    state, md = sharded_state(model, optimizers or ()), read_metadata(p)
+    md, adapter = read_metadata(p), StateDictAdapter(m)
+    if adapter.is_old(k.removeprefix("model.") for k in md.state_dict_metadata if k.startswith("model.")):
+        ck = adapter.from_old(read_sharded(p, ("model", "optimizers") if optimizers else ("model",)), p)   # read whole
+        opts = StateDictOptions(full_state_dict=True, strict=True)
+        if optimizers: set_state_dict(m, list(optimizers), model_state_dict=ck["model"], optim_state_dict=ck["optimizers"], options=opts)
+        else: set_model_state_dict(m, ck["model"], options=opts)
+        return
+    state = sharded_state(model, optimizers or ())
     if optimizers:  # parameters that had no optimizer state when saved (never stepped) get none now either
         saved = set(md.state_dict_metadata)
         st = state["optimizers"]["state"]
@@ -320,60 +321,6 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
         raise ConfigError(f"{p}: {what} ({dcp_error(e)})") from None
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
     if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
-
-# %% ../../nbs/27_checkpoints.ipynb #f05e4402
-_SAID_FUSED: set = set()
-
-def _fused_name(fqn: str) -> tuple[str, str | None]:
-    "The fused layout's name for parameter `fqn` of the unfused one, and the projection it was (None when kept as is)."
-    mod, _, leaf = fqn.rpartition(".")
-    parent, _, child = mod.rpartition(".")
-    pre = f"{parent}." if parent else ""
-    for fused, parts in FUSED_NAMES.items():
-        if child in parts and not parent.endswith("adapters"):
-            return (f"{pre}{fused}.weight", child) if leaf == "weight" else (f"{pre}{fused}.adapters.{child}.{leaf}", None)
-    return fqn, None
-
-# %% ../../nbs/27_checkpoints.ipynb #8a7af670
-def fuse_optimizer_state(osd: dict) -> dict:
-    "A full optimizer state dict (`get_state_dict`'s) of the unfused layout in the fused one; each fused weight's state stacked."
-    state, groups = {}, {}
-    for fqn, s in osd["state"].items():
-        name, part = _fused_name(fqn)
-        if part is None: state[name] = s
-        else: groups.setdefault(name, {})[part] = s
-    for name, parts in groups.items():
-        order = FUSED_NAMES[name.rsplit(".", 2)[-2]]
-        if set(parts) != set(order): continue                       # some projections never stepped: start afresh
-        state[name] = {k: torch.cat([parts[p][k] for p in order], dim=-2) if torch.is_tensor(v) and v.ndim >= 2 else v
-                       for k, v in parts[order[0]].items()}
-    param_groups = [dict(g, params=list(dict.fromkeys(_fused_name(p)[0] for p in g["params"]))) for g in osd["param_groups"]]
-    return {"state": state, "param_groups": param_groups}
-
-# %% ../../nbs/27_checkpoints.ipynb #7057da9f
-def fit_fused_layout(ckpt: dict, model: nn.Module, where=None) -> dict:
-    "`ckpt` with its model (and optimizer) state in `model`'s fused layout when it was saved unfused; said once per checkpoint."
-    if "model" not in ckpt or not fused_layout(model): return ckpt
-    sd, changed = fuse_state_dict(ckpt["model"])
-    if not changed: return ckpt
-    where = str(where or ckpt.get("sharded") or f"checkpoint (step {ckpt.get('step')})")
-    if where not in _SAID_FUSED:
-        _SAID_FUSED.add(where)
-        warnings.warn(f"{where}: saved with separate q/k/v and w1/w3 weights; converted on load to the fused wqkv/w13 layout", stacklevel=2)
-    opt = ckpt.get("optimizers")
-    return dict(ckpt, model=sd) | ({"optimizers": fuse_optimizer_state(opt)} if isinstance(opt, dict) and "state" in opt else {})
-
-# %% ../../nbs/27_checkpoints.ipynb #a59bb65a
-def _load_unfused_sharded(path, model: nn.Module, optimizers=None) -> bool:
-    "Load a sharded checkpoint of the unfused layout into fused `model` (read whole, converted); False when it is not one."
-    md = read_metadata(path)
-    old = any(k.startswith("model.") and k.endswith((".wq.weight", ".w1.weight")) for k in md.state_dict_metadata)
-    if not old or not fused_layout(model): return False
-    ck = fit_fused_layout(read_sharded(path, ("model", "optimizers") if optimizers else ("model",)), model, path)
-    m, opts = _owner(model), StateDictOptions(full_state_dict=True, strict=True)
-    if optimizers: set_state_dict(m, list(optimizers), model_state_dict=ck["model"], optim_state_dict=ck["optimizers"], options=opts)
-    else: set_model_state_dict(m, ck["model"], options=opts)
-    return True
 
 # %% ../../nbs/27_checkpoints.ipynb #45bfa943
 def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
@@ -543,7 +490,7 @@ def consolidate_checkpoint(src, dst) -> Path:
 # %% ../../nbs/27_checkpoints.ipynb #b6970335
 def base_weights(ckpt: dict, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     "The checkpoint's model weights (in `model`'s fused layout if given) with LoRA adapters merged in (`W += alpha/rank * B @ A`) and dropped."
-    sd = dict(fit_fused_layout(ckpt, model)["model"] if model is not None else ckpt["model"])
+    sd = dict(StateDictAdapter(model).from_old(ckpt)["model"] if model is not None else ckpt["model"])
     a_keys = [k for k in sd if k.endswith(".lora_A")]
     if not a_keys: return sd
     alpha = ckpt["config"].get("lora", {}).get("alpha")
@@ -581,7 +528,7 @@ def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = N
     has_adapters = any(k.endswith((".lora_A", ".lora_B")) for k in ckpt["model"])
     if has_adapters and not merge_lora:
         apply_lora(model, cfg.lora)
-        state = fit_fused_layout(ckpt, model)["model"]
+        state = StateDictAdapter(model).from_old(ckpt)["model"]
     else: state = base_weights(ckpt, model)
     where = f"{resolve_checkpoint(path)}: weights do not fit a {cfg.model.architecture!r} model built from its own config"
     try: missing, unexpected = model.load_state_dict(state, strict=False)

@@ -5,23 +5,21 @@ flags, config resolution, the choice of data section, and the lines it prints.""
 
 # %% ../../nbs/71_cli_prepare.ipynb #32201581
 from __future__ import annotations
-import argparse, contextlib, fcntl, importlib, os, resource, socket, sys
+import argparse, contextlib, fcntl, os, resource, socket, sys
 from pathlib import Path
-from ..config import ConfigError, GlobalConfig, STAGE_FLAGS, apply_overrides, load_config
+from ..config import ConfigError, GlobalConfig, apply_overrides, load_config
 from ..tokenizer import ensure_tokenizer
 from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_file_data,
                                           parse_pretraining_data, prepare_pretraining, tokenizer_texts)
 from ..evals.benchmarks import TASKS, eval_source, prepare_evals
-from ..stages.sft import DEFAULT_INSTRUCT_SOURCES, prepare_instruct, prepare_stage_dir
-from ..stages.dpo import DEFAULT_DPO_SOURCES, prepare_dpo
-from ..stages.rl import DEFAULT_RL_SOURCES, prepare_rl
+from ..stages.base import Stage
+from ..stages.registry import STAGES, check_stage
 from ..train.plan import estimate_workload   # no trainer: the plan's arithmetic adds ~0.1 s to start-up
 
 # %% auto #0
-__all__ = ['STAGE_HOOKS', 'add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
-           'stage_data', 'stage_dir_line', 'run_prepare_instruct', 'run_prepare_dpo', 'run_prepare_rl',
-           'run_stage_hook', 'prepare_other_stage', 'estimate_token_target', 'report_prepared', 'prepare_lock',
-           'prepare_pretraining_stage', 'run_prepare']
+__all__ = ['add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config', 'stage_data',
+           'stage_dir_line', 'run_stage_prepare', 'prepare_other_stage', 'estimate_token_target', 'report_prepared',
+           'prepare_lock', 'prepare_pretraining_stage', 'run_prepare']
 
 # %% ../../nbs/71_cli_prepare.ipynb #3b7a6eba
 def add_prepare_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,7 +50,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--recipe", help="recipe YAML (config + data); defines the stage")
     parser.add_argument("--config", help="config YAML (instead of a recipe)")
     stage = parser.add_mutually_exclusive_group()
-    for s in STAGE_FLAGS:
+    for s in STAGES:
         stage.add_argument(f"--{s}", dest="stage", action="store_const", const=s, help=f"prepare {s} data (not with --recipe)")
     parser.add_argument("--mix-file", help="JSON data section to use instead of the recipe's or the default mix")
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
@@ -68,6 +66,7 @@ def prepare_config(args) -> tuple:
     "(config, recipe, the `data.` overrides) of `gg prepare`'s flags; the other overrides go to the config."
     cfg, recipe = load_config(recipe=args.recipe, config=args.config, stage=args.stage, world_size=1,
                               overrides=[o for o in args.overrides if not o.startswith("data.")])
+    check_stage(cfg)
     return cfg, recipe, [o for o in args.overrides if o.startswith("data.")]
 
 # %% ../../nbs/71_cli_prepare.ipynb #9f474187
@@ -84,52 +83,20 @@ def stage_dir_line(done: dict) -> str:
     return (f"prepared {done['path']}: {done['train']:,} train + {done['val']:,} val examples "
             f"({done['dropped']} dropped as too long) with {done['tokenizer']}")
 
-# %% ../../nbs/71_cli_prepare.ipynb #cda44092
-def run_prepare_instruct(cfg: GlobalConfig, data: dict | None, args) -> int:
-    "`gg prepare --instruct` hook: chats of the recipe's data section into `paths.datasets/instruct`."
-    print(stage_dir_line(prepare_stage_dir(cfg, data, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES,
-                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
-    return 0
-
-# %% ../../nbs/71_cli_prepare.ipynb #0cced940
-def run_prepare_dpo(cfg: GlobalConfig, data: dict | None, args) -> int:
-    "`gg prepare --dpo` hook: pairs of the recipe's data section into `paths.datasets/dpo`."
-    print(stage_dir_line(prepare_stage_dir(cfg, data, "dpo", prepare_dpo, DEFAULT_DPO_SOURCES,
-                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
-    return 0
-
-def run_prepare_rl(cfg: GlobalConfig, data: dict | None, args) -> int:
-    "`gg prepare` hook of the rl stage: the recipe's prompts and held-out prompts into `paths.datasets/rl`."
-    print(stage_dir_line(prepare_stage_dir(cfg, data, "rl", prepare_rl, DEFAULT_RL_SOURCES,
-                                           getattr(args, "overwrite", False), getattr(args, "progress", True))))
-    return 0
-
-# %% ../../nbs/71_cli_prepare.ipynb #df7e5173
-STAGE_HOOKS = {"instruct": "gradient_garden.cli.prepare:run_prepare_instruct",
-               "dpo": "gradient_garden.cli.prepare:run_prepare_dpo",
-               "rl": "gradient_garden.cli.prepare:run_prepare_rl"}
-
 # %% ../../nbs/71_cli_prepare.ipynb #6d640d13
-def run_stage_hook(stage: str, cfg: GlobalConfig, data: dict | None, args) -> int:
-    "Hand preparation of a non-pretraining stage to the function named in `STAGE_HOOKS`."
-    module, name = STAGE_HOOKS[stage].split(":")
-    try: fn = getattr(importlib.import_module(module), name)  # by name: a plugin stage may name its own module
-    except ModuleNotFoundError as e:
-        if e.name != module: raise
-        fn = None
-    except AttributeError: fn = None
-    if fn is None:
-        raise ConfigError(f"--{stage}: {stage} data preparation is not available "
-                          f"({module}.{name}(cfg, data, args) is not installed)")
-    return fn(cfg, data, args)
+def run_stage_prepare(stage: Stage, cfg: GlobalConfig, data: dict | None, args) -> int:
+    "Prepare the data of a stage that writes its own (`Stage.prepare`) and print what it did."
+    done = stage.prepare(cfg, data, getattr(args, "overwrite", False), getattr(args, "progress", True))
+    print(stage_dir_line(done))
+    return 0
 
 # %% ../../nbs/71_cli_prepare.ipynb #08f10431
 def prepare_other_stage(args, cfg: GlobalConfig, data: dict | None, data_overrides: list) -> int:
-    "`gg prepare --instruct/--dpo/--rl`: the shared tokenizer first, then the stage's hook."
+    "`gg prepare` of a stage with its own data (`--instruct/--dpo/--rl`): the shared tokenizer first, then the stage's."
     if data_overrides: data = apply_overrides({"data": data or {}}, data_overrides)["data"]
     default = parse_pretraining_data(DEFAULT_PRETRAINING_DATA)
     ensure_tokenizer(cfg.tokenizer, lambda: tokenizer_texts(default), vocab_size=cfg.model.vocab_size)
-    return run_stage_hook(cfg.training.stage, cfg, data, args)
+    return run_stage_prepare(check_stage(cfg), cfg, data, args)
 
 # %% ../../nbs/71_cli_prepare.ipynb #1f0cae22
 def estimate_token_target(cfg: GlobalConfig) -> str:
@@ -193,5 +160,5 @@ def run_prepare(args: argparse.Namespace) -> int:
     if getattr(args, "estimate_token_target", False): data_overrides = data_overrides + [estimate_token_target(cfg)]
     data = stage_data(args, recipe)
     with prepare_lock(cfg.paths.datasets):
-        if cfg.training.stage != "pretraining": return prepare_other_stage(args, cfg, data, data_overrides)
+        if check_stage(cfg).prepare: return prepare_other_stage(args, cfg, data, data_overrides)
         return prepare_pretraining_stage(args, cfg, data, data_overrides)

@@ -10,7 +10,8 @@ from pathlib import Path
 from importlib import resources
 import psutil
 from . import tell_torchrun
-from ..config import ConfigError, STAGE_FLAGS, load_config
+from ..config import ConfigError, load_config
+from ..stages.registry import STAGES, check_stage
 from ..checkpoint.checkpoints import list_checkpoints
 from ..parallel.distributed import destroy_distributed
 from ..train.plan import format_plan, plan
@@ -30,12 +31,15 @@ def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
                    help="dotted overrides, e.g. --set training.max_steps=20 model.dim=128 (repeatable)")
     if stage_flags:
         g = p.add_mutually_exclusive_group()
-        for s in STAGE_FLAGS: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
+        for s in STAGES: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
 
 # %% ../../nbs/74_cli_train.ipynb #4c241e42
 def config_from_args(args) -> tuple:
     "Resolve `(GlobalConfig, Recipe | None)` from parsed shared flags (an error here is the same on every rank)."
-    try: return load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
+    try:
+        cfg, recipe = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
+        check_stage(cfg, int(os.environ.get("WORLD_SIZE", 1)))   # a plugin's stage is imported here, before any work
+        return cfg, recipe
     except ConfigError as e: e.same_on_every_rank = True; raise
 
 # %% ../../nbs/74_cli_train.ipynb #127497d4
@@ -186,6 +190,7 @@ def add_plan_args(p: argparse.ArgumentParser):
 def run_plan(args) -> int:
     "`gg plan`: print the plan; exit status 1 (after printing it) when it does not fit."
     cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage, world_size=1)
+    check_stage(cfg)
     p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from)
     print(format_plan(p))
     return 0 if p.fits else 1

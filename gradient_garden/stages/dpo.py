@@ -13,24 +13,25 @@ import torch
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'dpo_loss', 'tokenize_pair', 'iter_source_pairs',
+__all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'STAGE', 'dpo_loss', 'tokenize_pair', 'iter_source_pairs',
            'prepare_dpo', 'PairDataset', 'collate_pairs', 'sequence_logps', 'PrecomputedReference', 'ModelReference',
-           'DPOLoader', 'DPOTask', 'preference_accuracy', 'dpo_dir', 'build_dpo']
+           'DPOLoader', 'DPOTask', 'preference_accuracy', 'dpo_dir', 'build_dpo', 'prepare_dpo_stage', 'dpo_plan_bytes']
 
 # %% ../../nbs/43_dpo.ipynb #9a890c46
 from tqdm.auto import tqdm
-from ..config import ConfigError, DPOConfig, GlobalConfig
+from ..config import ConfigError, DPOConfig, GlobalConfig, check_dpo_section
 from ..runtime import all_reduce, atomic_dir, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 
 # %% ../../nbs/43_dpo.ipynb #02e75e41
-from .base import (IGNORE_INDEX, SplitStream, StageParts, check_identity, check_messages, check_source,
+from .base import (IGNORE_INDEX, SplitStream, Stage, StageParts, check_identity, check_messages, check_source,
                                           check_stream_state, datasets_progress, load_ragged, load_rows, open_split, save_ragged,
                                           stage_sources, stream_positions)
 from ..models.tendril import unwrap_model
 from ..tokenizer import init_tokenizer
 from fastcore.basics import patch   # the reference and the loader are built up method by method below
+from .sft import prepare_stage_dir   # gg prepare's up-to-date check, shared with instruct
 
 # %% ../../nbs/43_dpo.ipynb #e8ad4800
 DPO_LOSSES = ("sigmoid", "ipo", "conservative")
@@ -372,3 +373,15 @@ def build_dpo(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
         r = preference_accuracy(m, d, "val", t.seq_len)
         return {"preference_accuracy": r["accuracy"], "preference_margin": r["margin"]}
     return StageParts(DPOTask(cfg.dpo, ref), train, val, evaluate=held_out_preference)
+
+# %% ../../nbs/43_dpo.ipynb #a5017ecb
+def prepare_dpo_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False, progress: bool = True) -> dict:
+    "`gg prepare` of the dpo stage: the recipe's preference pairs into `paths.datasets/dpo`, unless already up to date."
+    return prepare_stage_dir(cfg, data, "dpo", prepare_dpo, DEFAULT_DPO_SOURCES, overwrite, progress)
+
+def dpo_plan_bytes(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
+    "Per-rank bytes `gg plan` adds for DPO: a frozen fp32 reference copy, whole on every rank (`dpo.reference: copy`)."
+    return {"frozen reference (DPO copy)": 4 * sizes["parameters"] if cfg.dpo.reference == "copy" else 0}
+
+STAGE = Stage("dpo", build_dpo, order=2, chat=True, section="dpo", prepare=prepare_dpo_stage, check=check_dpo_section,
+              plan_bytes=dpo_plan_bytes)

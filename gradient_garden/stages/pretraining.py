@@ -13,10 +13,10 @@ from ..data.loaders import load_meta, open_shards, pretraining_loaders
 from ..models.tendril import trainable
 
 # %% auto #0
-__all__ = ['MODEL_INPUTS', 'causal_lm_loss_sum', 'CausalLMTask', 'build_pretraining', 'unigram_baseline']
+__all__ = ['MODEL_INPUTS', 'STAGE', 'causal_lm_loss_sum', 'CausalLMTask', 'build_pretraining', 'unigram_baseline']
 
 # %% ../../nbs/41_pretraining.ipynb #728dd1f3
-from .base import StageParts
+from .base import Stage, StageParts
 
 # %% ../../nbs/41_pretraining.ipynb #0f43a562
 MODEL_INPUTS = ("doc_ids", "position_ids", "attn_mask")
@@ -64,3 +64,6 @@ def unigram_baseline(data_dir) -> float:
     train, val = np.pad(train, (0, n - len(train))), np.pad(val, (0, n - len(val)))
     p = (train + 1) / (train.sum() + n)
     return float(-(val * np.log(p)).sum() / val.sum())
+
+# %% ../../nbs/41_pretraining.ipynb #bb522fec
+STAGE = Stage("pretraining", build_pretraining, order=0)

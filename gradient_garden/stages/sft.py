@@ -13,9 +13,10 @@ import torch
 from tqdm.auto import tqdm
 
 # %% auto #0
-__all__ = ['DEFAULT_INSTRUCT_SOURCES', 'turn_cuts', 'tokenize_chat', 'write_split', 'SFTDataset', 'iter_source_chats',
+__all__ = ['DEFAULT_INSTRUCT_SOURCES', 'STAGE', 'turn_cuts', 'tokenize_chat', 'write_split', 'SFTDataset', 'iter_source_chats',
            'prepare_instruct', 'prepared_matches', 'prepare_stage_dir', 'collate_rows', 'pack_rows', 'SFTLoader',
-           'SFTTask', 'instruct_dir', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match']
+           'SFTTask', 'instruct_dir', 'build_instruct', 'prompt_ids', 'lockstep_generate', 'evaluate_exact_match',
+           'prepare_instruct_stage']
 
 # %% ../../nbs/42_sft.ipynb #5352b234
 from ..config import ConfigError, GlobalConfig
@@ -27,7 +28,7 @@ from ..generation import generate
 from .pretraining import CausalLMTask
 
 # %% ../../nbs/42_sft.ipynb #348b3223
-from .base import (IGNORE_INDEX, StageParts, SplitStream, check_identity, check_messages,
+from .base import (IGNORE_INDEX, Stage, StageParts, SplitStream, check_identity, check_messages,
                                           check_source, check_stream_state, datasets_progress, load_ragged, load_rows,
                                           open_split, save_ragged, stage_sources, stream_positions)
 from fastcore.basics import patch   # the loader is built up method by method below
@@ -322,3 +323,10 @@ def evaluate_exact_match(model, tokenizer, examples: Optional[list[VerifiableExa
                 per_task={t: sum(v) / len(v) for t, v in per_task.items()},
                 samples=[dict(task=e.task, prompt=e.prompt, answer=e.answer, output=a) for e, a in scored[:8]],
                 outputs=answers)
+
+# %% ../../nbs/42_sft.ipynb #30bc56e8
+def prepare_instruct_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False, progress: bool = True) -> dict:
+    "`gg prepare` of the instruct stage: the recipe's chats into `paths.datasets/instruct`, unless already up to date."
+    return prepare_stage_dir(cfg, data, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES, overwrite, progress)
+
+STAGE = Stage("instruct", build_instruct, order=1, chat=True, prepare=prepare_instruct_stage)

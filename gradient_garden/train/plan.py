@@ -21,14 +21,15 @@ from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declare
 from ..models.lora import apply_lora
 from ..parallel.activation_checkpointing import SAVE_OPS
 from ..runtime import DTYPES, resolve_precision
+from ..stages.registry import get_stage
 
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
-           'STAGE_PLAN_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
-           'activation_bytes', 'muon_plan', 'compute_bytes', 'rollout_rows', 'rollout_bytes', 'reference_bytes',
-           'teacher_size', 'distillation_bytes', 'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens',
-           'run_hours', 'Plan', 'measured_mfu', 'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message',
-           'format_plan', 'device_memory', 'check_fit']
+           'OPTIONAL_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
+           'activation_bytes', 'muon_plan', 'compute_bytes', 'teacher_size', 'distillation_bytes',
+           'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu',
+           'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory',
+           'check_fit']
 
 # %% ../../nbs/53_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -158,27 +159,6 @@ def compute_bytes(cfg: GlobalConfig) -> int:
     "Bytes of an element in the run's compute dtype: 4 in fp32, else 2 (bf16 / fp16 autocast)."
     return 4 if cfg.runtime.precision == "fp32" else 2
 
-def rollout_rows(cfg: GlobalConfig, world: int = 1) -> int:
-    "Rows a rank's rl rollouts decode together: its prompts x G, the rows of its update."
-    return cfg.training.micro_batch_size * grad_accum_steps(cfg, world)
-
-def rollout_bytes(cfg: GlobalConfig, world: int = 1) -> dict:
-    "Per-rank bytes of the rl stage's rollouts: a round's KV caches and logits (0 for other stages)."
-    m, t, rl = cfg.model, cfg.training, cfg.rl
-    if t.stage != "rl": return dict(rollouts=0)
-    rows = rollout_rows(cfg, world)
-    length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
-    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * compute_bytes(cfg)
-    cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
-    logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
-    return dict(rollouts=cache + logits)
-
-def reference_bytes(cfg: GlobalConfig) -> dict:
-    "Per-rank bytes of a frozen fp32 reference model: DPO's `reference: copy`, RL's KL (`rl.beta > 0`); whole on every rank."
-    t = cfg.training.stage
-    held = (t == "dpo" and cfg.dpo.reference == "copy") or (t == "rl" and cfg.rl.beta > 0)
-    return dict(reference=4 * parameter_counts(cfg)["total"] if held else 0)
-
 
 # %% ../../nbs/53_plan.ipynb #5ebf56ce
 @functools.lru_cache(maxsize=8)
@@ -234,16 +214,19 @@ def memory_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, sha
     out["muon_buffers"] = muon["distributed" if cfg.optimizers.muon.distributed else "gathered"]["bytes"]
     staging = (4 * c["total"] + 8 * c["adamw"] + 4 * c["muon"]) / shard if cfg.checkpointing.async_save else 0
     out["staging"] = staging if device_type == "cpu" else 0   # host memory: part of the device's only on a CPU
-    out |= rollout_bytes(cfg, world) | reference_bytes(cfg) | distillation_bytes(cfg)
+    stage, sizes = get_stage(cfg.training.stage), dict(parameters=c["total"], value_bytes=compute)
+    held = stage.plan_bytes(cfg, world, sizes) if stage.plan_bytes else {}
+    before = stage.plan_transient(cfg, world, sizes) if stage.plan_transient else {}
+    out |= held | before | distillation_bytes(cfg)
     out["activations"] = {mode: activation_bytes(cfg, mode, device_type, block) for mode in ("none", "selective", "full")}
-    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k not in ("muon_buffers", "rollouts", "distill_logits")) - copies
+    static = sum(v for k, v in out.items() if not isinstance(v, dict) and k not in ("muon_buffers", "distill_logits", *before)) - copies
     # weight copies count in mode `none` only; Muon's step buffers exist only in the optimizer step, after backward
-    # has freed the activations (and the weight copies); the rollouts' cache only before the forward passes; the
+    # has freed the activations (and the weight copies); a stage's transient terms only before the forward passes; the
     # distillation loss's logits at the end of the forward pass, with the activations
     out["total"] = {mode: static + max(a + (cfg.model.n_layers * block["weight_copies"] if mode == "none" else 0)
-                                       + out["distill_logits"], out["muon_buffers"], out["rollouts"])
+                                       + out["distill_logits"], out["muon_buffers"], sum(before.values()))
                     for mode, a in out["activations"].items()}
-    out["staging_host"] = staging
+    out["staging_host"], out["stage_rows"] = staging, {k: "held" if k in held else "before the forward" for k in [*held, *before]}
     return out
 
 # %% ../../nbs/53_plan.ipynb #50f81bac
@@ -406,8 +389,7 @@ PLAN_ROWS = [("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32
              ("ddp_buckets", "DDP buckets"), ("fsdp_unsharded", "FSDP2 gathered units"),
              ("weight_copies", "weight copies for backward"), ("staging", "checkpoint staging"),
              ("muon_buffers", "Muon step buffers (optimizer step)")]
-STAGE_PLAN_ROWS = [("rollouts", "RL rollouts (before the update)"), ("reference", "frozen reference (DPO copy, RL KL)"),
-                   ("teacher", "distillation teacher"), ("distill_logits", "distillation logits (full vocabulary)")]   # shown when the run has them
+OPTIONAL_ROWS = [("teacher", "distillation teacher"), ("distill_logits", "distillation logits (full vocabulary)")]   # shown when the run has them
 
 # %% ../../nbs/53_plan.ipynb #7ecb852d
 def _memory_table(p: Plan) -> list[str]:
@@ -415,7 +397,8 @@ def _memory_table(p: Plan) -> list[str]:
     g = lambda b: f"{b / GiB:8.2f}"
     lines = [f"{'GiB per rank':38s}" + "".join(f"{name:>9s}" for name in p.memory)]
     row = lambda label, vals, mark="": lines.append(f"{label + mark:38s}" + "".join(f"{g(v)} " for v in vals))
-    shown = PLAN_ROWS + [(k, label) for k, label in STAGE_PLAN_ROWS if any(m[k] for m in p.memory.values())]
+    optional = OPTIONAL_ROWS + [(k, k) for k in p.memory[p.layout]["stage_rows"]]   # a stage's rows are named by it
+    shown = PLAN_ROWS + [(k, label) for k, label in optional if any(m[k] for m in p.memory.values())]
     for key, label in shown: row(label, [m[key] for m in p.memory.values()])
     for kind in ("activations", "total"):
         for mode in ("none", "selective", "full"):
@@ -442,14 +425,10 @@ def _muon_lines(p: Plan) -> list[str]:
             f"({mu['gathered']['bytes'] / GiB:.2f} gathered); optimizers.muon.distributed={p.cfg.optimizers.muon.distributed}"]
 
 # %% ../../nbs/53_plan.ipynb #666817f7
-def _rollout_lines(p: Plan) -> list[str]:
-    "What an rl step samples before its update, and what the time line leaves out; none for other stages."
-    t, rl = p.cfg.training, p.cfg.rl
-    if t.stage != "rl": return []
-    rows = rollout_rows(p.cfg, p.world)
-    return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded together, up to "
-            f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
-            f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
+def _stage_lines(p: Plan) -> list[str]:
+    "What the run's stage adds to the plan's text (`Stage.plan_lines`), e.g. what an rl step samples before its update."
+    stage = get_stage(p.cfg.training.stage)
+    return stage.plan_lines(p.cfg, p.world) if stage.plan_lines else []
 
 def _teacher_lines(p: Plan) -> list[str]:
     "The distillation teacher's size and forward FLOPs, or that it could not be counted; none without distillation."
@@ -471,7 +450,7 @@ def format_plan(p: Plan) -> str:
     host = p.memory[p.layout]["staging_host"]
     staging = [f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of host memory per rank, "
                f"allocated once (pinned on CUDA)"] if host else []
-    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _rollout_lines(p) + _teacher_lines(p)
+    lines += _memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _stage_lines(p) + _teacher_lines(p)
     lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = {p.tokens / p.chinchilla_tokens:.2f} x "
               f"Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); {p.steps:,} steps of {t.total_batch_size:,} tokens",
               f"time at {p.mfu:.0%} MFU ({p.mfu_source}) of {p.device.peak_flops / 1e12:.0f} TFLOP/s per device: "

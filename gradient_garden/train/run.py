@@ -5,7 +5,7 @@ parallelism, the stage's task and loaders, the trainer, and the run directory's 
 
 # %% ../../nbs/55_run.ipynb #449151b2
 from __future__ import annotations
-import importlib, json, os, shutil, signal, socket, sys, threading, time
+import json, os, shutil, signal, socket, sys, threading, time
 from pathlib import Path
 import dataclasses
 from dataclasses import dataclass
@@ -26,30 +26,17 @@ from ..models.lora import apply_lora
 from ..models.tendril import build_model, unwrap_model
 from ..tokenizer import init_tokenizer
 from ..stages.base import StageParts
-from ..stages.pretraining import build_pretraining
-from ..stages.sft import build_instruct
-from ..stages.dpo import build_dpo
-from ..stages.rl import build_rl, check_rl_start
+from ..stages.registry import check_stage, check_start, get_stage
 from ..stages.distillation import wrap_with_distillation
 
 # %% auto #0
-__all__ = ['STAGES', 'STOP_SIGNALS', 'RUN_RECORDS', 'register_stage', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records',
-           'run_contents', 'prepare_run_dir', 'build_run_model', 'mfu_peak_line', 'run_training']
-
-# %% ../../nbs/55_run.ipynb #9b9b7322
-STAGES: dict[str, Callable] = {"pretraining": build_pretraining, "instruct": build_instruct, "dpo": build_dpo, "rl": build_rl}
-
-def register_stage(name: str):
-    "Decorator: register a stage builder `f(cfg, tokenizer, env, model) -> StageParts` under `name` (a plugin's stage)."
-    def deco(f): STAGES[name] = f; return f
-    return deco
+__all__ = ['STOP_SIGNALS', 'RUN_RECORDS', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records', 'run_contents',
+           'prepare_run_dir', 'build_run_model', 'mfu_peak_line', 'run_training']
 
 # %% ../../nbs/55_run.ipynb #b21eb1af
 def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts:
     "Build the task and loaders of `cfg.training.stage`; its task distilled from a teacher when `distillation.enabled`."
-    stage = cfg.training.stage
-    if stage not in STAGES: raise ConfigError(f"training.stage: got {stage!r}; registered stages are {', '.join(sorted(STAGES))}")
-    parts = STAGES[stage](cfg, tokenizer, env, model)
+    parts = get_stage(cfg.training.stage).build(cfg, tokenizer, env, model)
     return dataclasses.replace(parts, task=wrap_with_distillation(parts.task, cfg, tokenizer, env.device))
 
 # %% ../../nbs/55_run.ipynb #55b6936f
@@ -275,7 +262,7 @@ def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> 
         if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
             ckpt = load_checkpoint(checkpoint, optimizers=False)
     _check_start(cfg, start_step, ckpt)
-    if cfg.training.stage == "rl": check_rl_start(cfg, ckpt)   # a chat model, or plain prompts said so
+    check_start(cfg, ckpt)   # the stage order, then what the stage needs of its start (RL: a chat model)
     check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
     return tokenizer, ckpt
 
@@ -288,7 +275,7 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     requested = cfg.runtime.precision
     cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
     if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
-    try: validate(cfg, env.world_size)
+    try: check_stage(validate(cfg, env.world_size), env.world_size)
     except ConfigError as e: e.same_on_every_rank = True; raise
     try:  # every rank reads the same files and config: an error here is printed once, by rank 0
         tokenizer, ckpt = _checked_inputs(cfg, env, checkpoint, start_step)
