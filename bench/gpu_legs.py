@@ -3,6 +3,8 @@ code on the CPU at tiny shapes (gloo instead of NCCL, no torch.compile), so CI k
 
     python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke]   # each leg writes OUTDIR/LEG.json (legs: see LEGS)
     python bench/gpu_legs.py summary OUTDIR [--smoke]         # one JSON line: every leg, MFU computed one way
+    python bench/gpu_legs.py --smoke                          # the one-process legs into a temporary folder, then the
+                                                              # summary (fsdp2_124m and gg_train_124m: bash bench/gpu.sh --smoke)
 
 `bench/gpu.sh` runs each leg in a process of its own on a GPU; the CPU smoke run takes several in one process (one
 import of torch and the package instead of five).
@@ -87,31 +89,12 @@ def leg_step(recipe: str, micro: int) -> dict:
     return res if rank == 0 else {}
 
 
-def synthetic_data(root: Path, vocab: int, n_tokens: int) -> dict:
-    "A small BPE and random-token train/val shards in `gg prepare`'s layout: `gg train` reads them as it reads real ones."
-    import numpy as np
-    from gradient_garden.data.prepare import SHARD_FORMAT, SHARD_VERSION
-    from gradient_garden.tokenizer import init_tokenizer, train_bpe
-    from gradient_garden.config import TokenizerConfig
-    text = [(ROOT/"README.md").read_text()] * 4 + [p.read_text() for p in sorted((ROOT/"gradient_garden").rglob("*.py"))]
-    train_bpe(text, vocab, root/"tokenizer")
-    tok = init_tokenizer(TokenizerConfig(path=str(root/"tokenizer")))
-    rng, d, splits = np.random.default_rng(0), root/"datasets"/"pretraining", {}
-    for split, n in (("train", n_tokens), ("val", n_tokens // 8)):
-        (d/split).mkdir(parents=True, exist_ok=True)
-        rng.integers(0, tok.vocab_size, n, dtype=np.uint16).tofile(d/split/"shard_00000.bin")
-        splits[split] = {"n_tokens": n, "documents": 1, "shards": [{"file": f"{split}/shard_00000.bin", "n_tokens": n}]}
-    (d/"meta.json").write_text(json.dumps({"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": "pretraining",
-                                           "dtype": "uint16", "tokenizer": {"identity": tok.identity, "name": "synthetic"},
-                                           "documents_begin_with_bos": False, "splits": splits}))
-    return dict(tokenizer=root/"tokenizer", datasets=root/"datasets")
-
-
 def leg_train(recipe: str, out_dir: Path) -> dict:
     "A short `gg train` of RECIPE on synthetic shards: loader, accumulation, clipping, logging, validation, a checkpoint."
     from gradient_garden.models.tendril import flops_per_token
     steps = 6 if SMOKE else 30
-    data = synthetic_data(out_dir/"synthetic", 1024, 200_000 if SMOKE else 40_000_000)
+    from common import synthetic_pretraining_data
+    data = synthetic_pretraining_data(out_dir/"synthetic", 1024, 200_000 if SMOKE else 40_000_000)
     sets = [f"tokenizer.path={data['tokenizer']}", f"paths.datasets={data['datasets']}", f"paths.runs={out_dir/'runs'}",
             f"training.max_steps={steps}", "training.log_every=1", "evals.every=0", "generation.every=0",
             f"validation.every={steps}", "validation.steps=2", f"checkpointing.every={steps}",
@@ -186,7 +169,8 @@ def leg_rl() -> dict:
     from gradient_garden.config import RLConfig
     from gradient_garden.models.tendril import build_model, flops_per_token
     from gradient_garden.runtime import autocast_context
-    from gradient_garden.stages.rl import RLExample, RLTask, RolloutLoader
+    from gradient_garden.evals.verifiers import Problem
+    from gradient_garden.stages.rl import RLTask, RolloutLoader
     cfg = config("recipes/pretraining/tendril-124m.yaml")
     P, G, M, seq, steps = (4, 4, 8, 32, 2) if SMOKE else (32, 8, 64, 128, 3)
     precision = "fp32" if SMOKE else "bf16"
@@ -194,7 +178,7 @@ def leg_rl() -> dict:
     model = build_model(cfg.model).to(device())
     tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s, bos=False: [1] * bos + [3 + ord(c) % 500 for c in s],
                           decode=lambda ids: "".join(chr(97 + i % 26) for i in ids))
-    exs = [RLExample("custom", "bench", "Q " + "w" * (i % 7) + f" {i}", "") for i in range(P * (steps + 1))]
+    exs = [Problem("custom", "bench", "Q " + "w" * (i % 7) + f" {i}", "") for i in range(P * (steps + 1))]
     rl = RLConfig(group_size=G, loss_type="dapo", temperature=1.0, max_new_tokens=M, plain_prompts=True)
     loader = RolloutLoader(model, tok, exs, rl, lambda ex, text, stopped: {"total": float(text.count("a") % 2)}, seq, P * G, 1,
                            seed=0, precision=precision)
@@ -251,11 +235,21 @@ def run_leg(leg: str, out: Path) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
 
 
+ONE_PROCESS = ["peak", "train_124m", "train_400m", "decode", "attention", "rl_124m"]   # what `--smoke` alone runs
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--smoke"]
+    if not args and SMOKE:   # the legs one process can run, then the summary: the script's own smoke run
+        import tempfile
+        out_dir = Path(tempfile.mkdtemp(prefix="gg_smoke_gpu_legs_"))
+        for leg in ("fsdp2_124m", "gg_train_124m"):
+            (out_dir/f"{leg}.json").write_text(json.dumps({"skipped": "torchrun / gg train: run by bash bench/gpu.sh --smoke"}))
+        args = [str(out_dir), *ONE_PROCESS]
+    elif not args: sys.exit("usage: python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke] | summary OUTDIR [--smoke] | --smoke")
     if args[0] == "summary": print(json.dumps(summary(Path(args[1])))); sys.exit(0)
     out_dir, legs = Path(args[0]), args[1:]   # several legs in one process: one import of torch and the package
     for leg in legs:
         t0 = time.perf_counter()
         res = run_leg(leg, out_dir/f"{leg}.json")
         if res: (out_dir/f"{leg}.json").write_text(json.dumps(res | {"leg_s": round(time.perf_counter() - t0, 1)}))
+    if not sys.argv[1:] or sys.argv[1:] == ["--smoke"]: print(json.dumps(summary(out_dir)))

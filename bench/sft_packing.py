@@ -9,6 +9,7 @@ over rounds of (supervised tokens in the round / time of the round).
 
     python bench/sft_packing.py                                  # CPU fp32
     python bench/sft_packing.py --device cuda --batch-size 32 --seq-len 1024 --dim 512 --n-layers 8
+    python bench/sft_packing.py --smoke                          # 200 chats, dim 64, one layer, 2 x 128, one round
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
-from common import bench_parser, setup, sync
+from common import apply_smoke, bench_parser, setup, sync
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig
 from gradient_garden.data.verifiable import WORDS, sample_conversations
@@ -33,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--pad-to-max", action="store_true", help="padding contender pads to --seq-len, not to the batch's longest")
     p.add_argument("--tokenizer", default=None, help=f"tokenizer folder (default: {DEFAULT_TOKENIZER} if present, else a BPE trained here)")
-    return p.parse_args(argv)
+    return apply_smoke(p.parse_args(argv), conversations=200, batch_size=2, seq_len=128, dim=64, n_layers=1, rounds=1,
+                       steps_per_round=1, warmup=1)
 
 def get_tokenizer(args, tmp: Path):
     "The embedded default tokenizer when prepared, else a small BPE trained on verifiable chats in seconds."
@@ -105,7 +107,7 @@ def main(argv=None):
         print(f"{n:10s} {med[n]:10.0f} {med[n]/med['padding']:9.2f}x {eff[n]:14.3f} {docs[n]/steps:11.1f} {positions[n]/steps:15.0f}")
     print(f"Tendril {count_parameters(contenders['packing'][0]):,} params, {dtype}, device {args.device}, "
           f"{torch.get_num_threads()} threads")
-    result = dict(bench="sft_packing", device=args.device,
+    result = dict(bench="sft_packing", smoke=args.smoke, device=args.device,
                   device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu", threads=torch.get_num_threads(),
                   dtype=dtype, torch=torch.__version__, padding_to="max" if args.pad_to_max else "longest_in_batch",
                   shape=dict(dim=mcfg.dim, n_layers=mcfg.n_layers, vocab=mcfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),

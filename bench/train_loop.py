@@ -13,9 +13,14 @@ bare over trainer seconds per step (= trainer over bare tokens/s) on the medians
 rounds' own ratios. Target: trainer >= 0.95 x bare at accumulation 8. Last line: one JSON object.
 
     python bench/train_loop.py [--rounds 5] [--warmup 2] [--accum 8] [--workers 0] [--device cpu] [--set KEY=VALUE ...]
+    python bench/train_loop.py --smoke      # synthetic shards, dim 64, 2 layers, 2 x 32 tokens, accumulation 2, one round
+
+The recipe's prepared data is read (`gg prepare` it first); `--smoke` writes random-token shards of its own instead.
 """
 import argparse, json, os, statistics, time
+from pathlib import Path
 import torch
+from common import add_smoke, apply_smoke, smoke_dir, synthetic_pretraining_data
 from gradient_garden.config import load_config
 from gradient_garden.parallel.distributed import DistEnv, resolve_device
 from gradient_garden.train.optim import build_optimizers
@@ -25,23 +30,32 @@ from gradient_garden.stages.pretraining import CausalLMTask
 from gradient_garden.data.loaders import pretraining_loaders
 
 
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024", "model.max_seq_len=64"]
+
+
 def parse():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--recipe", default="recipes/pretraining/debug.yaml")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default=str(ROOT/"recipes"/"pretraining"/"debug.yaml"))
     ap.add_argument("--rounds", type=int, default=5, help="timed (bare, trainer) pairs")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
     ap.add_argument("--workers", type=int, default=0, help="runtime.num_workers: micro-batches prepared ahead by a thread")
     ap.add_argument("--set", nargs="*", default=[], dest="overrides")
-    return ap.parse_args()
+    return apply_smoke(add_smoke(ap).parse_args(), rounds=1, warmup=1, accum=2)
 
 
 def main():
     a = parse()
-    cfg, _ = load_config(recipe=a.recipe, overrides=a.overrides + [f"runtime.device={a.device}", f"training.total_batch_size={a.accum * 8 * 256}",
+    micro, seq = (2, 32) if a.smoke else (8, 256)
+    if a.smoke:   # random-token shards and a small BPE of their own, in a temporary folder
+        data = synthetic_pretraining_data(smoke_dir("train_loop"), 1024, 20_000)
+        a.overrides = TINY + [f"tokenizer.path={data['tokenizer']}", f"paths.datasets={data['datasets']}",
+                              f"paths.runs={data['datasets'].parent/'runs'}"] + a.overrides
+    cfg, _ = load_config(recipe=a.recipe, overrides=a.overrides + [f"runtime.device={a.device}", f"training.total_batch_size={a.accum * micro * seq}",
                                                                    f"runtime.num_workers={a.workers}",
-                                                                   "training.micro_batch_size=8", "training.seq_len=256"])
+                                                                   f"training.micro_batch_size={micro}", f"training.seq_len={seq}"])
     dev = resolve_device(a.device)
     t = cfg.training
     tokens_per_step = a.accum * t.micro_batch_size * t.seq_len
@@ -83,7 +97,7 @@ def main():
         pair = [("bare", bare_step), ("trainer", trainer_step)]
         for name, fn in (pair if r % 2 == 0 else pair[::-1]): runs[name].append(timed(fn))
     med = {k: [statistics.median(s[i] for s in v) for i in (0, 1)] for k, v in runs.items()}
-    res = dict(bench="train_loop", device=str(dev), model_dim=cfg.model.dim, n_layers=cfg.model.n_layers,
+    res = dict(bench="train_loop", smoke=a.smoke, device=str(dev), model_dim=cfg.model.dim, n_layers=cfg.model.n_layers,
                micro_batch=t.micro_batch_size, seq_len=t.seq_len, grad_accum=trainer.grad_accum, workers=a.workers,
                rounds=a.rounds, warmup=a.warmup, threads=torch.get_num_threads(),
                bare_tokens_per_s=tokens_per_step / med["bare"][0], trainer_tokens_per_s=tokens_per_step / med["trainer"][0],
