@@ -4,6 +4,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 
 - `gradient_garden.checkpoint.checkpoints`: One file, or one directory of per-rank shards, per checkpoint, written atomically, read back without unpickling
 - `gradient_garden.checkpoint.dcp_files`: Reading a `torch.distributed.checkpoint` directory without unpickling code, checking its shard files before dcp
+- `gradient_garden.checkpoint.hf`: Write a Tendril as a Hugging Face Llama folder (`config.json`, safetensors weights, tokenizer files) that
+- `gradient_garden.checkpoint.state_dict`: One adapter between a model's own state dict (q/k/v stored as one `wqkv`, gate/up as one `w13`), the layout
 - `gradient_garden.cli`: One console script with a verb per job: `prepare`, `train`, `notebook`, `evaluate`, `generate`, `export`, `serve`,
 - `gradient_garden.cli.__main__`: The package's `__main__`: `python -m gradient_garden.cli ARGS` runs `gg ARGS` (the tests and `torchrun` use it).
 - `gradient_garden.cli.evaluate`: Validation loss, the multiple-choice benchmarks and any lm-evaluation-harness task of a checkpoint (or a Hugging
@@ -22,7 +24,7 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.generation`: Greedy, temperature, top-k and top-p sampling with a repetition penalty; batches of prompts of different lengths
 - `gradient_garden.hardware`: What a device can do: the dense datasheet peak of known GPUs, a measured matmul peak elsewhere, and the precision
 - `gradient_garden.models.attention`: Rotary position embeddings from precomputed tables, grouped-query attention on PyTorch's fused SDPA kernels
-- `gradient_garden.models.hf`: Export a Tendril as a Hugging Face Llama folder (`config.json`, safetensors weights, tokenizer files) that
+- `gradient_garden.models.hf`: Translate a Tendril config to the `transformers` `LlamaConfig` of the same model and back, and refuse what has no
 - `gradient_garden.models.lora`: Train a few million adapter weights instead of the whole model: `apply_lora`, `merge_lora` / `unmerge_lora`,
 - `gradient_garden.models.moe`: A Tendril whose feed-forward is a set of SwiGLU experts picked per token by a learned top-k router, with the
 - `gradient_garden.models.tendril`: RMSNorm, the SwiGLU feed-forward, the training loss computed without materialising the logits, pre-norm blocks,

@@ -75,7 +75,7 @@ def test_gg_export(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from gradient_garden.config import ConfigError
     from gradient_garden.cli.generate import add_export_args, run_export
-    from gradient_garden.models.hf import load_hf
+    from gradient_garden.checkpoint.hf import load_hf
     out = run["base"] / "hf"
     assert run_export(_args(add_export_args, ["--checkpoint", str(run["ckpt"]), "--out", str(out)])) == 0
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

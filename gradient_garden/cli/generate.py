@@ -11,7 +11,8 @@ from ..config import ConfigError, read_data_file
 from ..runtime import DTYPES, autocast_context, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
 from ..generation import default_test_prompts, generate_text
-from ..models.hf import check_llama_compatible, export_hf, export_hf_with_adapter
+from ..models.hf import check_llama_compatible
+from ..checkpoint.hf import export_hf, export_hf_with_adapter
 from ..models.lora import lora_modules
 from ..checkpoint.checkpoints import load_model_from_checkpoint
 

@@ -13,13 +13,13 @@ from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'FUSED_NAMES', 'CPU_HAS_AVX512',
-           'PACKED_MIN_MACS', 'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads',
-           'plain_ops', 'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask',
-           'additive_mask', 'LayerKV', 'KVCache', 'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies',
-           'sdpa_gqa', 'sdpa_kernel_class', 'attention_backend', 'document_block_mask', 'compiled_once',
-           'compiled_flex_attention', 'flex_gqa', 'plain_linear', 'fused_layout', 'fused_splits', 'fuse_state_dict',
-           'split_fused_state_dict', 'prepack_cpu_weight', 'packed_weight', 'inference_linear', 'Attention']
+__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'CPU_HAS_AVX512', 'PACKED_MIN_MACS',
+           'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads',
+           'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask', 'LayerKV', 'KVCache',
+           'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa', 'sdpa_kernel_class',
+           'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention', 'flex_gqa',
+           'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'packed_weight', 'inference_linear',
+           'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -281,8 +281,6 @@ def plain_linear(m: nn.Module) -> bool:
     "True for a plain, hook-free, bias-free `nn.Linear` (not a subclass such as a LoRA layer)."
     return type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
 
-FUSED_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}   # a fused projection -> what it stacks, in row order
-
 # %% ../../nbs/10_attention.ipynb #6a43617e
 def fused_layout(model: nn.Module) -> dict[str, dict[str, int]]:
     "Each fused weight's name -> the names of the weights it stacks along dim -2, with their row counts, in order."
@@ -296,33 +294,6 @@ def fused_layout(model: nn.Module) -> dict[str, dict[str, int]]:
 def fused_splits(model: nn.Module) -> dict[str, tuple[int, ...]]:
     "Each fused weight's name -> the row counts (dim -2) of the projections it stacks: Muon's split, q/k/v or gate/up."
     return {k: tuple(parts.values()) for k, parts in fused_layout(model).items()}
-
-# %% ../../nbs/10_attention.ipynb #e6d7c9e8
-def fuse_state_dict(sd: dict) -> tuple[dict, bool]:
-    "A state dict with separate `wq`/`wk`/`wv` and `w1`/`w3` in the fused layout (weights stacked on dim -2, adapters renamed); and whether it changed."
-    out, groups = {}, {}
-    for key, t in sd.items():
-        mod, _, leaf = key.rpartition(".")
-        parent, _, child = mod.rpartition(".")
-        fused = next((f for f, parts in FUSED_NAMES.items() if child in parts), None)
-        if fused is None or parent.endswith("adapters"): out[key] = t; continue     # not a projection, or already fused
-        pre = f"{parent}." if parent else ""
-        if leaf == "weight": groups.setdefault((pre, fused), {})[child] = t
-        else: out[f"{pre}{fused}.adapters.{child}.{leaf}"] = t      # a LoRA adapter of one projection
-    for (pre, fused), parts in groups.items():
-        names = FUSED_NAMES[fused]
-        if set(parts) == set(names): out[f"{pre}{fused}.weight"] = torch.cat([parts[n] for n in names], dim=-2)
-        else: out.update({f"{pre}{n}.weight": t for n, t in parts.items()})   # not a fusable group: left as it was
-    return out, set(out) != set(sd)
-
-# %% ../../nbs/10_attention.ipynb #85dcc232
-def split_fused_state_dict(sd: dict, layout: dict[str, dict[str, int]]) -> dict:
-    "A fused state dict with each fused weight of `layout` (see `fused_layout`) split back into its projections."
-    out = {}
-    for key, t in sd.items():
-        if key not in layout: out[key] = t; continue
-        out.update(zip(layout[key], t.split(list(layout[key].values()), dim=-2)))
-    return out
 
 # %% ../../nbs/10_attention.ipynb #40b4a0ff
 CPU_HAS_AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()

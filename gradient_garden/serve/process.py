@@ -17,7 +17,7 @@ from ..config import ConfigError, TokenizerConfig
 from ..runtime import DTYPES as _DTYPES, resolve_device
 from ..tokenizer import init_tokenizer
 from ..checkpoint.checkpoints import load_model_from_checkpoint
-from ..models.hf import load_hf
+from ..checkpoint.hf import load_hf
 from .decoder import BatchDecoder, DecoderClosed, QueueFull, Sequence
 from .api import Served, StreamInterval
 

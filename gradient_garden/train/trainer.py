@@ -21,8 +21,9 @@ from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precisio
 from ..hardware import peak_flops
 from ..parallel.distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object, set_collective_timeout,
                                                 clip_grad_norm_, all_gather_objects)
-from ..checkpoint.checkpoints import (fit_fused_layout, rng_state, set_rng_state, CheckpointManager, sharded_state,
+from ..checkpoint.checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state, CheckpointWriteError, write_failure_line)
+from ..checkpoint.state_dict import StateDictAdapter
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
 from ..generation import default_test_prompts, encode_prompts, generate
@@ -322,7 +323,7 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
     keep_progress = restore_progress and same_stage
     optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
     if "model" in ckpt:
-        ckpt = fit_fused_layout(ckpt, unwrap_model(self.model) if not is_fsdp(self.model) else self.model)   # an unfused-layout checkpoint
+        ckpt = StateDictAdapter(unwrap_model(self.model) if not is_fsdp(self.model) else self.model).from_old(ckpt)   # an unfused-layout checkpoint
         load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
     else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
