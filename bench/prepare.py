@@ -11,6 +11,8 @@ Figures:
 
     python bench/prepare.py                      # 4 MB and 40 MB corpora, 3 repeats
     python bench/prepare.py --base-mb 2 --repeats 1
+    python bench/prepare.py --smoke              # 0.05 MB corpora (x2), one repeat, a 1k BPE; the embedded default
+                                                 # prepared to 50k tokens; everything in a temporary folder
 
 The last line of stdout is one JSON object with the figures.
 """
@@ -19,6 +21,8 @@ import argparse, json, os, resource, shutil, statistics, subprocess, sys, tempfi
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_smoke, apply_smoke
 
 
 def parse_args(argv=None):
@@ -31,7 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--no-naive", action="store_true", help="skip the naive reference")
     p.add_argument("--no-embedded", action="store_true", help="skip the end-to-end embedded default run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = apply_smoke(add_smoke(p).parse_args(argv), base_mb=0.05, scale=2, repeats=1)
+    if args.smoke and args.tokenizer == p.get_default("tokenizer"): args.tokenizer = None   # a small one, trained in the work folder
+    return args
 
 
 def rss_mb() -> float:
@@ -56,7 +62,8 @@ def naive_prepare(files, tok, out_dir, val_fraction):
     out_dir.mkdir(parents=True, exist_ok=True)
     n = 0
     for name, want in (("train", False), ("val", True)):
-        arr = np.concatenate([np.array(x + [tok.eos_id], dtype=np.uint16) for x, s in zip(ids, split) if s == want])
+        arr = np.concatenate([np.array(x + [tok.eos_id], dtype=np.uint16) for x, s in zip(ids, split) if s == want]
+                             or [np.zeros(0, np.uint16)])   # a corpus of a few documents may have none for validation
         arr.tofile(out_dir / f"{name}.bin")
         n += len(arr)
     return {"tokens": n, "bytes": sum(len(d.encode()) for d in docs)}
@@ -68,7 +75,8 @@ def child(spec: dict) -> dict:
         t0 = time.perf_counter()
         from gradient_garden.cli.prepare import add_prepare_args, run_prepare
         os.chdir(spec["cwd"])
-        args = add_prepare_args(argparse.ArgumentParser()).parse_args(["--recipe", spec["recipe"], "--no-progress"])
+        args = add_prepare_args(argparse.ArgumentParser()).parse_args(["--recipe", spec["recipe"], "--no-progress",
+                                                                       *(["--set", *spec["overrides"]] if spec.get("overrides") else [])])
         run_prepare(args)
         meta = json.loads(Path("data/datasets/pretraining/meta.json").read_text())
         wall = time.perf_counter() - t0
@@ -142,8 +150,12 @@ def summary(runs: list[dict]) -> dict:
 
 
 def main(args) -> dict:
-    ensure_bench_tokenizer(args.tokenizer)
     root = Path(tempfile.mkdtemp(prefix="gg-bench-prepare-"))
+    if args.tokenizer is None:   # smoke: a 1k BPE on a few standard-library files, in seconds
+        from gradient_garden.data.prepare import stdlib_files
+        from gradient_garden.tokenizer import train_bpe
+        args.tokenizer = str(train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:40]], 1024, root/"tok"))
+    else: ensure_bench_tokenizer(args.tokenizer)
     try:
         base, large = build_corpora(root, args.base_mb, args.scale)
         contenders = ["stream"] + ([] if args.no_naive else ["naive"])
@@ -166,7 +178,8 @@ def main(args) -> dict:
             figures["naive_peak_ratio"] = round(figures[f"naive_{big}"]["peak_rss_mb"] / figures["naive_1x"]["peak_rss_mb"], 3)
         if not args.no_embedded:
             cwd = root / "embedded"; cwd.mkdir()
-            r = run_child({"kind": "embedded", "cwd": str(cwd), "recipe": str(REPO / "recipes" / "pretraining" / "debug.yaml")})
+            r = run_child({"kind": "embedded", "cwd": str(cwd), "recipe": str(REPO / "recipes" / "pretraining" / "debug.yaml"),
+                           "overrides": ["data.target_tokens=50000"] if args.smoke else []})
             figures["embedded_default"] = {"wall_s": round(r["process_wall_s"], 2), "prepare_s": round(r["prepare_s"], 2),
                                            "tokens": r["tokens"], "tokens_per_s": round(r["tokens"] / r["prepare_s"]),
                                            "mb_per_s": round(r["bytes"] / 1e6 / r["prepare_s"], 2),
@@ -176,7 +189,7 @@ def main(args) -> dict:
         figures["targets"] = {"stream_peak_ratio_max": 1.5, "stream_peak_ratio_ok": figures["stream_peak_ratio"] <= 1.5,
                               **({"embedded_default_max_s": 60, "embedded_default_ok": figures["embedded_default"]["wall_s"] < 60}
                                  if not args.no_embedded else {})}
-        figures["cpus"] = os.cpu_count()
+        figures["cpus"], figures["smoke"] = os.cpu_count(), args.smoke
         return figures
     finally:
         shutil.rmtree(root, ignore_errors=True)
