@@ -42,9 +42,11 @@ def setup(args):
 
 def bench_ours(args, cfg, model, tok, exs) -> dict:
     from gradient_garden.config import RLConfig
-    from gradient_garden.stages.rl import RLExample, RLTask, Rewarder, RolloutLoader
+    from gradient_garden.evals.verifiers import Problem
+    from gradient_garden.stages.rewards import Rewarder
+    from gradient_garden.stages.rl import RLTask, RolloutLoader
     rl = RLConfig(group_size=args.group, loss_type="dapo", temperature=1.0, max_new_tokens=args.max_new_tokens)
-    examples = [RLExample("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer}) for e in exs]
+    examples = [Problem("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer}) for e in exs]
     rows = args.prompts * args.group
     loader = RolloutLoader(model, tok, examples, rl, Rewarder(), 128, rows, 1, seed=0)
     loader._order_for = lambda e: list(range(len(examples)))        # the same prompts, in order, as TRL's side
@@ -68,7 +70,7 @@ def bench_trl(args, cfg, model, tok, exs) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from gradient_garden.checkpoint.hf import export_hf
-    from gradient_garden.stages.rl import encode_prompt
+    from gradient_garden.evals.generative import encode_prompt
     from gradient_garden.data.verifiable import exact_match
     out = Path(tempfile.mkdtemp())/"hf"
     export_hf(model, out, tok, tokenizer_dir=cfg.tokenizer.path)

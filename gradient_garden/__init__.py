@@ -19,8 +19,10 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.data.prepare`: Sources, weighted mixes and a streaming tokenizer that writes train/val token shards: resumable, memory-bounded,
 - `gradient_garden.data.verifiable`: Small tasks with known answers — arithmetic, spelling, reversal, string edits — generated on the spot, with a
 - `gradient_garden.evals.benchmarks`: HellaSwag, WinoGrande and ARC-Challenge as lm-evaluation-harness reads them: each hub row turned into
+- `gradient_garden.evals.generative`: Greedy exact match, pass@k and avg@k of a model's own answers, checked by the verifiers; the embedded held-out
 - `gradient_garden.evals.lm_eval`: The platform's model registered with lm-evaluation-harness: `loglikelihood`, `loglikelihood_rolling` and
 - `gradient_garden.evals.multiple_choice`: HellaSwag, WinoGrande and ARC-Challenge scored the way lm-evaluation-harness scores them, in batches, split
+- `gradient_garden.evals.verifiers`: What says whether a generated answer is right: the embedded tasks' exact match, GSM8K's final number, a format
 - `gradient_garden.generation`: Greedy, temperature, top-k and top-p sampling with a repetition penalty; batches of prompts of different lengths
 - `gradient_garden.hardware`: What a device can do: the dense datasheet peak of known GPUs, a measured matmul peak elsewhere, and the precision
 - `gradient_garden.models.attention`: Rotary position embeddings from precomputed tables, grouped-query attention on PyTorch's fused SDPA kernels
@@ -40,8 +42,9 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.stages.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled by $T^2$) mixed with cross-entropy,
 - `gradient_garden.stages.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses,
 - `gradient_garden.stages.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the
-- `gradient_garden.stages.rewards`: The prompts of the RL stage and what scores their answers: the embedded tasks' exact match, GSM8K's final number,
-- `gradient_garden.stages.rl`: GRPO-family policy optimisation on prompts whose answers can be checked: G completions per prompt sampled by our own
+- `gradient_garden.stages.grpo`: Group-relative advantages and a clipped token-level loss with the `grpo`, `dr_grpo` and `dapo` normalisations, an
+- `gradient_garden.stages.rewards`: The prompts of the RL stage and the reward of an answer: the verifier's judgement, an optional format reward, a
+- `gradient_garden.stages.rl`: Reinforcement learning with verifiable rewards: a loader that samples G answers per prompt from the current weights,
 - `gradient_garden.stages.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document
 - `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` — with the Llama 3
 - `gradient_garden.train.optim`: Which parameters get weight decay, which get Muon, and a Muon that matches `torch.optim.Muon` step for step

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from gradient_garden.config import ConfigError, GlobalConfig, RLConfig, from_plain, validate
-from gradient_garden.stages.rl import (RL_LOSSES, RLExample, RLTask, Rewarder, call_reward, check_rl_start,
-                                      group_advantages, load_prompts, load_reward_function, loss_parts, token_losses)
+from gradient_garden.evals.verifiers import Problem
+from gradient_garden.stages.grpo import RL_LOSSES, group_advantages, loss_parts, token_losses
+from gradient_garden.stages.rewards import Rewarder, call_reward, load_prompts, load_reward_function
+from gradient_garden.stages.rl import RLTask, check_rl_start
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -68,7 +70,7 @@ def test_loss_and_gradient_equal_trl(loss_type, beta):
 @pytest.mark.parametrize("loss_type", RL_LOSSES)
 def test_entropy_bonus_equals_trl(loss_type):
     "rl.entropy_coef: the loss minus coef x the mean completion-token entropy, and its gradient, as TRL's `entropy_coef`."
-    from gradient_garden.stages.rl import entropy_sum
+    from gradient_garden.stages.grpo import entropy_sum
     g = torch.Generator().manual_seed(2)
     B, T, coef = 8, 10, 0.03
     mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
@@ -90,7 +92,8 @@ def test_entropy_bonus_equals_trl(loss_type):
 def test_adaptive_entropy_equals_trl(loss_type):
     """rl.use_adaptive_entropy: over steps whose entropy crosses the target both ways and hits both bounds, the applied
     bonus (loss and gradient) and the coefficient equal TRL's `use_adaptive_entropy` control, step by step."""
-    from gradient_garden.stages.rl import EntropyControl, entropy_sum
+    from gradient_garden.stages.grpo import entropy_sum
+    from gradient_garden.stages.rl import EntropyControl
     g = torch.Generator().manual_seed(3)
     B, T = 8, 10
     mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
@@ -123,7 +126,8 @@ def test_logps_at_the_sampling_temperature_equal_trl(temperature):
     from trl.trainer.utils import selective_log_softmax_and_entropy
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.tendril import build_model
-    from gradient_garden.stages.rl import IGNORE_INDEX, collate_rollouts, completion_logps
+    from gradient_garden.stages.base import IGNORE_INDEX
+    from gradient_garden.stages.grpo import collate_rollouts, completion_logps
     torch.manual_seed(0)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
     b = collate_rollouts([[1, 5, 9, 11], [1, 7]], [[4, 40, 2], [6, 70, 71, 3]], 32, 0)
@@ -203,14 +207,14 @@ def test_missing_reward_function_is_one_line(name, match):
                                       ("bad_reward_str", "returned '1.0'")])
 def test_bad_reward_values_are_one_line(fn, match):
     r = Rewarder(functions=(f"test_rl:{fn}",))
-    ex = RLExample("verifiable", "add", "What is 2 + 3?", "5", {"answer": "5"})
+    ex = Problem("verifiable", "add", "What is 2 + 3?", "5", {"answer": "5"})
     with pytest.raises(ConfigError, match=f"test_rl:{fn} {match}") as e: r(ex, "5", True)
     _one_line(e)
 
 
 def test_user_reward_gets_prompt_completion_and_fields():
     r = Rewarder(functions=("test_rl:good_reward",))
-    ex = RLExample("verifiable", "add", "What is 2 + 3?", "5", {"answer": "5", "task": "add"})
+    ex = Problem("verifiable", "add", "What is 2 + 3?", "5", {"answer": "5", "task": "add"})
     assert r(ex, "it is 5", True) == {"correct": 0.0, "test_rl:good_reward": 1.0, "total": 1.0}
 
 
@@ -234,7 +238,8 @@ def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
     "The real-scale recipe validates, and its prompts prepare from local files in GSM8K's exact schema (no hub)."
     import json
     from gradient_garden.config import load_config
-    from gradient_garden.stages.rl import heldout_examples_for, numeric_match
+    from gradient_garden.evals.generative import heldout_examples_for
+    from gradient_garden.evals.verifiers import numeric_match
     cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
     assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
     rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -256,7 +261,7 @@ def _fixed_loader(rank, world, seed=0):
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
     tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
                           render_chat=lambda msgs, add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
-    exs = [RLExample("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
+    exs = [Problem("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
     rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8, use_adaptive_entropy=True, entropy_target=0.5, entropy_coef_delta=0.05)
     loader = RolloutLoader(model, tok, exs, rl, None, 32, 32 // world // 2, 2, rank, world, seed=3)
     def sample(idx):
@@ -382,7 +387,7 @@ def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp
                           render_chat=lambda msgs, add_generation_prompt=False: (
                               [1, 9] + [ord(c) for c in msgs[0]["content"]] + [2, 9] + [ord(c) for c in msgs[1]["content"]] + [2],
                               [0, 0] + [0] * len(msgs[0]["content"]) + [0, 0] + [1] * (len(msgs[1]["content"]) + 1)))
-    ex = RLExample("gsm8k", "gsm8k", "Tom has 3 apples and buys 4 more. How many?", "3 + 4 = <<3+4=7>>7\n#### 7")
+    ex = Problem("gsm8k", "gsm8k", "Tom has 3 apples and buys 4 more. How many?", "3 + 4 = <<3+4=7>>7\n#### 7")
     ref = reference_completion(tok, ex)
     assert ref[-1] == 2 and tok.decode(ref[:-1]) == ex.answer
     assert Rewarder()(ex, tok.decode(ref[:-1]), True)["correct"] == 1.0

@@ -63,7 +63,7 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 # %% ../../nbs/73_cli_evaluate.ipynb #9808ad1d
-from ..stages.rl import evaluate_generative, heldout_examples_for, load_prompts
+from ..evals.generative import GENERATIVE_SETS, evaluate_generative
 
 def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k)."
@@ -88,9 +88,8 @@ def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
     if args.pass_k < 0: raise ConfigError(f"gg evaluate --pass-k: got {args.pass_k}; must be >= 0")
     plain = cfg.training.stage == "pretraining"
     for name in sets:
-        exs = (heldout_examples_for([{"type": "verifiable"}]) if name == "exact_match"
-               else load_prompts([{"type": "gsm8k", "path": args.gsm8k}], "train"))
-        r = evaluate_generative(model, tokenizer, exs, args.pass_k, args.max_new_tokens or (24 if name == "exact_match" else 256),
+        s = GENERATIVE_SETS[name]
+        r = evaluate_generative(model, tokenizer, s.load(getattr(args, name)), args.pass_k, args.max_new_tokens or s.max_new_tokens,
                                 args.temperature, 1.0, plain, args.seed or 0, env.rank, env.world_size)
         out[name] = r | {"source": "generative, chat" if not plain else "generative, plain"}
     return out
