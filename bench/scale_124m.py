@@ -8,10 +8,13 @@ is exported to a Hugging Face Llama folder whose logits must equal the model's. 
 peak RSS of the largest rank (`getrusage(RUSAGE_CHILDREN)`) and the plan's per-rank tensor bytes for the same run.
 
     python bench/scale_124m.py [--work DIR]      # about 10-15 minutes on 2 busy cores; last stdout line is JSON
+    python bench/scale_124m.py --smoke           # the same parts with the model at dim 64, 2 layers, 64-token context,
+                                                 # the data prepared to 200k tokens
 """
 from __future__ import annotations
 import argparse, json, os, resource, subprocess, sys, tempfile, time
 from pathlib import Path
+from common import add_smoke, results_path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "recipes/pretraining/tendril-124m.yaml"
@@ -19,6 +22,8 @@ GG = [sys.executable, "-m", "gradient_garden.cli"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gradient_garden.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 STEPS = 4
+SMOKE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=4096",
+         "model.max_seq_len=64", "training.seq_len=64", "training.total_batch_size=128"]   # --smoke: appended to the overrides
 
 def run(cmd, timeout=3600) -> tuple[float, subprocess.CompletedProcess]:
     "Run `cmd` in the repository; raise with its output tail on failure; return (seconds, process)."
@@ -27,7 +32,7 @@ def run(cmd, timeout=3600) -> tuple[float, subprocess.CompletedProcess]:
     if r.returncode: raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return time.perf_counter() - t0, r
 
-def overrides(work: Path, runs: Path) -> list[str]:
+def overrides(work: Path, runs: Path, smoke: bool = False) -> list[str]:
     "The recipe's model at CPU size of batch: fp32, FSDP2, selective checkpointing, 4 steps, checkpoint every 2."
     s = {"paths.datasets": work/"datasets", "tokenizer.path": work/"tokenizer", "paths.evals": work/"evals", "paths.runs": runs,
          "runtime.device": "cpu", "runtime.precision": "fp32", "runtime.compile": "false", "runtime.fsdp": "true",
@@ -35,7 +40,7 @@ def overrides(work: Path, runs: Path) -> list[str]:
          "training.total_batch_size": 2048, "training.max_steps": STEPS, "training.log_every": 1,
          "optimizers.adamw.warmup_steps": 1, "validation.enabled": "false", "evals.every": 0, "generation.every": 0,
          "checkpointing.every": 2, "checkpointing.keep_last": 3, "checkpointing.keep_best": "false"}
-    return [f"{k}={v}" for k, v in s.items()]
+    return [f"{k}={v}" for k, v in s.items()] + (SMOKE if smoke else [])
 
 def losses(runs: Path) -> dict:
     recs = [json.loads(l) for l in (runs/"pretraining"/"tendril-124m"/"metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -54,25 +59,28 @@ def hf_logits_match(ckpt: Path, out: Path) -> float:
     run([*GG, "export", "--checkpoint", ckpt, "--out", out])
     ours, cfg = load_model_from_checkpoint(ckpt, "cpu", torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    toks = torch.randint(0, cfg.model.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
+    toks = torch.randint(0, cfg.model.vocab_size, (1, min(256, cfg.model.max_seq_len)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(): return float((ours.eval()(toks) - hf(toks).logits).abs().max())
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default=None, help="working folder (default: a temporary one)")
     p.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/scale_124m.json)")
-    args = p.parse_args(argv)
+    args = add_smoke(p).parse_args(argv)
+    if args.smoke and args.out: args.out = str(results_path(args.out, True))
     work = Path(args.work or tempfile.mkdtemp(prefix="gg_scale_"))
-    res = {}
+    res = {"bench": "scale_124m", "smoke": args.smoke}
     base = [f"paths.datasets={work/'datasets'}", f"tokenizer.path={work/'tokenizer'}", f"paths.evals={work/'evals'}"]
-    res["prepare_s"], _ = run([*GG, "prepare", "--recipe", "recipes/pretraining/debug.yaml", "--no-progress", "--set", *base])
-    res["train_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--set", *overrides(work, work/"full")])
+    res["prepare_s"], _ = run([*GG, "prepare", "--recipe", "recipes/pretraining/debug.yaml", "--no-progress", "--set", *base]
+                              + (["data.target_tokens=200000", "data.val_fraction=0.1"] if args.smoke else []))
+    sets = lambda runs: overrides(work, runs, args.smoke)
+    res["train_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--set", *sets(work/"full")])
     res["peak_rss_largest_rank_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     full = losses(work/"full")
     ckpt_dir = work/"full"/"pretraining"/"tendril-124m"/"checkpoints"
     mid = step_checkpoint(ckpt_dir, 2)   # sharded: 2 ranks write their own shards, resumed on 2 and on 1
-    res["resume_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *overrides(work, work/"r2")])
-    res["resume_1rank_s"], _ = run([*GG, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *overrides(work, work/"r1")])
+    res["resume_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *sets(work/"r2")])
+    res["resume_1rank_s"], _ = run([*GG, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *sets(work/"r1")])
     r2, r1 = losses(work/"r2"), losses(work/"r1")
     res["losses"] = dict(full=full, resumed_2ranks=r2, resumed_1rank=r1)
     res["resume_2ranks_equal"] = sorted(r2) == [3, 4] and all(r2[s] == full[s] for s in r2)
@@ -83,9 +91,9 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(ROOT))
     from gradient_garden.config import load_config
     from gradient_garden.train.plan import memory_plan
-    cfg, _ = load_config(recipe=ROOT/RECIPE, overrides=overrides(work, work/"full"), world_size=2)
+    cfg, _ = load_config(recipe=ROOT/RECIPE, overrides=sets(work/"full"), world_size=2)
     res["plan_per_rank_mib"] = memory_plan(cfg, "fsdp2", 2, device_type="cpu")["total"]["selective"] / 2**20
-    res["tokens_per_s"] = STEPS * 2048 / res["train_2ranks_s"]
+    res["tokens_per_s"] = STEPS * cfg.training.total_batch_size / res["train_2ranks_s"]
     print(json.dumps(res))
     if args.out: Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return res

@@ -21,6 +21,7 @@ the CPU the benchmark got.
 
     python bench/serve.py --checkpoint debug=runs/pretraining/debug --checkpoint sft=runs/instruct/debug
     python bench/serve.py --device cuda --max-batch-size 64 --concurrency 1 8 32 64
+    python bench/serve.py --smoke     # a random debug-shape model, 1 and 2 clients, one request of 4 tokens each, one round
 
 Prints a table per model and, last, one JSON object with the figures (also written to `--out`). Target: 8 clients
 >= 4x the tokens/s of one.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse, asyncio, json, os, socket, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 import httpx
+from common import add_smoke, apply_smoke, results_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Node:\n    def __init__(self", "for i in range(",
@@ -53,7 +55,9 @@ def parse_args(argv=None):
                    help="gg serve --decoder: decoding in its own process (the default) or on a thread of the web server's; "
                         "several: each model is measured with each, one after the other")
     p.add_argument("--out", default=str(ROOT/"bench/results/serve.json"), help="where the JSON goes")
-    return p.parse_args(argv)
+    args = apply_smoke(add_smoke(p).parse_args(argv), concurrency=[1, 2], requests_per_client=1, max_tokens=4, rounds=1)
+    if args.smoke: args.out = str(results_path(args.out, True))
+    return args
 
 def default_checkpoints() -> dict[str, str]:
     "The debug runs of this checkout, where they exist."
@@ -199,7 +203,7 @@ def bench_model(name: str, ckpt: str, args, decoder: str = "process") -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    ckpts = dict(c.split("=", 1) for c in args.checkpoint) or default_checkpoints()
+    ckpts = dict(c.split("=", 1) for c in args.checkpoint) or ({} if args.smoke else default_checkpoints())
     if not ckpts: ckpts = {"debug-shape (random weights)": random_debug_checkpoint(Path(tempfile.mkdtemp()))}
     load0 = os.getloadavg()
     print(f"concurrency {args.concurrency}, {args.requests_per_client} requests per client x {args.max_tokens} tokens, "
@@ -215,7 +219,7 @@ def main(argv=None):
             iv = r["stream_interval"]
             print(f"{n}: 8 clients {r[8]['speedup']:.2f}x one client, both at a stream interval of {iv['tokens']} tokens or "
                   f"{iv['ms']:g} ms (target >= 4x: {'met' if target[n] else 'not met'})")
-    out = dict(results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target,
+    out = dict(bench="serve", smoke=args.smoke, results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target,
                settings={k: v for k, v in vars(args).items() if k != "out"}, load_average=dict(before=load0, after=load1),
                cpu_count=os.cpu_count())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
