@@ -11,6 +11,7 @@ from gradient_garden.evals.verifiers import Problem
 from gradient_garden.stages.grpo import RL_LOSSES, group_advantages, loss_parts, token_losses
 from gradient_garden.stages.rewards import Rewarder, call_reward, load_prompts, load_reward_function
 from gradient_garden.stages.rl import RLTask, check_rl_start
+from gradient_garden.stages.registry import check_stage, get_stage
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -163,30 +164,33 @@ def test_zero_variance_groups_contribute_nothing_and_never_nan():
 # -- bad input, one line each ------------------------------------------------------------------------------------------
 def _one_line(e): assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
 
+def checked(cfg): return check_stage(validate(cfg))   # the config's checks, then the rl stage's own
+
 
 def test_group_size_below_two_is_one_line():
     cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
                                     "rl": {"group_size": 1}})
-    with pytest.raises(ConfigError, match=r"rl.group_size: got 1; must be >= 2") as e: validate(cfg)
+    with pytest.raises(ConfigError, match=r"rl.group_size: got 1; must be >= 2") as e: checked(cfg)
     _one_line(e)
 
 
 def test_rows_must_be_whole_groups_and_no_prefetch():
     d = {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 12, "micro_batch_size": 4}, "rl": {"group_size": 8}}
-    with pytest.raises(ConfigError, match="whole groups"): validate(from_plain(GlobalConfig, d))
+    with pytest.raises(ConfigError, match="whole groups"): checked(from_plain(GlobalConfig, d))
     d["training"]["total_batch_size"] = 64 * 16
-    with pytest.raises(ConfigError, match="runtime.num_workers"): validate(from_plain(GlobalConfig, d | {"runtime": {"num_workers": 2}}))
+    with pytest.raises(ConfigError, match="runtime.num_workers"): checked(from_plain(GlobalConfig, d | {"runtime": {"num_workers": 2}}))
 
 
 @pytest.mark.parametrize("stage", [None, "pretraining"])
 def test_start_without_chat_format_is_one_line(stage):
     cfg = GlobalConfig()
     ckpt = None if stage is None else {"stage": stage}
-    with pytest.raises(ConfigError, match="starts from a chat model") as e: check_rl_start(cfg, ckpt)
+    start = None if stage is None else get_stage(stage)
+    with pytest.raises(ConfigError, match="starts from a chat model") as e: check_rl_start(cfg, ckpt, start)
     _one_line(e)
     cfg.rl.plain_prompts = True
-    check_rl_start(cfg, ckpt)                      # the stated plain-prompt mode
-    check_rl_start(GlobalConfig(), {"stage": "instruct"})
+    check_rl_start(cfg, ckpt, start)               # the stated plain-prompt mode
+    check_rl_start(GlobalConfig(), {"stage": "instruct"}, get_stage("instruct"))
 
 
 def bad_reward_raises(prompt, completion, **fields): raise RuntimeError("boom")
@@ -325,7 +329,7 @@ def test_gg_evaluate_generative_flags():
 def test_sampling_settings_out_of_range_are_one_line(setting, message):
     cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
                                     "rl": setting})
-    with pytest.raises(ConfigError, match=message) as e: validate(cfg)
+    with pytest.raises(ConfigError, match=message) as e: checked(cfg)
     _one_line(e)
 
 
@@ -398,7 +402,7 @@ def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp
                                              ({"off_policy_shaping": 0.0}, r"rl.off_policy_shaping: got 0.0; must be > 0"),
                                              ({"off_policy_weight": -1.0}, r"rl.off_policy_weight: got -1.0; must be >= 0")])
 def test_guidance_settings_out_of_range_are_one_line(setting, message):
-    with pytest.raises(ConfigError, match=message) as e: validate(from_plain(GlobalConfig, {"rl": setting}))
+    with pytest.raises(ConfigError, match=message) as e: checked(from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8}, "rl": setting}))
     _one_line(e)
 
 

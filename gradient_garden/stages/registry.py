@@ -8,47 +8,15 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 from typing import Optional
-from ..config import ConfigError, GlobalConfig, check_rl_section, grad_accum_steps
+from ..config import ConfigError, GlobalConfig
 from .base import Stage, stage_options
 from . import pretraining, sft, dpo, rl
 
 # %% auto #0
-__all__ = ['RL_STAGE', 'STAGES', 'ENTRY_POINTS', 'rl_rollout_rows', 'rl_plan_transient', 'rl_plan_bytes', 'rl_plan_lines',
-           'register_stage', 'get_stage', 'check_stage', 'check_start']
-
-# %% ../../nbs/49_registry.ipynb #ed8cd864
-def rl_rollout_rows(cfg: GlobalConfig, world: int = 1) -> int:
-    "Rows a rank's rl rollouts decode together: its prompts x G, the rows of its update."
-    return cfg.training.micro_batch_size * grad_accum_steps(cfg, world)
-
-def rl_plan_transient(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
-    "Per-rank bytes of an rl step's rollouts, freed before the update: a round's KV caches and logits."
-    m, t, rl = cfg.model, cfg.training, cfg.rl
-    rows = rl_rollout_rows(cfg, world)
-    length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
-    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * sizes["value_bytes"]
-    cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
-    logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
-    return {"RL rollouts (before the update)": cache + logits}
-
-def rl_plan_bytes(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
-    "Per-rank bytes of the frozen fp32 reference a KL term (`rl.beta > 0`) keeps whole on every rank."
-    return {"frozen reference (RL KL)": 4 * sizes["parameters"] if cfg.rl.beta > 0 else 0}
-
-def rl_plan_lines(cfg: GlobalConfig, world: int) -> list[str]:
-    "What an rl step samples before its update, and what the plan's time line leaves out."
-    rows, rl = rl_rollout_rows(cfg, world), cfg.rl
-    return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded together, up to "
-            f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
-            f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
+__all__ = ['STAGES', 'ENTRY_POINTS', 'register_stage', 'get_stage', 'check_stage', 'check_start']
 
 # %% ../../nbs/49_registry.ipynb #7ba3826b
-RL_STAGE = Stage("rl", rl.build_rl, order=3, chat=True, section="rl", check=check_rl_section,
-                 check_start=lambda cfg, ckpt, start: rl.check_rl_start(cfg, ckpt),
-                 prepare=lambda cfg, data, overwrite=False, progress=True: sft.prepare_stage_dir(
-                     cfg, data, "rl", rl.prepare_rl, rl.DEFAULT_RL_SOURCES, overwrite, progress),
-                 plan_bytes=rl_plan_bytes, plan_transient=rl_plan_transient, plan_lines=rl_plan_lines)
-STAGES: dict[str, Stage] = {s.name: s for s in (pretraining.STAGE, sft.STAGE, dpo.STAGE, RL_STAGE)}
+STAGES: dict[str, Stage] = {s.name: s for s in (pretraining.STAGE, sft.STAGE, dpo.STAGE, rl.STAGE)}
 ENTRY_POINTS = "gradient_garden.stages"   # the entry-point group a package registers its stages under
 
 def register_stage(stage: Stage) -> Stage:

@@ -13,22 +13,24 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ..config import ConfigError, GlobalConfig
+from ..config import ConfigError, GlobalConfig, check_rl_section, grad_accum_steps
 from ..runtime import all_reduce, autocast_context, is_fsdp
 from ..models.tendril import unwrap_model
 from ..generation import group_rollouts, plain_module
 from ..evals.verifiers import Problem
 from ..evals.generative import encode_prompt, evaluate_generative, heldout_examples_for, heldout_hits
-from .base import IGNORE_INDEX, StageParts, stream_positions
+from .base import IGNORE_INDEX, Stage, StageParts, stream_positions
 from .rewards import DEFAULT_RL_SOURCES, Rewarder, load_prompts
+from .sft import prepare_stage_dir   # gg prepare's up-to-date check, shared with instruct
 from .grpo import (RL_LOSSES, collate_rollouts, completion_logps, entropy_sum, group_advantages,
                                          loss_parts, token_losses)
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['CHAT_STAGES', 'RolloutLoader', 'differs', 'choose_groups', 'TaskFocus', 'position_coin', 'EntropyControl',
+__all__ = ['STAGE', 'RolloutLoader', 'differs', 'choose_groups', 'TaskFocus', 'position_coin', 'EntropyControl',
            'reference_completion', 'reference_losses', 'with_references', 'RLTask', 'HeldoutLoader', 'prepare_rl',
-           'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl']
+           'read_prompts', 'check_rl_start', 'ReferenceModel', 'rl_dir', 'build_rl', 'rl_rollout_rows',
+           'rl_plan_transient', 'rl_plan_bytes', 'rl_plan_lines', 'prepare_rl_stage']
 
 # %% ../../nbs/47_rl.ipynb #f934e6d2
 class RolloutLoader:
@@ -500,16 +502,12 @@ def read_prompts(folder) -> list[Problem]:
     return [Problem(**json.loads(l)) for l in f.read_text().splitlines() if l.strip()]
 
 # %% ../../nbs/47_rl.ipynb #ab45d731
-CHAT_STAGES = ("instruct", "dpo", "rl")
-
-def check_rl_start(cfg: GlobalConfig, ckpt: Optional[dict]):
-    "An RL run starts from a chat model (an instruct, DPO or RL checkpoint), unless `rl.plain_prompts` says otherwise."
-    if cfg.rl.plain_prompts: return
-    stage = None if ckpt is None else ckpt.get("stage")
-    if stage not in CHAT_STAGES:
-        got = "no --checkpoint" if ckpt is None else f"a {stage!r} checkpoint"
-        raise ConfigError(f"--checkpoint: the rl stage got {got}; it starts from a chat model (an instruct, dpo or rl "
-                          "checkpoint), or set rl.plain_prompts: true to prompt a plain model with BOS + text")
+def check_rl_start(cfg: GlobalConfig, ckpt: Optional[dict], start: Optional[Stage]):
+    "An RL run starts from a chat model (a checkpoint of a stage that trains on chats), unless `rl.plain_prompts` says so."
+    if cfg.rl.plain_prompts or (start is not None and start.chat): return
+    got = "no --checkpoint" if ckpt is None else f"a {ckpt.get('stage')!r} checkpoint"
+    raise ConfigError(f"--checkpoint: the rl stage got {got}; it starts from a chat model (an instruct, dpo or rl "
+                      "checkpoint), or set rl.plain_prompts: true to prompt a plain model with BOS + text")
 
 class ReferenceModel:
     "A frozen copy of the starting policy for the KL term; its weights ride in the loader state (rank 0's)."
@@ -543,3 +541,38 @@ def build_rl(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
         return evaluate_generative(m, tokenizer, heldout, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p,
                                    rl.plain_prompts, t.seed, env.rank, env.world_size, lockstep)
     return StageParts(task, loader, val, evaluate=held_out_exact_match if heldout else None)
+
+# %% ../../nbs/47_rl.ipynb #c0d44184
+def rl_rollout_rows(cfg: GlobalConfig, world: int = 1) -> int:
+    "Rows a rank's rl rollouts decode together: its prompts x G, the rows of its update."
+    return cfg.training.micro_batch_size * grad_accum_steps(cfg, world)
+
+def rl_plan_transient(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
+    "Per-rank bytes of an rl step's rollouts, freed before the update: a round's KV caches and logits."
+    m, t, rl = cfg.model, cfg.training, cfg.rl
+    rows = rl_rollout_rows(cfg, world)
+    length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
+    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * sizes["value_bytes"]
+    cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
+    logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
+    return {"RL rollouts (before the update)": cache + logits}
+
+# %% ../../nbs/47_rl.ipynb #13665347
+def rl_plan_bytes(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
+    "Per-rank bytes of the frozen fp32 reference a KL term (`rl.beta > 0`) keeps whole on every rank."
+    return {"frozen reference (RL KL)": 4 * sizes["parameters"] if cfg.rl.beta > 0 else 0}
+
+def rl_plan_lines(cfg: GlobalConfig, world: int) -> list[str]:
+    "What an rl step samples before its update, and what the plan's time line leaves out."
+    rows, rl = rl_rollout_rows(cfg, world), cfg.rl
+    return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded together, up to "
+            f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
+            f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
+
+# %% ../../nbs/47_rl.ipynb #37f59f89
+def prepare_rl_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False, progress: bool = True) -> dict:
+    "`gg prepare` of the rl stage: the recipe's prompts and held-out prompts into `paths.datasets/rl`, unless up to date."
+    return prepare_stage_dir(cfg, data, "rl", prepare_rl, DEFAULT_RL_SOURCES, overwrite, progress)
+
+STAGE = Stage("rl", build_rl, order=3, chat=True, section="rl", prepare=prepare_rl_stage, check=check_rl_section,
+              check_start=check_rl_start, plan_bytes=rl_plan_bytes, plan_transient=rl_plan_transient, plan_lines=rl_plan_lines)
