@@ -5,10 +5,12 @@ against the uninterrupted 2-rank run) and on 1 process with `training.virtual_ra
 gradients as the two ranks did), plus, on the first trials, the plain one-process order (float rounding only). Last
 line: one JSON object.
 
-    python bench/preemption.py --trials 20 [--steps 24] [--out /tmp/preemption]
+    python bench/preemption.py --data DIR --trials 20 [--steps 24] [--out /tmp/preemption]
+    python bench/preemption.py --smoke      # one trial of 6 steps on random-token shards of its own
 """
 import argparse, json, os, random, shutil, signal, subprocess, sys, time
 from pathlib import Path
+from common import add_smoke, apply_smoke, smoke_dir, synthetic_pretraining_data
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "recipes/pretraining/debug.yaml"
@@ -55,7 +57,8 @@ def losses(out: Path) -> dict:
 def gg(launcher, args, **kw):
     r = subprocess.run(launcher + ["-m", "gradient_garden.cli", "train", "--recipe", RECIPE, *args], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=900, **kw)
-    if r.returncode != 0: raise RuntimeError(r.stderr[-2000:])
+    if r.returncode != 0:   # the ranks' own error lines, not only the launcher's traceback that follows them
+        raise RuntimeError("\n".join([l for l in r.stderr.splitlines() if "error" in l.lower()][:5]) + "\n" + r.stderr[-2000:])
 
 
 def trial(data, base: Path, steps: int, full: dict, at: int, with_plain: bool = False) -> dict:
@@ -95,14 +98,19 @@ def trial(data, base: Path, steps: int, full: dict, at: int, with_plain: bool = 
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--data", required=True, help="a `gg prepare` of recipes/pretraining/debug.yaml (datasets/, tokenizer/)")
+    ap.add_argument("--data", default=None, help="a `gg prepare` of recipes/pretraining/debug.yaml (datasets/, tokenizer/)")
     ap.add_argument("--out", default="/tmp/gg_preemption")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain-trials", type=int, default=3, help="trials that also resume in the plain one-process order")
-    a = ap.parse_args()
+    a = apply_smoke(add_smoke(ap).parse_args(), trials=1, steps=6, plain_trials=1)
+    if a.smoke:   # random-token shards and a small BPE in `gg prepare`'s layout, everything in a temporary folder
+        a.out = str(smoke_dir("preemption"))
+        if a.data is None: a.data = str(smoke_dir("preemption_data"))   # not under --out, which is emptied first
+        if not (Path(a.data)/"datasets").is_dir(): synthetic_pretraining_data(a.data, 1024, 50_000)
+    if a.data is None: ap.error("--data is required (a `gg prepare` of recipes/pretraining/debug.yaml)")
     data, out = Path(a.data), Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     gg(TORCHRUN, ["--set", *sets(data, out/"full", a.steps)])
@@ -111,7 +119,7 @@ def main():
     for i in range(a.trials):
         rows.append(trial(data, out/f"t{i}", a.steps, full, rng.randint(2, a.steps - 4), with_plain=i < a.plain_trials))
         print(json.dumps(rows[-1]), flush=True)
-    summary = dict(bench="preemption", trials=len(rows), checkpoint_at_signalled_or_next=sum(r["checkpoint_ok"] for r in rows),
+    summary = dict(bench="preemption", smoke=a.smoke, trials=len(rows), checkpoint_at_signalled_or_next=sum(r["checkpoint_ok"] for r in rows),
                    lost=sum(r["checkpoint_step"] is None for r in rows),
                    resumed_2_ranks_exact=sum(r.get("resume_2_ranks_exact", False) for r in rows),
                    resumed_1_rank_exact=sum(r.get("resume_1_rank_exact", False) for r in rows),
