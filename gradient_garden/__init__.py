@@ -38,11 +38,12 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.serve.decoder`: `BatchDecoder`: continuous batching. One KV cache for every running request, new requests prefilled together and
 - `gradient_garden.serve.process`: A checkpoint loaded into a `BatchDecoder`, and that decoder in a process of its own, spoken to over two pipes
 - `gradient_garden.serve.streams`: Token ids in, text out one piece at a time: whole characters only, and stop strings cut exactly, even across tokens.
-- `gradient_garden.stages.base`: `StageParts`: the task, the loaders and the final evaluation that a training stage (pretraining, instruct, DPO, or a
+- `gradient_garden.stages.base`: `Stage`: everything the platform knows of a training stage, in one spec; `StageParts`: the task, the loaders and the
 - `gradient_garden.stages.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled by $T^2$) mixed with cross-entropy,
 - `gradient_garden.stages.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses,
-- `gradient_garden.stages.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the
 - `gradient_garden.stages.grpo`: Group-relative advantages and a clipped token-level loss with the `grpo`, `dr_grpo` and `dapo` normalisations, an
+- `gradient_garden.stages.pretraining`: The causal language-modelling stage: next-token cross-entropy over token shards, registered as the
+- `gradient_garden.stages.registry`: One table from a stage's name to its `Stage` spec: the built-in stages, the ones a plugin registers, and a stage
 - `gradient_garden.stages.rewards`: The prompts of the RL stage and the reward of an answer: the verifier's judgement, an optional format reward, a
 - `gradient_garden.stages.rl`: Reinforcement learning with verifiable rewards: a loader that samples G answers per prompt from the current weights,
 - `gradient_garden.stages.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns, packing with document
