@@ -6,11 +6,17 @@ GRPOTrainer, on the same model (a `gg export` folder of our checkpoint), prompts
 Both sides: P prompts x G completions per step, sampled at temperature 1, up to M new tokens (stopped at the eot
 token), rewarded by exact match, one AdamW step over all P x G rows (one micro-batch), fp32 on CPU, loss `dapo`, beta 0,
 one pass per rollout batch. Ours decodes with our KV cache (the prompt prefilled once per group); TRL generates with
-`transformers`' `generate`. Reports medians over the timed steps and our rollout share of the step."""
+`transformers`' `generate`. Reports medians over the timed steps and our rollout share of the step; the last line of
+stdout is one JSON object with the figures.
+
+    python bench/rl.py --smoke      # a random dim-64 model with a 1k BPE, 2 prompts x G 2, 4 new tokens, one timed step
+
+Without TRL installed its side is skipped with a line."""
 from __future__ import annotations
-import argparse, statistics, tempfile, time
+import argparse, json, statistics, tempfile, time
 from pathlib import Path
 import torch
+from common import add_smoke, apply_smoke, reference_available, smoke_dir
 
 
 def parse():
@@ -22,7 +28,26 @@ def parse():
     p.add_argument("--steps", type=int, default=4, help="timed steps per side (after one warm-up step)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", choices=["ours", "trl"], default=None)
-    return p.parse_args()
+    args = apply_smoke(add_smoke(p).parse_args(), prompts=2, group=2, max_new_tokens=4, steps=1)
+    if args.smoke: args.checkpoint = smoke_checkpoint(smoke_dir("rl"))
+    return args
+
+
+def smoke_checkpoint(tmp: Path) -> str:
+    "A randomly initialised chat checkpoint of the debug recipe shrunk to dim 64, 2 layers, with a 1k BPE on verifiable chats."
+    from gradient_garden.checkpoint.checkpoints import save_checkpoint
+    from gradient_garden.config import TokenizerConfig, load_config, to_plain
+    from gradient_garden.data.verifiable import WORDS, sample_conversations
+    from gradient_garden.models.tendril import build_model
+    from gradient_garden.tokenizer import train_bpe
+    root = Path(__file__).resolve().parent.parent
+    cfg, _ = load_config(recipe=str(root/"recipes/pretraining/debug.yaml"),
+                         overrides=["model.dim=64", "model.n_layers=2", "model.vocab_size=1024"])
+    texts = [m["content"] for c in sample_conversations(500, seed=0) for m in c] + [" ".join(WORDS)] * 3
+    cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(train_bpe(texts, 1024, tmp/"tok")))
+    torch.manual_seed(0)
+    return str(save_checkpoint(dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
+                                    model=build_model(cfg.model).state_dict()), tmp/"random"/"step_0000000.pt"))
 
 
 def setup(args):
@@ -107,7 +132,7 @@ def main():
     cfg, model, tok, exs = setup(args)
     res = {}
     if args.only != "trl": res["ours"] = bench_ours(args, cfg, model, tok, exs)
-    if args.only != "ours":
+    if args.only != "ours" and reference_available("trl", "TRL's GRPOTrainer (the reference)"):
         _, model2, _, _ = setup(args)
         res["trl"] = bench_trl(args, cfg, model2, tok, exs)
     print(f"prompts {args.prompts} x G {args.group}, max new tokens {args.max_new_tokens}, {args.steps} timed steps, "
@@ -116,6 +141,9 @@ def main():
         print(f"{k:>5}: {r['completions_per_s']:8.1f} completions/s  step {r['step_s']:.2f} s"
               + (f"  rollout share {r['rollout_share']:.0%}" if "rollout_share" in r else ""))
     if len(res) == 2: print(f"ratio ours / TRL: {res['ours']['completions_per_s'] / res['trl']['completions_per_s']:.2f}x")
+    print(json.dumps(dict(bench="rl", smoke=args.smoke, prompts=args.prompts, group=args.group, max_new_tokens=args.max_new_tokens,
+                          steps=args.steps, threads=torch.get_num_threads(), **res,
+                          ours_over_trl=res["ours"]["completions_per_s"] / res["trl"]["completions_per_s"] if len(res) == 2 else None)))
 
 
 if __name__ == "__main__":
