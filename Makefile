@@ -1,7 +1,7 @@
 # Gradient Garden — two commands for a fresh machine:
 #   make run    install, prepare the embedded default corpus and train the debug recipe (CPU, minutes)
-#   make test   install with dev extras, check notebooks are clean and exported, run them (their committed outputs
-#               must match a fresh run) and pytest
+#   make test   install with dev extras, check notebooks are clean and exported, lint with ruff, run the notebooks
+#               (their committed outputs must match a fresh run) and pytest
 #   make book   run every notebook and keep its outputs, so the notebooks read as a book without running them
 PY ?= python3
 VENV ?= .venv
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 RECIPE ?= recipes/pretraining/debug.yaml
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev run test check-clean nbtest book pytest export clean-nbs
+.PHONY: install install-dev run test check-clean lint nbtest book pytest export clean-nbs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,10 @@ check-clean:
 		echo "nbdev-clean/nbdev-export changed files; run 'make export' and commit:"; \
 		git status --porcelain -- nbs gradient_garden; exit 1; fi
 
+# ruff check only (pyproject.toml [tool.ruff]); exported code is fixed in its notebook, then `make export`
+lint:
+	$(BIN)/ruff check gradient_garden tests bench tools
+
 nbtest: export OMP_NUM_THREADS=1
 nbtest:
 	bash tools/nbtest.sh $(BIN)
@@ -61,4 +65,4 @@ pytest: export OMP_NUM_THREADS=1
 pytest:
 	$(BIN)/pytest -q tests
 
-test: install-dev check-clean nbtest pytest
+test: install-dev check-clean lint nbtest pytest
