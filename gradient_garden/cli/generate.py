@@ -15,6 +15,7 @@ from ..models.hf import check_llama_compatible
 from ..checkpoint.hf import export_hf, export_hf_with_adapter
 from ..models.lora import lora_modules
 from ..checkpoint.checkpoints import load_model_from_checkpoint
+from ..stages.registry import get_stage
 
 # %% auto #0
 __all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'prompt_format', 'write_generations',
@@ -86,7 +87,7 @@ def prompt_format(args, stage: str) -> tuple[bool, str]:
     "(chat format?, why) for `gg generate`: the flags, else the checkpoint's stage (pretraining = plain text)."
     if args.instruct: return True, "--instruct"
     if args.raw: return False, "--raw"
-    if stage == "pretraining": return False, "a pretraining checkpoint; --instruct for the chat format"
+    if not get_stage(stage).chat: return False, f"a {stage} checkpoint; --instruct for the chat format"
     return True, f"the checkpoint's stage is {stage}; --raw for plain text"
 
 # %% ../../nbs/72_cli_generate.ipynb #860de5be
