@@ -19,7 +19,8 @@ from gradient_garden.stages.distillation import DistillationTask, check_vocab, d
 from gradient_garden.stages.dpo import (DPOLoader, DPOTask, ModelReference, PairDataset, PrecomputedReference, dpo_loss,
                                        prepare_dpo, preference_accuracy, sequence_logps)
 from gradient_garden.stages.sft import IGNORE_INDEX, SFTLoader, SFTTask, prepare_instruct, tokenize_chat
-from gradient_garden.cli.prepare import run_prepare_dpo, run_prepare_instruct   # the gg prepare --instruct/--dpo hooks
+from gradient_garden.cli.prepare import run_stage_prepare   # gg prepare of a stage with data of its own
+from gradient_garden.stages.registry import get_stage
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
 VOCAB, SEQ = 768, 128
@@ -274,8 +275,8 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
                                                       {"role": "assistant", "content": w}]}) + "\n" for w in WORDS[:60]))
     spec = {"sources": [{"type": "json", "path": str(jsonl), "val_fraction": 0.2}]}
     args = Namespace(overwrite=False, progress=False)
-    assert run_prepare_instruct(cfg, spec, args) == 0
-    assert run_prepare_instruct(cfg, spec, args) == 0 and "up to date" in capsys.readouterr().out
+    assert run_stage_prepare(get_stage("instruct"), cfg, spec, args) == 0
+    assert run_stage_prepare(get_stage("instruct"), cfg, spec, args) == 0 and "up to date" in capsys.readouterr().out
     meta = json.loads((tmp_path/"instruct"/"train"/"meta.json").read_text())
     assert meta["tokenizer_identity"] == tok.identity and 40 <= meta["n_conversations"] < 60
     hub = tmp_path/"hub_dataset"; hub.mkdir()  # a dataset folder: the same load_dataset call as a hub id
@@ -287,8 +288,8 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
     assert (metas["train"]["n_conversations"], metas["val"]["n_conversations"]) == (50, 10)
     pairs = tmp_path/"pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"Say {w}.", "chosen": w, "rejected": w[::-1]}) + "\n" for w in WORDS[:30]))
-    assert run_prepare_dpo(cfg, {"sources": [{"type": "json", "path": str(pairs), "val_fraction": 0.3}]}, args) == 0
-    with pytest.raises(ConfigError, match=r"data.sources\[0\].type"): run_prepare_dpo(cfg, {"sources": [{"type": "web"}]}, Namespace(overwrite=True))
+    assert run_stage_prepare(get_stage("dpo"), cfg, {"sources": [{"type": "json", "path": str(pairs), "val_fraction": 0.3}]}, args) == 0
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].type"): run_stage_prepare(get_stage("dpo"), cfg, {"sources": [{"type": "web"}]}, Namespace(overwrite=True))
     bad = tmp_path/"bad.jsonl"; bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
     with pytest.raises(ConfigError, match="row 0"):
         prepare_instruct({"sources": [{"type": "json", "path": str(bad), "val_fraction": 0.0}]}, cfg, tmp_path/"x", tok, progress=False)

@@ -370,29 +370,24 @@ def test_cli_rl_flag_prepares_the_embedded_prompts(tmp_path, tok):
     assert {e.kind for f in folders for e in read_prompts(f)} == {"verifiable"}
 
 
-def test_cli_missing_hook_is_an_error(monkeypatch, tok):
-    monkeypatch.setitem(CP.STAGE_HOOKS, "dpo", "gradient_garden.data.no_such_module:prepare_dpo")
-    assert error_of(cli, "--dpo", "--set", f"tokenizer.path={tok.path}") == (
-        "--dpo: dpo data preparation is not available (gradient_garden.data.no_such_module.prepare_dpo(cfg, data, args) is not installed)")
-
-
-def test_cli_hook_gets_config_data_and_args(tmp_path, monkeypatch, tok):
-    import types
+def test_cli_stage_prepare_gets_config_data_and_flags(tmp_path, monkeypatch, tok):
+    "`gg prepare --instruct` hands the stage's `prepare` the config, the data section (with `--set data.*`) and the flags."
+    import dataclasses
+    from gradient_garden.stages import registry
     seen = {}
-    mod = types.ModuleType("fake_instruct_prep")
-    mod.prepare_instruct = lambda cfg, data, args: seen.update(stage=cfg.training.stage, data=data) or 7
-    monkeypatch.setitem(sys.modules, "fake_instruct_prep", mod)
-    monkeypatch.setitem(CP.STAGE_HOOKS, "instruct", "fake_instruct_prep:prepare_instruct")
+    def fake(cfg, data, overwrite, progress):
+        seen.update(stage=cfg.training.stage, data=data, overwrite=overwrite)
+        return dict(path=tmp_path/"instruct", up_to_date=True, tokenizer="t")
+    monkeypatch.setitem(registry.STAGES, "instruct", dataclasses.replace(registry.STAGES["instruct"], prepare=fake))
     (tmp_path / "m.json").write_text(json.dumps({"tasks": ["arith"]}))
-    assert cli("--instruct", "--mix-file", tmp_path / "m.json", "--set", "data.n=3", f"tokenizer.path={tok.path}") == 7
-    assert seen == {"stage": "instruct", "data": {"tasks": ["arith"], "n": 3}}
+    assert cli("--instruct", "--mix-file", tmp_path / "m.json", "--set", "data.n=3", f"tokenizer.path={tok.path}", "--overwrite") == 0
+    assert seen == {"stage": "instruct", "data": {"tasks": ["arith"], "n": 3}, "overwrite": True}
 
 
-def test_stage_hooks_resolve_to_callables():
-    import importlib
-    for stage, target in CP.STAGE_HOOKS.items():
-        module, name = target.split(":")
-        assert callable(getattr(importlib.import_module(module), name)), stage
+def test_every_stage_prepares_its_data_or_reads_token_shards():
+    from gradient_garden.stages.registry import STAGES
+    assert {name: s.prepare is not None for name, s in STAGES.items()} == {"pretraining": False, "instruct": True, "dpo": True, "rl": True}
+    assert all(callable(s.prepare) for s in STAGES.values() if s.prepare)
 
 
 def test_cli_bad_override(tmp_path, tok):
