@@ -12,7 +12,8 @@ def run_gg(*args, cwd=ROOT, env=None, check=True, timeout=900):
     e = {k: v for k, v in e.items() if v is not None}  # None removes a variable
     r = subprocess.run(GG + [str(a) for a in args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
-        raise AssertionError(f"gg {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+        raise AssertionError(f"gg {' '.join(map(str, args))} failed "
+                             f"({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return r
 
 @pytest.fixture(scope="session")

@@ -59,8 +59,10 @@ def build_library(cache: Path | None = None) -> Path:
     src, inc, libdir = cache / f"fake_cuda_{key}.cpp", torch_dir() / "include", torch_dir() / "lib"
     src.write_text(CPP_SOURCE)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    subprocess.run(["c++", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                    "-isystem", str(inc), str(src), "-o", str(tmp), f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch_cpu"],
+    subprocess.run(["c++", "-shared", "-fPIC", "-std=c++17",
+                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                    "-isystem", str(inc), str(src), "-o", str(tmp), f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10",
+                    "-ltorch_cpu"],
                    check=True, capture_output=True, text=True)
     tmp.replace(lib)
     return lib
@@ -98,8 +100,10 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
     from test_hot_path import make_parts
     from gradient_garden.models import attention, tendril
     attention.FLEX_COMPILE_BACKEND = "aot_eager"  # packed documents: flex_attention as traced for Inductor, likewise
-    tendril.LOSS_IMPL = "compiled"                # the CUDA default without Liger (whose Triton kernel needs a real GPU)
-    tendril.LOSS_COMPILE_BACKEND = "aot_eager"   # the compiled loss as traced for Inductor; no Triton to generate CUDA code
+    # the CUDA default without Liger (whose Triton kernel needs a real GPU)
+    tendril.LOSS_IMPL = "compiled"
+    # the compiled loss as traced for Inductor; no Triton to generate CUDA code
+    tendril.LOSS_COMPILE_BACKEND = "aot_eager"
     cfg, model, task, loader, val_loader = make_parts(kind)
     cfg.runtime.device, cfg.runtime.precision = "cuda", precision
     mode = FakeTensorMode()      # real tensors are refused: a host constant reaching the step is an error too
@@ -118,7 +122,8 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
             mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
             mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False):
-        tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)), log_to_console=False)
+        tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)),
+                     log_to_console=False)
         tr.state.step = 1            # a step between logging intervals: the loop reads nothing back
         seen, flex_calls, real_flex = [], [], attention.flex_gqa
         def counting_flex(*a, **k):
@@ -170,14 +175,17 @@ def run_fit(precision: str) -> dict:
             mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
             mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
             mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False), \
-            mock.patch("torch.cuda.synchronize", side_effect=lambda *a: syncs.__setitem__(step[0], syncs.get(step[0], 0) + 1)), \
+            mock.patch("torch.cuda.synchronize",
+                       side_effect=lambda *a: syncs.__setitem__(step[0], syncs.get(step[0], 0) + 1)), \
             mock.patch.dict(fake_impls.op_implementations_dict, {torch.ops.aten._local_scalar_dense.default: read,
                                                                   torch.ops.aten.item.default: read}), \
             mock.patch.object(Trainer, "train_step", train_step), \
             mock.patch.object(trainer_module, "rng_state", lambda: {}), \
             mock.patch.object(trainer_module, "full_state", lambda m, o: ({}, {})), \
-            mock.patch.object(CheckpointManager, "save", lambda self, s, state, val_loss=None: saved.append(s) or self.path(s)):
-        tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)), log_to_console=False)
+            mock.patch.object(CheckpointManager, "save", lambda self, s, state,
+                              val_loss=None: saved.append(s) or self.path(s)):
+        tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)),
+                     log_to_console=False)
         res = tr.fit()
     return dict(steps=res["step"], saved=saved, synchronize=syncs, host_reads=reads)
 
@@ -187,7 +195,8 @@ def main(cases: list[str]) -> dict:
     results = {}
     for case in cases:
         kind, precision, *bug = case.split(":")
-        try: results[case] = run_fit(precision) if kind == "fit" else run_step(kind, precision, host_tensor_in_loss=bool(bug))
+        try: results[case] = run_fit(precision) if kind == "fit" else run_step(kind, precision,
+                                                                               host_tensor_in_loss=bool(bug))
         except Exception as e: results[case] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     return results
 

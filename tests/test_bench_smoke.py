@@ -4,7 +4,6 @@ bench/*.py: a new script fails here until it has a smoke mode and an entry in `E
 own test (tests/test_gpu_bench.py). Each run's working and temporary folders are the test's own; nothing may be written
 into the repository."""
 import json, os, subprocess, sys
-from pathlib import Path
 import pytest
 from conftest import ROOT
 

@@ -7,7 +7,8 @@ import gradient_garden.models.attention as attention
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import Tendril
 
-CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32, init_std=0.1)
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32,
+                  init_std=0.1)
 
 
 def _bf16_grads(model, x, y):

@@ -27,7 +27,8 @@ def test_every_notebook_follows_the_house_style():
     assert median <= 8, summary
 
 def test_the_checker_catches_a_long_cell_and_an_unchecked_export(tmp_path):
-    long = "#| export\ndef walk(n):\n    \"Count to n.\"\n" + "".join(f"    x{i} = {i}\n" for i in range(40)) + "    return n\n"
+    long = "#| export\ndef walk(n):\n    \"Count to n.\"\n" + "".join(f"    x{i} = {i}\n"
+                                                                      for i in range(40)) + "    return n\n"
     bad = notebook(tmp_path/"bad.ipynb", ("markdown", "# Bad"), ("code", "#| export\nimport torch"),
                    ("code", long), ("markdown", "It walks."), ("code", "#| export\ndef other(): return 1"),
                    ("markdown", "Nothing checks it."))
@@ -57,7 +58,8 @@ def test_the_checker_passes_a_notebook_that_follows_the_style(tmp_path):
 
 def test_the_summary_gives_the_median_and_strict_refuses_kept_whole_cells(tmp_path):
     kept = "#| export\n# Kept whole: one table\nTABLE = {\n" + "".join(f"    {i}: {i},\n" for i in range(40)) + "}\n"
-    nb = notebook(tmp_path/"nb.ipynb", ("code", kept), ("code", "test_eq(TABLE[3], 3)"), ("code", "x = 1\ny = 2\nx + y"))
+    nb = notebook(tmp_path/"nb.ipynb", ("code", kept), ("code", "test_eq(TABLE[3], 3)"),
+                  ("code", "x = 1\ny = 2\nx + y"))
     s = check("--summary", nb)
     assert s.returncode == 0 and "code cells: 3, median 3 lines, 1 over 40" in s.stdout, s.stdout
     strict = check("--strict", nb)

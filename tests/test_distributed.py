@@ -16,7 +16,8 @@ def torchrun(*args, check=True, timeout=600, launcher=("-m", "gradient_garden.cl
     r = subprocess.run(TORCHRUN + list(launcher) + [str(a) for a in args], cwd=ROOT, env={**os.environ, **ENV},
                        capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
-        raise AssertionError(f"torchrun gg {' '.join(map(str, args))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+        raise AssertionError(f"torchrun gg {' '.join(map(str, args))} failed "
+                             f"({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     return r
 
 def sets(prepared, out: Path, **extra):
@@ -54,11 +55,13 @@ def test_ddp_and_fsdp2_match_one_process(prepared, tmp_path):
     run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path/"one", **extra))
     ref = losses(tmp_path/"one")
     for name, flag in [("ddp", "false"), ("fsdp2", "true")]:
-        r = torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path/name, **extra, **{"runtime.fsdp": flag}))
+        r = torchrun("train", "--recipe", RECIPE, "--set",
+                     *sets(prepared, tmp_path/name, **extra, **{"runtime.fsdp": flag}))
         assert r.stdout.count("done:") == 1, "only rank 0 reports"
         assert_close(ref, losses(tmp_path/name), range(1, STEPS + 1))
         d = run_dir(tmp_path/name)
-        assert len((d/"samples.jsonl").read_text().splitlines()) == 2 * 4, "samples written once (rank 0), at steps 10, 20"
+        assert len((d/"samples.jsonl").read_text().splitlines()) == 2 * 4, ("samples written once (rank 0), at steps "
+                                                                            "10, 20")
         assert "hellaswag/acc" in json.loads((d/"metrics.jsonl").read_text().splitlines()[-1])
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,8 @@ def muon_runs(prepared, tmp_path_factory):
     run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"one", **extra))
     torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"ddp", **extra))
     torchrun("train", "--recipe", RECIPE, "--set", *sets(prepared, base/"fsdp2", **extra, **{
-        "runtime.fsdp": "true", "checkpointing.every": 10, "checkpointing.keep_last": 3, "checkpointing.format": "full"}))
+        "runtime.fsdp": "true", "checkpointing.every": 10, "checkpointing.keep_last": 3,
+        "checkpointing.format": "full"}))
     return dict(base=base, extra=extra)
 
 def test_muon_ddp_and_fsdp2_match_one_process(muon_runs):
@@ -82,7 +86,8 @@ def test_muon_ddp_and_fsdp2_match_one_process(muon_runs):
 
 def test_fsdp2_checkpoint_is_full_state(muon_runs):
     ckpt = torch.load(run_dir(muon_runs["base"]/"fsdp2")/"checkpoints"/"step_0000010.pt", weights_only=True)
-    assert ckpt["config"]["checkpointing"]["format"] == "full"                  # asked for explicitly: 2 ranks default to sharded
+    # asked for explicitly: 2 ranks default to sharded
+    assert ckpt["config"]["checkpointing"]["format"] == "full"
     assert ckpt["model"]["tok_embeddings.weight"].shape == (4096, 64)        # whole tensors, not rank shards
     assert ckpt["model"]["layers.0.attention.wqkv.weight"].shape == (64 + 2 * 32, 64)
     state = ckpt["optimizers"]["state"]                                          # optimizer state keyed by name
@@ -131,5 +136,6 @@ def test_a_failing_rank_fails_the_command(prepared, tmp_path):
                for l in out.splitlines()), out[-3000:]
     assert "PapermillExecutionError" not in out, out[-3000:]
     nb = json.loads((run_dir(tmp_path)/"report_rank1.ipynb").read_text())
-    errors = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []) if o["output_type"] == "error"]
+    errors = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
+              if o["output_type"] == "error"]
     assert errors and errors[0]["ename"] == "ConfigError"

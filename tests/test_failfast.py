@@ -4,7 +4,6 @@ in, and the previous checkpoint stays intact; the process groups a run needs exi
 import json, os, subprocess, sys, time
 from pathlib import Path
 import psutil
-import pytest
 from conftest import ROOT
 
 RECIPE = "recipes/pretraining/debug.yaml"
@@ -13,7 +12,8 @@ TIMEOUT_S = 5
 
 def sets(prepared, out: Path, **extra) -> list[str]:
     "A small 2-rank run under `out`: a loss row every step, sharded checkpoints every 4 steps."
-    s = {"paths.runs": out/"runs", "training.max_steps": 40, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+    s = {"paths.runs": out/"runs", "training.max_steps": 40, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2,
          "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
          "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.enabled": False,
          "generation.every": 0, "checkpointing.every": 4, "runtime.device": "cpu",
@@ -39,7 +39,8 @@ def test_a_rank_that_hangs_ends_the_run_with_one_line(prepared, tmp_path):
     script, mark = tmp_path/"hang.py", tmp_path/"hung_at"
     script.write_text(HANG_RANK_1)
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script),
                              str(mark), "train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path)],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers, exited = {}, {}
@@ -60,7 +61,8 @@ def test_a_rank_that_hangs_ends_the_run_with_one_line(prepared, tmp_path):
     hung = float(mark.read_text())
     lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert r.returncode != 0 and len(lines) == 1, r.stderr[-4000:]
-    assert lines[0] == (f"error: rank 1 stopped answering: rank 0 waited {TIMEOUT_S} s in all_reduce in train_step at step 7 "
+    assert lines[0] == (f"error: rank 1 stopped answering: rank 0 waited {TIMEOUT_S} s in all_reduce in train_step at "
+                        "step 7 "
                         f"(runtime.collective_timeout_s)"), lines
     assert len(workers) == 2 and len(exited) == 2, (workers, exited)
     assert ended - hung < TIMEOUT_S + 10, f"every rank exited {ended - hung:.1f} s after rank 1 hung"

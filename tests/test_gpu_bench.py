@@ -18,7 +18,8 @@ def test_gpu_bench_smoke_has_every_leg():
     assert res["peak"]["measured_peak_flops"] > 0
     for leg in LEGS[1:]:   # the same formula for every leg: tokens/s x FLOPs/token / (measured peak x ranks)
         got = res[leg]
-        assert got["tokens_per_s"] > 0 and got["mfu_measured_peak"] is not None and got["mfu_datasheet"] is None, (leg, got)
+        assert got["tokens_per_s"] > 0 and got["mfu_measured_peak"] is not None and got["mfu_datasheet"] is None, (leg,
+                                                                                                                   got)
     assert res["fsdp2_124m"]["fsdp2"] and res["fsdp2_124m"]["backend"] == "gloo" and res["fsdp2_124m"]["ranks"] == 2
     g = res["gg_train_124m"]
     assert g["checkpoint"] and g["val_loss"] is not None and g["steps"] == 6, g

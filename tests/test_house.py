@@ -1,6 +1,6 @@
 """The house's measurable rules for the package: modules a reader can hold in mind, no compatibility shims, one
 number per notebook in its layer's band, and code cells short enough to read."""
-import ast, json, re, subprocess, sys
+import ast, re, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,15 +20,16 @@ def test_no_compatibility_shims():
     for p in modules():
         text = p.read_text()
         tree = ast.parse(text)
-        found += [f"{p.name}: module __getattr__" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+        found += [f"{p.name}: module __getattr__" for n in tree.body if isinstance(n, ast.FunctionDef)
+                  and n.name == "__getattr__"]
         found += [f"{p.name}: DeprecationWarning" for _ in re.finditer(r"DeprecationWarning", text)]
         found += [f"{p.name}: deprecated flag" for _ in re.finditer(r"(?i)help=\"deprecated", text)]
     assert not found, found
 
 # the bands of the book: the first notebook number of each room, in the layers' order
-BANDS = [(0, ("config", "runtime", "tokenizer", "data", "hardware", "recipes")), (10, ("models",)), (20, ("parallel",)),
-         (25, ("checkpoint",)), (30, ("generation", "evals")), (40, ("stages",)), (50, ("train",)), (60, ("serve",)),
-         (70, ("cli",))]
+BANDS = [(0, ("config", "runtime", "tokenizer", "data", "hardware", "checks", "recipes")), (10, ("models",)),
+         (20, ("parallel",)), (25, ("checkpoint",)), (30, ("generation", "evals")), (40, ("stages",)), (50, ("train",)),
+         (60, ("serve",)), (70, ("cli",))]
 
 def band_of(module: str) -> int:
     "The first number of the band `module`'s room lives in."
@@ -51,7 +52,8 @@ def test_one_number_per_notebook_each_in_its_band():
     assert not misplaced, misplaced
 
 def test_code_cells_are_short():
-    r = subprocess.run([sys.executable, str(ROOT/"tools"/"check_style.py"), "--summary"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(ROOT/"tools"/"check_style.py"), "--summary"], capture_output=True,
+                       text=True, timeout=120)
     m = re.search(r"code cells: (\d+), median (\d+) lines, (\d+) over 40", r.stdout)
     assert m, r.stdout[-2000:]
     assert int(m[2]) <= 8 and int(m[3]) == 0, m[0]

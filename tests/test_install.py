@@ -16,7 +16,8 @@ def run(cmd, **kw) -> subprocess.CompletedProcess:
     return r
 
 def test_the_template_is_clean_and_parameterised(tmp_path):
-    "nbdev-clean (which cleans nbs/ only) leaves the committed template as it is; papermill finds its `parameters` cell."
+    ("nbdev-clean (which cleans nbs/ only) leaves the committed template as it is; papermill finds its `parameters` "
+     "cell.")
     nbdev_clean = Path(sys.executable).parent/"nbdev-clean"
     if not nbdev_clean.exists(): pytest.skip("nbdev (the dev extra) is not installed")
     copy = tmp_path/"train.ipynb"; shutil.copy(TEMPLATE, copy)
@@ -43,7 +44,8 @@ def installed(tmp_path_factory) -> Path:
     # a path line adds this environment's site-packages after the venv's own and runs none of its .pth files, so the
     # editable install of the checkout (a .pth-started import hook) cannot shadow the wheel
     (site/"_gg_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    where = run([py, "-c", "import gradient_garden; print(gradient_garden.__file__)"], cwd=base, env=env(py.parent)).stdout.strip()
+    where = run([py, "-c", "import gradient_garden; print(gradient_garden.__file__)"], cwd=base,
+                env=env(py.parent)).stdout.strip()
     assert Path(where).is_relative_to(venv), where
     return venv/"bin"
 
@@ -55,7 +57,8 @@ def env(bin_dir: Path) -> dict:
 
 def small(prepared, out: Path) -> list[str]:
     "`--set` values of a two-step, one-process CPU run under `out`."
-    s = {"paths.runs": out/"runs", "training.max_steps": 2, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+    s = {"paths.runs": out/"runs", "training.max_steps": 2, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2,
          "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
          "training.micro_batch_size": 4, "training.total_batch_size": 256, "validation.every": 2, "validation.steps": 1,
          "generation.every": 0, "evals.every": 0, "checkpointing.every": 2, "optimizers.adamw.warmup_steps": 1,
@@ -76,14 +79,17 @@ def test_gg_notebook_runs_from_a_wheel_install(installed, prepared, tmp_path):
 
 def test_a_missing_template_is_one_line(installed, prepared, tmp_path):
     "An install that lost its template says so in one line (exit status 2), naming the way out."
-    where = Path(run([installed/"python", "-c", "from gradient_garden.cli.train import default_train_notebook as d; print(d())"],
+    where = Path(run([installed/"python", "-c",
+                      "from gradient_garden.cli.train import default_train_notebook as d; print(d())"],
                      cwd=tmp_path, env=env(installed)).stdout.strip())
     assert where.is_relative_to(installed.parent) and where.is_file() and where.name == "train.ipynb"
     shutil.copy(RECIPE, tmp_path/"debug.yaml")
     where.rename(where.with_suffix(".gone"))
     try:
-        r = subprocess.run([str(installed/"gg"), "notebook", "--recipe", "debug.yaml", "--set", *small(prepared, tmp_path)],
+        r = subprocess.run([str(installed/"gg"), "notebook", "--recipe", "debug.yaml", "--set",
+                            *small(prepared, tmp_path)],
                            cwd=tmp_path, env=env(installed), capture_output=True, text=True, timeout=300)
     finally: where.with_suffix(".gone").rename(where)
-    assert r.returncode == 2 and r.stderr.strip() == (f"error: the report notebook template {where} is missing from this "
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: the report notebook template {where} is missing from "
+                                                      "this "
                                                      "install of gradient_garden; reinstall it, or pass --notebook"), r.stderr

@@ -67,7 +67,8 @@ def test_batch_shapes_and_labels(toy):
 
 @pytest.mark.parametrize("world_size, batch_size", [(1, 7), (2, 5), (3, 4)])
 def test_one_epoch_covers_every_window_once_disjoint_across_ranks(toy, world_size, batch_size):
-    loaders = [PretrainLoader(toy, "train", batch_size, 8, rank=r, world_size=world_size, seed=11) for r in range(world_size)]
+    loaders = [PretrainLoader(toy, "train", batch_size, 8, rank=r, world_size=world_size, seed=11)
+               for r in range(world_size)]
     n = loaders[0].n_windows
     assert n == len(valid_starts((3000, 3000, 3000, 1000), 8))
     steps = n // (batch_size * world_size)
@@ -137,13 +138,15 @@ def test_resume_on_another_world_size(toy):
     assert two[0].state_dict() == two[1].state_dict() == one.state_dict()
 
 
-@pytest.mark.parametrize("change, key", [({"seq_len": 32}, "seq_len"), ({"seed": 1}, "seed"), ({"split": "val"}, "split")])
+@pytest.mark.parametrize("change, key",
+                         [({"seq_len": 32}, "seq_len"), ({"seed": 1}, "seed"), ({"split": "val"}, "split")])
 def test_state_from_another_setup_is_refused(toy, change, key):
     kw = dict(data_dir=toy, split="train", batch_size=2, seq_len=16, seed=0)
     state = PretrainLoader(**kw).state_dict()
     other = PretrainLoader(**{**kw, **change})
     msg = error_of(other.load_state_dict, state)
-    assert msg == f"loader state: {key} is {state[key]!r} in the checkpoint but {getattr(other, key)!r} now; the saved position would point elsewhere"
+    assert msg == (f"loader state: {key} is {state[key]!r} in the checkpoint but {getattr(other, key)!r} now; the "
+                   "saved position would point elsewhere")
 
 
 def test_state_from_other_data_is_refused(tmp_path):
@@ -159,7 +162,8 @@ def test_state_from_other_data_is_refused(tmp_path):
 def test_fixed_batches_identical_spread_and_stateless(toy):
     val = PretrainLoader(toy, "val", 4, 16)
     a, b = val.fixed_batches(5), val.fixed_batches(5)
-    assert len(a) == 5 and all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"]) for x, y in zip(a, b))
+    assert len(a) == 5 and all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+                               for x, y in zip(a, b))
     assert val.state_dict()["position"] == 0 and val.state_dict()["epoch"] == 0
     s = torch.cat([x["input_ids"][:, 0] for x in a]).tolist()
     assert len(set(s)) == 20 and max(s) > 1500 and set(s) <= valid_starts((2000,), 16)
@@ -197,7 +201,8 @@ def test_folder_without_meta(tmp_path):
 
 def test_foreign_meta(tmp_path):
     (tmp_path / "d").mkdir(); (tmp_path / "d" / "meta.json").write_text(json.dumps({"vocab": 3}))
-    assert error_of(load_meta, tmp_path / "d") == f"{tmp_path}/d/meta.json: not a gradient-garden shard folder (format=None)"
+    assert error_of(load_meta,
+                    tmp_path / "d") == f"{tmp_path}/d/meta.json: not a gradient-garden shard folder (format=None)"
 
 
 def test_unknown_split(toy):
@@ -207,10 +212,12 @@ def test_unknown_split(toy):
 def test_truncated_or_missing_shard(toy):
     (toy / "train" / "shard_00002.bin").write_bytes(b"\0" * 8)
     assert error_of(PretrainLoader, toy, "train", 1, 8) == (
-        f"{toy}/train/shard_00002.bin: expected 3000 tokens (12000 bytes), found 8 bytes; rerun `gg prepare --overwrite`")
+        f"{toy}/train/shard_00002.bin: expected 3000 tokens (12000 bytes), found 8 bytes; rerun `gg prepare "
+        "--overwrite`")
     (toy / "train" / "shard_00002.bin").unlink()
     assert error_of(PretrainLoader, toy, "train", 1, 8) == (
-        f"{toy}/train/shard_00002.bin: expected 3000 tokens (12000 bytes), found no file; rerun `gg prepare --overwrite`")
+        f"{toy}/train/shard_00002.bin: expected 3000 tokens (12000 bytes), found no file; rerun `gg prepare "
+        "--overwrite`")
 
 
 def test_other_tokenizer_refused(toy):
@@ -222,7 +229,8 @@ def test_other_tokenizer_refused(toy):
 
 def test_too_little_data(toy):
     assert error_of(PretrainLoader, toy, "val", 4, 1024, world_size=2) == (
-        f"{toy}/val: holds 1 windows of seq_len+1 = 1025 tokens; one batch needs 8 (batch_size 4 x world_size 2); prepare more data")
+        f"{toy}/val: holds 1 windows of seq_len+1 = 1025 tokens; one batch needs 8 (batch_size 4 x world_size 2); "
+        "prepare more data")
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -11,7 +11,8 @@ def _initial_weights(rank, world, out, tie):
     from gradient_garden.parallel.distributed import DistEnv
     from gradient_garden.train.run import build_run_model
     cfg = GlobalConfig()
-    cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size, cfg.model.tie_embeddings = 256, 2, 5000, tie  # 1.28M-element embedding: two init blocks
+    # 1.28M-element embedding: two init blocks
+    cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size, cfg.model.tie_embeddings = 256, 2, 5000, tie
     cfg.runtime = RuntimeConfig(device="cpu", fsdp=True)
     model = build_run_model(cfg, DistEnv(rank, rank, world, torch.device("cpu"), "gloo", world))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -25,7 +25,8 @@ def lora_ckpt(tmp_path_factory):
     base = tmp_path_factory.mktemp("peft")
     cfg = GlobalConfig()
     cfg.training.stage = "instruct"
-    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32, max_seq_len=64, init_std=0.1)
+    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32, max_seq_len=64,
+                            init_std=0.1)
     cfg.lora = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
     cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(train_bpe(_corpus(), 640, base/"tok")))
     torch.manual_seed(0)
@@ -64,11 +65,13 @@ def test_lora_adapter_export_loads_in_peft_with_equal_logits(lora_ckpt, capsys):
     merged = lora_ckpt["base"]/"merged"
     assert main(["export", "--checkpoint", str(lora_ckpt["ckpt"]), "--out", str(merged)]) == 0
     assert not (merged/"adapter").exists()
-    with torch.no_grad(): merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(tokens).logits
+    with torch.no_grad(): merged_logits = AutoModelForCausalLM.from_pretrained(merged,
+                                                                               dtype=torch.float32)(tokens).logits
     diffs["merged_export"] = (merged_logits - want).abs().max().item()
     assert diffs["merged_export"] < 1e-4, diffs
     with capsys.disabled(): print({k: f"{v:.1e}" for k, v in diffs.items()})
 
 def test_lora_adapter_needs_adapters(lora_ckpt, capsys):
-    rc = main(["export", "--checkpoint", str(lora_ckpt["no_lora"]), "--out", str(lora_ckpt["base"]/"x"), "--lora-adapter"])
+    rc = main(["export", "--checkpoint", str(lora_ckpt["no_lora"]), "--out", str(lora_ckpt["base"]/"x"),
+               "--lora-adapter"])
     assert rc == 2 and "holds no LoRA adapters" in capsys.readouterr().err

@@ -11,7 +11,6 @@ from gradient_garden.tokenizer import ensure_tokenizer
 from gradient_garden.data import prepare as P
 from gradient_garden.data.prepare import (DEFAULT_PRETRAINING_DATA, SourceStream, is_validation,
                                           parse_pretraining_data, parse_source, prepare_pretraining)
-from gradient_garden.cli import prepare as CP
 from gradient_garden.cli.prepare import add_prepare_args, run_prepare
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,14 +20,16 @@ REPO = Path(__file__).resolve().parents[1]
 def tok(tmp_path_factory):
     "A 1k-token BPE trained on the pydoc topics (a few seconds)."
     topics = [r["text"] for r in P.pydoc_topics()]
-    return ensure_tokenizer(TokenizerConfig(path=str(tmp_path_factory.mktemp("tok") / "bpe-1k")), lambda: topics, vocab_size=1024)
+    return ensure_tokenizer(TokenizerConfig(path=str(tmp_path_factory.mktemp("tok") / "bpe-1k")), lambda: topics,
+                            vocab_size=1024)
 
 
 @pytest.fixture(scope="module")
 def other_tok(tmp_path_factory):
     "A different 1k-token BPE (another identity)."
     texts = [Path(f).read_text(errors="replace") for f in P.stdlib_files()[:30]]
-    return ensure_tokenizer(TokenizerConfig(path=str(tmp_path_factory.mktemp("tok2") / "bpe-other")), lambda: texts, vocab_size=1024)
+    return ensure_tokenizer(TokenizerConfig(path=str(tmp_path_factory.mktemp("tok2") / "bpe-other")), lambda: texts,
+                            vocab_size=1024)
 
 
 def docs_corpus(n=300, seed=0):
@@ -56,7 +57,8 @@ def cli(*argv):
 def read_split_docs(out_dir, tok, split):
     "Decode every document of a split back to text (split at end-of-document tokens)."
     meta = json.loads((out_dir / "meta.json").read_text())
-    ids = np.concatenate([np.fromfile(out_dir / sh["file"], meta["dtype"]) for sh in meta["splits"][split]["shards"]] or [np.zeros(0, int)])
+    ids = np.concatenate([np.fromfile(out_dir / sh["file"], meta["dtype"]) for sh in meta["splits"][split]["shards"]]
+                         or [np.zeros(0, int)])
     ends = np.flatnonzero(ids == tok.eos_id)
     starts = np.r_[0, ends[:-1] + 1]
     starts = starts + (ids[starts] == tok.bos_id) if len(ends) else starts   # each document begins with BOS
@@ -68,7 +70,8 @@ def read_split_docs(out_dir, tok, split):
 BASE = {"mix": [{"type": "embedded", "corpus": "pydoc-topics"}]}
 
 @pytest.mark.parametrize("data, message", [
-    ({**BASE, "targets": 5}, "data.targets: unknown key; allowed keys here are mix, target_tokens, val_fraction, shard_tokens, max_missing_fraction"),
+    ({**BASE, "targets": 5}, "data.targets: unknown key; allowed keys here are mix, target_tokens, val_fraction, "
+                             "shard_tokens, max_missing_fraction"),
     ({"target_tokens": 5}, "data.mix: missing; list the sources to prepare"),
     ({"mix": []}, "data.mix: got []; expected a non-empty list of sources"),
     ({"mix": "stdlib"}, "data.mix: got 'stdlib'; expected a non-empty list of sources"),
@@ -80,21 +83,29 @@ BASE = {"mix": [{"type": "embedded", "corpus": "pydoc-topics"}]}
     ({"mix": [{"type": "embedded"}]}, "data.mix[0].corpus: missing; a embedded source needs it"),
     ({"mix": [{"type": "embedded", "corpus": "wikipedia"}]},
      "data.mix[0].corpus: got 'wikipedia' (str); expected one of 'python-stdlib', 'pydoc-topics'"),
-    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": 0}]}, "data.mix[0].weight: got 0.0; must be a number > 0"),
-    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": -2}]}, "data.mix[0].weight: got -2.0; must be a number > 0"),
-    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": float("nan")}]}, "data.mix[0].weight: got nan; must be a number > 0"),
-    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": "high"}]}, "data.mix[0].weight: got 'high' (str); expected float"),
-    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": True}]}, "data.mix[0].weight: got True (bool); expected float"),
+    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": 0}]},
+     "data.mix[0].weight: got 0.0; must be a number > 0"),
+    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": -2}]},
+     "data.mix[0].weight: got -2.0; must be a number > 0"),
+    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": float("nan")}]},
+     "data.mix[0].weight: got nan; must be a number > 0"),
+    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": "high"}]},
+     "data.mix[0].weight: got 'high' (str); expected float"),
+    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics", "weight": True}]},
+     "data.mix[0].weight: got True (bool); expected float"),
     ({"mix": [{"type": "hub", "path": "org/ds", "files": ["a"]}]},
-     "data.mix[0].files: unknown key; allowed keys here are path, type, name, weight, config, split, revision, text_field"),
+     "data.mix[0].files: unknown key; allowed keys here are path, type, name, weight, config, split, revision, "
+     "text_field"),
     ({**BASE, "target_tokens": 0}, "data.target_tokens: got 0; must be > 0"),
     ({**BASE, "target_tokens": 1.5e6}, "data.target_tokens: got 1500000.0 (float); expected int"),
     ({**BASE, "val_fraction": -0.1}, "data.val_fraction: got -0.1; must be in [0, 0.5]"),
     ({**BASE, "val_fraction": 0.75}, "data.val_fraction: got 0.75; must be in [0, 0.5]"),
     ({**BASE, "shard_tokens": 100}, "data.shard_tokens: got 100; must be >= 1024"),
-    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics"}, {"type": "embedded", "corpus": "pydoc-topics", "weight": 2}]},
+    ({"mix": [{"type": "embedded", "corpus": "pydoc-topics"},
+              {"type": "embedded", "corpus": "pydoc-topics", "weight": 2}]},
      "data.mix[1].name: got 'pydoc-topics'; already used by mix[0] (names must be unique)"),
-    ({"mix": [{"type": "local", "files": "/nonexistent/dir/*.jsonl"}]}, "data.mix[0].files: '/nonexistent/dir/*.jsonl' matches no file"),
+    ({"mix": [{"type": "local", "files": "/nonexistent/dir/*.jsonl"}]},
+     "data.mix[0].files: '/nonexistent/dir/*.jsonl' matches no file"),
     ({"mix": [{"type": "local", "files": []}]}, "data.mix[0].files: got []; expected at least one path or pattern"),
     ({"mix": [{"type": "local", "files": "x", "sample_by": "sentence"}]},
      "data.mix[0].sample_by: got 'sentence' (str); expected one of 'document', 'paragraph', 'line'"),
@@ -112,7 +123,8 @@ def test_unknown_format_is_an_error(tmp_path):
 
 
 def test_formats_inferred_from_extension(tmp_path):
-    for name, fmt in [("a.txt", "text"), ("b.jsonl", "json"), ("c.json.gz", "json"), ("d.parquet", "parquet"), ("e.md", "text")]:
+    for name, fmt in [("a.txt", "text"), ("b.jsonl", "json"), ("c.json.gz", "json"), ("d.parquet", "parquet"),
+                      ("e.md", "text")]:
         (tmp_path / name).write_bytes(b"")
         assert parse_source({"type": "local", "files": str(tmp_path / name)}, "m").format == fmt
 
@@ -139,7 +151,9 @@ def test_recipe_data_section_is_valid():
     import yaml
     data = yaml.safe_load((REPO / "recipes" / "pretraining" / "debug.yaml").read_text())["data"]
     spec = parse_pretraining_data(data)
-    assert spec.target_tokens == DEFAULT_PRETRAINING_DATA["target_tokens"] and [s.name for s in spec.mix] == ["python-stdlib", "pydoc-topics"]
+    assert spec.target_tokens == DEFAULT_PRETRAINING_DATA["target_tokens"] and [s.name
+                                                                                for s in spec.mix] == ["python-stdlib",
+                                                                                                       "pydoc-topics"]
 
 
 # ---------------------------------------------------------------- sources through the datasets code path
@@ -150,7 +164,8 @@ def test_hub_path_through_local_dataset_folder(tmp_path):
     folder = tmp_path / "org__corpus" / "data"
     folder.mkdir(parents=True)
     pq.write_table(pa.table({"content": docs, "n": list(range(30))}), folder / "train-00000-of-00001.parquet")
-    src = parse_source({"type": "hub", "path": str(tmp_path / "org__corpus"), "split": "train", "text_field": "content"}, "data.mix[0]")
+    src = parse_source({"type": "hub", "path": str(tmp_path / "org__corpus"), "split": "train",
+                        "text_field": "content"}, "data.mix[0]")
     got = []
     s = SourceStream(src)
     while (batch := s.take(500)): got += batch
@@ -159,12 +174,14 @@ def test_hub_path_through_local_dataset_folder(tmp_path):
 
 def test_hub_missing_dataset_is_an_error(tmp_path):
     src = parse_source({"type": "hub", "path": str(tmp_path / "missing")}, "data.mix[0]")
-    assert error_of(SourceStream, src).startswith(f"data.mix[0].path: cannot open '{tmp_path}/missing' (config=None, split='train'): ")
+    assert error_of(SourceStream, src).startswith(f"data.mix[0].path: cannot open '{tmp_path}/missing' (config=None, "
+                                                  "split='train'): ")
 
 
 def test_wrong_text_field_names_the_columns(tmp_path, tok):
     write_jsonl(tmp_path / "c.jsonl", ["a", "b"], field="body")
-    spec = parse_pretraining_data({"target_tokens": 100, "mix": [{"type": "local", "files": str(tmp_path / "c.jsonl"), "text_field": "txt"}]})
+    spec = parse_pretraining_data({"target_tokens": 100,
+                                   "mix": [{"type": "local", "files": str(tmp_path / "c.jsonl"), "text_field": "txt"}]})
     assert error_of(prepare_pretraining, spec, tok, tmp_path / "out", progress=False) == (
         "data.mix[0].text_field: got 'txt'; the rows of 'c' have the columns 'id', 'body'")
 
@@ -212,7 +229,8 @@ def test_every_document_once_in_its_hash_split(tmp_path, tok):
 
 
 def test_mix_weights_and_budget(tmp_path, tok):
-    write_jsonl(tmp_path / "a.jsonl", docs_corpus(400, seed=1)); write_jsonl(tmp_path / "b.jsonl", docs_corpus(400, seed=2))
+    write_jsonl(tmp_path / "a.jsonl", docs_corpus(400, seed=1)); write_jsonl(tmp_path / "b.jsonl",
+                                                                             docs_corpus(400, seed=2))
     spec = parse_pretraining_data({"target_tokens": 30_000, "val_fraction": 0.0, "mix": [
         {"type": "local", "files": str(tmp_path / "a.jsonl"), "weight": 3},
         {"type": "local", "files": str(tmp_path / "b.jsonl"), "weight": 1}]})
@@ -229,7 +247,8 @@ def test_uint32_when_vocab_is_large():
 
 def test_budget_too_large_uses_what_exists(tmp_path, tok):
     write_jsonl(tmp_path / "a.jsonl", docs_corpus(20))
-    spec = parse_pretraining_data({"target_tokens": 10**9, "mix": [{"type": "local", "files": str(tmp_path / "a.jsonl")}]})
+    spec = parse_pretraining_data({"target_tokens": 10**9,
+                                   "mix": [{"type": "local", "files": str(tmp_path / "a.jsonl")}]})
     meta = prepare_pretraining(spec, tok, tmp_path / "out", progress=False)
     assert meta["documents"] == 20 and meta["sources"]["a"]["exhausted"]
 
@@ -259,7 +278,8 @@ def test_refuses_another_layout(tmp_path, tok):
     prepare_pretraining(spec, tok, out, progress=False)
     spec.val_fraction = 0.3
     assert error_of(prepare_pretraining, spec, tok, out, progress=False) == (
-        f'{out}: was prepared with a different val_fraction (recorded: {{"val_fraction": 0.1}}); use --overwrite or another paths.datasets')
+        f'{out}: was prepared with a different val_fraction (recorded: {{"val_fraction": 0.1}}); use --overwrite or '
+        'another paths.datasets')
 
 
 def test_refuses_shards_changed_by_hand(tmp_path, tok):
@@ -327,7 +347,8 @@ prepare_pretraining(spec, tok, sys.argv[3], progress=False, batch_chars=4000, co
 """
 
 def test_resume_after_sigkill(tmp_path, tok):
-    "SIGKILL a real run after its first commits; resuming gives the same bytes as an uninterrupted run, no document lost or repeated."
+    ("SIGKILL a real run after its first commits; resuming gives the same bytes as an uninterrupted run, no document "
+     "lost or repeated.")
     docs = docs_corpus(1000, seed=5)
     write_jsonl(tmp_path / "big.jsonl", docs)
     data = {"target_tokens": 10**8, "val_fraction": 0.1, "shard_tokens": 8192,
@@ -371,7 +392,8 @@ def test_cli_rl_flag_prepares_the_embedded_prompts(tmp_path, tok):
 
 
 def test_cli_stage_prepare_gets_config_data_and_flags(tmp_path, monkeypatch, tok):
-    "`gg prepare --instruct` hands the stage's `prepare` the config, the data section (with `--set data.*`) and the flags."
+    ("`gg prepare --instruct` hands the stage's `prepare` the config, the data section (with `--set data.*`) and the "
+     "flags.")
     import dataclasses
     from gradient_garden.stages import registry
     seen = {}
@@ -380,29 +402,35 @@ def test_cli_stage_prepare_gets_config_data_and_flags(tmp_path, monkeypatch, tok
         return dict(path=tmp_path/"instruct", up_to_date=True, tokenizer="t")
     monkeypatch.setitem(registry.STAGES, "instruct", dataclasses.replace(registry.STAGES["instruct"], prepare=fake))
     (tmp_path / "m.json").write_text(json.dumps({"tasks": ["arith"]}))
-    assert cli("--instruct", "--mix-file", tmp_path / "m.json", "--set", "data.n=3", f"tokenizer.path={tok.path}", "--overwrite") == 0
+    assert cli("--instruct", "--mix-file", tmp_path / "m.json", "--set", "data.n=3", f"tokenizer.path={tok.path}",
+               "--overwrite") == 0
     assert seen == {"stage": "instruct", "data": {"tasks": ["arith"], "n": 3}, "overwrite": True}
 
 
 def test_every_stage_prepares_its_data_or_reads_token_shards():
     from gradient_garden.stages.registry import STAGES
-    assert {name: s.prepare is not None for name, s in STAGES.items()} == {"pretraining": False, "instruct": True, "dpo": True, "rl": True}
+    assert {name: s.prepare is not None for name, s in STAGES.items()} == {"pretraining": False, "instruct": True,
+                                                                           "dpo": True, "rl": True}
     assert all(callable(s.prepare) for s in STAGES.values() if s.prepare)
 
 
 def test_cli_bad_override(tmp_path, tok):
-    assert error_of(cli, "--pretraining", "--set", "data.mix=[]") == "data.mix: got []; expected a non-empty list of sources"
+    assert error_of(cli, "--pretraining", "--set",
+                    "data.mix=[]") == "data.mix: got []; expected a non-empty list of sources"
     assert error_of(cli, "--pretraining", "--set", "model.vocab_sise=3").startswith("model.vocab_sise: unknown key")
 
 
 def test_cli_debug_recipe_trains_tokenizer_and_prepares(tmp_path, monkeypatch, capsys):
-    "`gg prepare --recipe recipes/pretraining/debug.yaml` (smaller budget): trains the BPE when missing, writes the shards."
+    ("`gg prepare --recipe recipes/pretraining/debug.yaml` (smaller budget): trains the BPE when missing, writes the "
+     "shards.")
     monkeypatch.chdir(tmp_path)
-    rc = cli("--recipe", REPO / "recipes" / "pretraining" / "debug.yaml", "--no-progress", "--set", "data.target_tokens=100000")
+    rc = cli("--recipe", REPO / "recipes" / "pretraining" / "debug.yaml", "--no-progress", "--set",
+             "data.target_tokens=100000")
     assert rc == 0
     meta = json.loads((tmp_path / "data" / "datasets" / "pretraining" / "meta.json").read_text())
     assert (tmp_path / "data" / "tokenizers" / "garden-bpe-4k" / "tokenizer.json").is_file()
-    assert meta["tokenizer"]["vocab_size"] == 4096 and 100_000 <= meta["n_tokens"] and meta["splits"]["val"]["n_tokens"] > 0
+    assert (meta["tokenizer"]["vocab_size"] == 4096 and 100_000 <= meta["n_tokens"]
+            and meta["splits"]["val"]["n_tokens"] > 0)
     assert "prepared data/datasets/pretraining:" in capsys.readouterr().out
     assert cli("--recipe", REPO / "recipes" / "pretraining" / "debug.yaml", "--set", "data.target_tokens=100000") == 0
     assert capsys.readouterr().out.startswith("data/datasets/pretraining is up to date (")
@@ -412,13 +440,16 @@ def test_hub_unknown_split_is_an_error(tmp_path):
     write_jsonl(tmp_path / "ds" / "train.jsonl", ["a doc"])
     src = parse_source({"type": "hub", "path": str(tmp_path / "ds"), "split": "validation"}, "data.mix[0]")
     msg = error_of(lambda: SourceStream(src).take(10))
-    assert msg.startswith(f"data.mix[0].path: cannot open '{tmp_path}/ds' (config=None, split='validation'): ") and "validation" in msg
+    assert (msg.startswith(f"data.mix[0].path: cannot open '{tmp_path}/ds' (config=None, split='validation'): ")
+            and "validation" in msg)
 
 
 def test_cli_warns_when_sources_run_out(tmp_path, tok, capsys):
     write_jsonl(tmp_path / "a.jsonl", docs_corpus(10))
-    (tmp_path / "m.json").write_text(json.dumps({"target_tokens": 10**7, "mix": [{"type": "local", "files": str(tmp_path / "a.jsonl")}]}))
-    assert cli("--pretraining", "--no-progress", "--mix-file", tmp_path / "m.json", "--set", f"paths.datasets={tmp_path}/d",
+    (tmp_path / "m.json").write_text(json.dumps({"target_tokens": 10**7,
+                                                 "mix": [{"type": "local", "files": str(tmp_path / "a.jsonl")}]}))
+    assert cli("--pretraining", "--no-progress", "--mix-file", tmp_path / "m.json", "--set",
+               f"paths.datasets={tmp_path}/d",
                f"tokenizer.path={tok.path}", "model.vocab_size=1024") == 0
     err = capsys.readouterr().err
     assert "note: every source ran out at" in err and "below data.target_tokens = 10,000,000" in err

@@ -24,8 +24,10 @@ def _corpus() -> list[str]:
     import argparse, dataclasses, json as js, pathlib as pl
     return [Path(m.__file__).read_text() for m in (argparse, dataclasses, js.encoder, js.decoder, pl)]
 
-def make_checkpoint(base: Path, stage: str, tok_dir: Path, max_seq_len: int = MAX_LEN, nan_token: int | None = None) -> Path:
-    "A checkpoint of a tiny random Tendril (seeded) for `stage`, using the tokenizer in `tok_dir` (`nan_token`: its embedding row NaN)."
+def make_checkpoint(base: Path, stage: str, tok_dir: Path, max_seq_len: int = MAX_LEN,
+                    nan_token: int | None = None) -> Path:
+    ("A checkpoint of a tiny random Tendril (seeded) for `stage`, using the tokenizer in `tok_dir` (`nan_token`: its "
+     "embedding row NaN).")
     cfg = GlobalConfig()
     cfg.run.name = f"tiny-{stage}"
     cfg.training.stage = stage
@@ -63,7 +65,8 @@ def served_in_thread(served, api_key=None):
     import uvicorn
     from gradient_garden.serve.app import create_app
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(served, api_key=api_key), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(served, api_key=api_key), host="127.0.0.1", port=port,
+                                        log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{port}"
@@ -106,7 +109,8 @@ def stop(proc: subprocess.Popen):
 def server(tiny):
     "`gg serve` in a subprocess on a free loopback port (the decoder in its own process, as by default)."
     proc, url = start_gg_serve(tiny["ckpt"], "--max-batch-size", "8")
-    try: yield dict(url=url, proc=proc, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
+    try: yield dict(url=url, proc=proc,
+                    client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
     finally: stop(proc)
 
 def shown(tok, ids) -> str:
@@ -130,7 +134,8 @@ def test_models_and_health(server):
     h = httpx.get(f"{server['url']}/health").json()
     assert h["status"] == "ok" and h["max_batch_size"] == 8
     from gradient_garden.serve.api import STREAM_INTERVAL_MS, STREAM_INTERVAL_TOKENS
-    assert h["stream_interval"] == {"tokens": STREAM_INTERVAL_TOKENS, "ms": STREAM_INTERVAL_MS}      # gg serve's defaults
+    # gg serve's defaults
+    assert h["stream_interval"] == {"tokens": STREAM_INTERVAL_TOKENS, "ms": STREAM_INTERVAL_MS}
 
 def test_chat_plain_and_streamed(server, tiny):
     c, msgs = server["client"], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def main():"}]
@@ -179,7 +184,8 @@ def test_greedy_equals_gg_generate(server, tiny, tmp_path):
     for p, g in zip(prompts, out[False]):
         assert c.completions.create(model="tiny-instruct", prompt=p, temperature=0, max_tokens=14).choices[0].text == g
     for p, g in zip(prompts, out[True]):
-        r = c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": p}], temperature=0, max_tokens=14)
+        r = c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": p}], temperature=0,
+                                      max_tokens=14)
         assert r.choices[0].message.content == g
 
 def test_16_concurrent_requests(server, tiny):
@@ -190,7 +196,8 @@ def test_16_concurrent_requests(server, tiny):
     def ask(i):
         if i % 2: return "".join(ch.choices[0].text for ch in c.completions.create(
             model="tiny-instruct", prompt=prompts[i], temperature=0, max_tokens=24, stream=True))
-        return c.completions.create(model="tiny-instruct", prompt=prompts[i], temperature=0, max_tokens=24).choices[0].text
+        return c.completions.create(model="tiny-instruct", prompt=prompts[i], temperature=0,
+                                    max_tokens=24).choices[0].text
     before = httpx.get(f"{server['url']}/health").json()
     with ThreadPoolExecutor(16) as ex: got = list(ex.map(ask, range(16)))
     assert got == want
@@ -207,20 +214,25 @@ def _error(r: httpx.Response, status=400) -> dict:
 
 def test_bad_input_is_a_400_with_openai_error_json(server):
     c, url = server["client"], server["url"]
-    chat = lambda **kw: c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": "hi"}], **kw)
-    for kw, param in [(dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+    chat = lambda **kw: c.chat.completions.create(model="tiny-instruct", messages=[{"role": "user", "content": "hi"}],
+                                                  **kw)
+    for kw, param in [(dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"),
+                      (dict(max_tokens=0), "max_tokens"),
                       (dict(n=99), "n"), (dict(extra_body={"foo": 1}), "foo"), (dict(max_tokens=MAX_LEN), "max_tokens"),
-                      (dict(presence_penalty=1.0), "presence_penalty"), (dict(seed=2**70), "seed"), (dict(seed=-2**70), "seed")]:
+                      (dict(presence_penalty=1.0), "presence_penalty"), (dict(seed=2**70), "seed"),
+                      (dict(seed=-2**70), "seed")]:
         with pytest.raises(openai.BadRequestError) as e: chat(**kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny-instruct", prompt="word " * 300)
-    assert e.value.body["code"] == "context_length_exceeded" and f"maximum context length is {MAX_LEN}" in e.value.body["message"]
+    assert (e.value.body["code"] == "context_length_exceeded"
+            and f"maximum context length is {MAX_LEN}" in e.value.body["message"])
     with pytest.raises(openai.NotFoundError): c.completions.create(model="gpt-4", prompt="x")
     err = _error(httpx.post(f"{url}/v1/chat/completions", content=b'{"model": "tiny-instruct", "messages": [',
                             headers={"Content-Type": "application/json"}))
     assert err["code"] == "invalid_json"
-    err = _error(httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny-instruct", "messages": [{"role": "robot", "content": "x"}]}))
+    err = _error(httpx.post(f"{url}/v1/chat/completions",
+                            json={"model": "tiny-instruct", "messages": [{"role": "robot", "content": "x"}]}))
     assert err["param"] == "messages"
     assert "Unrecognized request argument supplied: foo" in _error(httpx.post(
         f"{url}/v1/completions", json={"model": "tiny-instruct", "prompt": "x", "foo": 1}))["message"]
@@ -263,7 +275,8 @@ def test_cli_refuses_public_address_without_key(tiny, capsys):
     finally:
         if env_key is not None: os.environ["GG_API_KEY"] = env_key
     assert rc == 2
-    assert capsys.readouterr().err.strip() == "error: --host 0.0.0.0: listening beyond this machine requires an API key (--api-key or GG_API_KEY)"
+    assert capsys.readouterr().err.strip() == ("error: --host 0.0.0.0: listening beyond this machine requires an API "
+                                               "key (--api-key or GG_API_KEY)")
 
 @pytest.fixture()
 def small_server(tiny):
@@ -271,20 +284,23 @@ def small_server(tiny):
     from gradient_garden.serve.api import Served
     from gradient_garden.serve.decoder import BatchDecoder
     model, cfg = load_model_from_checkpoint(make_checkpoint(tiny["base"], "pretraining", tiny["tok_dir"]))
-    served = Served(BatchDecoder(model, init_tokenizer(cfg.tokenizer), max_batch_size=1, max_queue=1), "tiny-plain", chat=False)
+    served = Served(BatchDecoder(model, init_tokenizer(cfg.tokenizer), max_batch_size=1, max_queue=1), "tiny-plain",
+                    chat=False)
     with served_in_thread(served, api_key="sekrit") as url: yield url
 
 def test_api_key_queue_limit_and_plain_checkpoint(small_server):
     url = small_server
     assert _error(httpx.get(f"{url}/v1/models"), 401)["code"] == "invalid_api_key"
-    assert _error(httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}), 401)["code"] == "invalid_api_key"
+    assert _error(httpx.get(f"{url}/health", headers={"Authorization": "Bearer wrong"}),
+                  401)["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/").status_code == 200                   # the page itself holds no data
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0, timeout=120)
     assert c.models.list().data[0].chat is False
     with pytest.raises(openai.BadRequestError, match="use /v1/completions"):
         c.chat.completions.create(model="tiny-plain", messages=[{"role": "user", "content": "hi"}])
     def ask(_):
-        try: return c.completions.create(model="tiny-plain", prompt="def f(", temperature=0, max_tokens=MAX_LEN - 8).usage.completion_tokens
+        try: return c.completions.create(model="tiny-plain", prompt="def f(", temperature=0,
+                                         max_tokens=MAX_LEN - 8).usage.completion_tokens
         except openai.RateLimitError as e: return e.status_code
     with ThreadPoolExecutor(6) as ex: res = list(ex.map(ask, range(6)))
     assert res.count(429) >= 1 and any(r != 429 for r in res), res       # 1 running + 1 waiting; the rest refused
@@ -294,7 +310,8 @@ def coalescing_server(tiny):
     "A real uvicorn server in this process whose streams send 8 tokens per chunk (no time limit)."
     from gradient_garden.serve.api import Served, StreamInterval
     from gradient_garden.serve.decoder import BatchDecoder
-    model, _ = load_model_from_checkpoint(tiny["ckpt"])             # its own copy: the decoder owns its model while it runs
+    # its own copy: the decoder owns its model while it runs
+    model, _ = load_model_from_checkpoint(tiny["ckpt"])
     served = Served(BatchDecoder(model, tiny["tok"], max_batch_size=4), "tiny-instruct",
                     stream_interval=StreamInterval(8, ms=60_000))
     with served_in_thread(served) as url:
@@ -305,13 +322,15 @@ def test_coalesced_stream_is_the_same_text_in_fewer_chunks(coalescing_server, ti
     c, msgs = coalescing_server, [{"role": "user", "content": "def main():"}]
     ids = chat_ids(tiny, msgs)
     out = generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=40, stop_ids=())[0]
-    chunks = list(c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=40, stream=True,
+    chunks = list(c.chat.completions.create(model="tiny-instruct", messages=msgs, temperature=0, max_tokens=40,
+                                            stream=True,
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     texts = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
     assert "".join(texts) == shown(tiny["tok"], out) and chunks[-1].usage.completion_tokens == 40
     assert chunks[0].choices[0].delta.role == "assistant"
     assert 2 <= len(texts) <= 1 + 5 + 1, len(texts)                 # the first token, then 8 per chunk (40 one by one)
-    whole = c.completions.create(model="tiny-instruct", prompt="import os\n", temperature=0, max_tokens=40).choices[0].text
+    whole = c.completions.create(model="tiny-instruct", prompt="import os\n", temperature=0,
+                                 max_tokens=40).choices[0].text
     stop = whole[12:15]
     if stop.strip():                                                 # a stop string inside a chunk still cuts exactly
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(
@@ -326,14 +345,18 @@ def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
     from gradient_garden.serve.decoder import Sequence, SamplingParams
     from gradient_garden.serve.process import load_served
     out = tiny["base"]/"hf"
-    assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out", str(out)])) == 0
-    flags = add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu", "--threads", "1"])
-    served = load_served(flags)                                      # the decoder in its own process, as gg serve runs it
+    assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out",
+                                                                             str(out)])) == 0
+    flags = add_serve_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", str(out), "--device", "cpu",
+                                                                  "--threads", "1"])
+    # the decoder in its own process, as gg serve runs it
+    served = load_served(flags)
     try:
         assert served.chat and served.model_id == "hf" and served.max_len == MAX_LEN
         ids = chat_ids(tiny, [{"role": "user", "content": "def main():"}])
         done = threading.Event()
-        s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0), emit=lambda kind, _: kind == "done" and done.set())
+        s = Sequence(ids, SamplingParams(max_tokens=16, temperature=0), emit=lambda kind,
+                     _: kind == "done" and done.set())
         served.decoder.start().submit([s])
         assert done.wait(60)
         assert s.out == generate(tiny["model"], tiny["tok"], [ids], max_new_tokens=16)[0]
@@ -355,7 +378,8 @@ def test_a_dead_decoder_process_fails_requests_cleanly(tiny):
     try:
         pid = httpx.get(f"{url}/health").json()["pid"]
         assert pid != proc.pid
-        body = {"model": "tiny-instruct", "prompt": "def main(", "max_tokens": MAX_LEN - 8, "stream": True, "ignore_eos": True,
+        body = {"model": "tiny-instruct", "prompt": "def main(", "max_tokens": MAX_LEN - 8, "stream": True,
+                "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -371,7 +395,8 @@ def test_a_dead_decoder_process_fails_requests_cleanly(tiny):
     finally: stop(proc)
 
 def test_decoder_process_queue_limit(tiny):
-    "With the decoder in its own process the web server counts what is in flight: a full queue is a 429, then it drains."
+    ("With the decoder in its own process the web server counts what is in flight: a full queue is a 429, then it "
+     "drains.")
     proc, url = start_gg_serve(tiny["ckpt"], "--max-batch-size", "1", "--max-queue", "1")
     try:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -393,12 +418,14 @@ def rigged_model(tiny):
     model, _ = load_model_from_checkpoint(tiny["ckpt"])
     tok, p = tiny["tok"], tiny["tok"].encode(EOT_PROMPT, bos=True)
     third = generate(model, tok, [p], max_new_tokens=3, stop_ids=[])[0][2]
-    with torch.no_grad(): model.output.weight[tok.eot_id] = model.output.weight[third] * 1.05   # eot wins where `third` won
+    # eot wins where `third` won
+    with torch.no_grad(): model.output.weight[tok.eot_id] = model.output.weight[third] * 1.05
     return model
 
 @pytest.fixture(scope="module")
 def eot_server(tiny):
-    "A real uvicorn server in this process on the rigged model, and the rigged model's greedy tokens (stop tokens ignored)."
+    ("A real uvicorn server in this process on the rigged model, and the rigged model's greedy tokens (stop tokens "
+     "ignored).")
     from gradient_garden.serve.api import Served
     from gradient_garden.serve.decoder import BatchDecoder
     tok = tiny["tok"]
@@ -407,7 +434,8 @@ def eot_server(tiny):
     assert 1 <= k < 12 and any(t not in special_token_ids(tok) for t in ref[k + 1:]), ref
     served = Served(BatchDecoder(rigged_model(tiny), tok, max_batch_size=4), "tiny-instruct")
     with served_in_thread(served) as url:
-        yield dict(url=url, ref=ref, k=k, client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
+        yield dict(url=url, ref=ref, k=k,
+                   client=openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120))
 
 def _complete(c, stream: bool, chat: bool = False, **kw) -> tuple[str, str, int]:
     "Text, finish reason and completion_tokens of one request (streamed: joined chunks and the usage chunk)."
@@ -415,8 +443,10 @@ def _complete(c, stream: bool, chat: bool = False, **kw) -> tuple[str, str, int]
     body = dict(messages=[{"role": "user", "content": EOT_PROMPT}]) if chat else dict(prompt=EOT_PROMPT)
     if not stream:
         r = create(model="tiny-instruct", temperature=0, **body, **kw)
-        return (r.choices[0].message.content if chat else r.choices[0].text), r.choices[0].finish_reason, r.usage.completion_tokens
-    chunks = list(create(model="tiny-instruct", temperature=0, stream=True, stream_options={"include_usage": True}, **body, **kw))
+        return (r.choices[0].message.content if chat
+                else r.choices[0].text), r.choices[0].finish_reason, r.usage.completion_tokens
+    chunks = list(create(model="tiny-instruct", temperature=0, stream=True, stream_options={"include_usage": True},
+                         **body, **kw))
     piece = (lambda ch: ch.choices[0].delta.content or "") if chat else (lambda ch: ch.choices[0].text)
     reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     return "".join(piece(ch) for ch in chunks if ch.choices), reasons[-1], chunks[-1].usage.completion_tokens
@@ -428,10 +458,13 @@ def test_special_tokens_hidden_unless_asked(eot_server, tiny, stream):
     hidden, visible = shown(tok, ref), tok.decode(ref)
     assert "<|eot_id|>" in visible and "<|" not in hidden
     assert _complete(c, stream, max_tokens=24, extra_body={"ignore_eos": True}) == (hidden, "length", 24)
-    assert _complete(c, stream, max_tokens=24, extra_body={"ignore_eos": True, "skip_special_tokens": False}) == (visible, "length", 24)
-    chat = generate(rigged_model(tiny), tok, [chat_ids(tiny, [{"role": "user", "content": EOT_PROMPT}])], max_new_tokens=24, stop_ids=[])[0]
+    assert _complete(c, stream, max_tokens=24,
+                     extra_body={"ignore_eos": True, "skip_special_tokens": False}) == (visible, "length", 24)
+    chat = generate(rigged_model(tiny), tok, [chat_ids(tiny, [{"role": "user", "content": EOT_PROMPT}])],
+                    max_new_tokens=24, stop_ids=[])[0]
     for skip, want in ((True, shown(tok, chat)), (False, tok.decode(chat))):
-        got = _complete(c, stream, chat=True, max_tokens=24, extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        got = _complete(c, stream, chat=True, max_tokens=24,
+                        extra_body={"ignore_eos": True, "skip_special_tokens": skip})
         assert got == (want, "length", 24), (skip, got, want)
     with pytest.raises(openai.BadRequestError, match="skip_special_tokens"):
         c.completions.create(model="tiny-instruct", prompt="x", extra_body={"skip_special_tokens": "sometimes"})
@@ -440,13 +473,17 @@ def test_special_tokens_hidden_unless_asked(eot_server, tiny, stream):
 def test_completion_tokens_count_the_stop_token(eot_server, tiny, stream):
     "usage.completion_tokens as vLLM counts it: the stop token that ended the answer is counted, its text is not."
     c, ref, k, tok = eot_server["client"], eot_server["ref"], eot_server["k"], tiny["tok"]
-    assert _complete(c, stream, max_tokens=24) == (shown(tok, ref[:k]), "stop", k + 1)          # EOS: k tokens of text + the stop token
-    assert _complete(c, stream, max_tokens=k) == (shown(tok, ref[:k]), "length", k)             # length: max_tokens, no stop token
+    # EOS: k tokens of text + the stop token
+    assert _complete(c, stream, max_tokens=24) == (shown(tok, ref[:k]), "stop", k + 1)
+    # length: max_tokens, no stop token
+    assert _complete(c, stream, max_tokens=k) == (shown(tok, ref[:k]), "length", k)
     text = shown(tok, ref)
     stop = next(text[i:i + 2] for i in range(len(shown(tok, ref[:k + 1])), len(text) - 2) if text[i:i + 2].strip())
-    m = next(m for m in range(1, len(ref) + 1) if stop in shown(tok, ref[:m]))                  # the token that completes it
+    # the token that completes it
+    m = next(m for m in range(1, len(ref) + 1) if stop in shown(tok, ref[:m]))
     got = _complete(c, stream, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
-    assert got == (text[:text.index(stop)], "stop", m), (got, stop, m)                          # stop string: text cut, tokens counted
+    # stop string: text cut, tokens counted
+    assert got == (text[:text.index(stop)], "stop", m), (got, stop, m)
 
 def test_decoder_failures_stay_with_their_rows(tiny):
     "A failing prefill fails only its newcomers, a failing forward only the rows running; the decoder goes on."
@@ -454,11 +491,14 @@ def test_decoder_failures_stay_with_their_rows(tiny):
     model, _ = load_model_from_checkpoint(tiny["ckpt"])
     dec, events = BatchDecoder(model, tiny["tok"], max_batch_size=4), {}
     def seq(name, n=6):
-        return Sequence(tiny["tok"].encode(name, bos=True), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+        return Sequence(tiny["tok"].encode(name, bos=True),
+                        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
                         emit=lambda kind, p: events.setdefault(name, []).append((kind, p)))
     first, second = seq("def a(", 30), seq("def b(")
     prefill, forward = dec._prefill, dec._forward
-    dec._prefill = lambda tokens, *a: (_ for _ in ()).throw(MemoryError("no room")) if len(dec.rows) else prefill(tokens, *a)
+    dec._prefill = lambda tokens, *a: (_
+                                       for _ in ()).throw(MemoryError("no room")) if len(dec.rows) else prefill(tokens,
+                                                                                                                *a)
     with dec.running():
         dec.submit([first]); dec.step(); dec.step()
         dec.submit([second]); dec.step()                       # its prefill fails; `first` goes on
@@ -466,31 +506,38 @@ def test_decoder_failures_stay_with_their_rows(tiny):
         assert [k for k, _ in events["def a("]].count("error") == 0 and len(dec.rows) == 1
         dec._forward = lambda col: (_ for _ in ()).throw(RuntimeError("kernel failed"))
         third = seq("def c(")
-        dec.submit([third]); dec.step()                        # `third` joins, then the shared forward fails: both rows end
+        # `third` joins, then the shared forward fails: both rows end
+        dec.submit([third]); dec.step()
         assert events["def a("][-1][0] == events["def c("][-1][0] == "error" and not dec.rows
         dec._forward, dec._prefill = forward, prefill
         fourth = seq("def d(")
         dec.submit([fourth])
         while dec.step(): pass
-    assert events["def d("][-1][0] == "done" and fourth.out == generate(tiny["model"], tiny["tok"], [fourth.prompt], 6, stop_ids=[])[0]
+    assert events["def d("][-1][0] == "done" and fourth.out == generate(tiny["model"], tiny["tok"], [fourth.prompt], 6,
+                                                                        stop_ids=[])[0]
     assert dec.stats["failed"] == 3
 
 def test_a_failing_request_ends_alone_and_sigterm_still_stops(tiny):
-    "A request whose sampling fails inside the decoder process gets a 500 (streamed: an error event) while another runs on; SIGTERM still stops the server."
+    ("A request whose sampling fails inside the decoder process gets a 500 (streamed: an error event) while another "
+     "runs on; SIGTERM still stops the server.")
     poisoned = sorted(set(tiny["tok"].encode("def f(")) - set(tiny["tok"].encode("def main(")))[0]
-    proc, url = start_gg_serve(make_checkpoint(tiny["base"], "instruct", tiny["tok_dir"], nan_token=poisoned))   # its logits: NaN
+    # its logits: NaN
+    proc, url = start_gg_serve(make_checkpoint(tiny["base"], "instruct", tiny["tok_dir"], nan_token=poisoned))
     try:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         long = dict(model="tiny-instruct", prompt="def main(", temperature=0, max_tokens=MAX_LEN - 8, ignore_eos=True)
         bad = dict(model="tiny-instruct", prompt="def f(", temperature=1.0)
-        create = lambda body: c.completions.create(**{k: v for k, v in body.items() if k not in ("ignore_eos", "repetition_penalty")},
-                                                   extra_body={k: v for k, v in body.items() if k in ("ignore_eos", "repetition_penalty")})
+        create = lambda body: c.completions.create(**{k: v for k, v in body.items()
+                                                      if k not in ("ignore_eos", "repetition_penalty")},
+                                                   extra_body={k: v for k, v in body.items()
+                                                               if k in ("ignore_eos", "repetition_penalty")})
         with ThreadPoolExecutor(2) as ex:
             good = ex.submit(create, long)
             time.sleep(0.5)
             with pytest.raises(openai.InternalServerError) as e: create(bad)
             msg = e.value.body["message"]
-            assert msg.startswith("generation failed for this request: RuntimeError: probability tensor") and "\n" not in msg, msg
+            assert (msg.startswith("generation failed for this request: RuntimeError: probability tensor")
+                    and "\n" not in msg), msg
             events = [l for l in httpx.post(f"{url}/v1/completions", json={**bad, "stream": True},
                                             timeout=60).text.splitlines() if l.startswith("data: ")]
             assert json.loads(events[-1][6:])["error"]["message"].startswith("generation failed for this request"), events[-2:]
@@ -503,6 +550,7 @@ def test_a_failing_request_ends_alone_and_sigterm_still_stops(tiny):
             proc.terminate()
             proc.wait(timeout=30)
         out = proc.stdout.read()
-        assert time.time() - t < 30 and proc.returncode in (0, -signal.SIGTERM), (proc.returncode, out[-2000:])   # uvicorn re-raises it
+        # uvicorn re-raises it
+        assert time.time() - t < 30 and proc.returncode in (0, -signal.SIGTERM), (proc.returncode, out[-2000:])
         assert "Traceback" not in out, out[-2000:]
     finally: stop(proc)

@@ -13,13 +13,14 @@ CHROMIUM = next((p for p in (os.environ.get("GG_CHROMIUM"), "/usr/bin/chromium",
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--disable-sync"]
 
-pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (/usr/bin/chromium; apt-get install chromium)")]
+pytestmark = [pytest.mark.skipif(CHROMIUM is None,
+                                 reason="no Chromium found (/usr/bin/chromium; apt-get install chromium)")]
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (python package) is not installed")
 
 @pytest.fixture(scope="module")
 def page_server(tmp_path_factory):
     "A real uvicorn server in this process serving a tiny instruct checkpoint."
-    import torch, uvicorn
+    import uvicorn
     from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
     from gradient_garden.serve.api import Served
     from gradient_garden.serve.app import create_app

@@ -3,7 +3,7 @@ number of ranks (2->1, 1->2, 2->4, 4->2) takes the uninterrupted run's next loss
 every world size), on the same number exactly; an asynchronous save resumes like a synchronous one; a writer killed
 in the middle of a sharded or an asynchronous save leaves the previous checkpoint the latest; and `gg generate` /
 `gg export` read a sharded checkpoint in one process; an SFT run saved on 2 ranks resumes on 1."""
-import json, os, signal, subprocess, sys, textwrap, time
+import json, os, subprocess, sys, textwrap
 from pathlib import Path
 import pytest
 import torch
@@ -51,7 +51,8 @@ def test_sharded_layout_and_meta(runs):
     assert [p.name for p in list_checkpoints(d)] == [f"step_{s:07d}" for s in range(2, STEPS + 1, 2)]
     assert not [p for p in d.iterdir() if p.name.startswith(".")], "no temporary directory left behind"
     step4 = d/"step_0000004"
-    assert sorted(p.name for p in step4.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in step4.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp",
+                                                       "meta.pt"]
     meta = load_checkpoint(step4, weights=False)
     assert (meta["step"], meta["world_size"], len(meta["loaders"]), len(meta["rngs"])) == (4, 2, 2, 2)
     assert meta["val_history"] and meta["val_history"][0][0] == 4 and meta["val_loss"] == meta["val_history"][0][1]
@@ -68,7 +69,8 @@ def test_sharded_layout_and_meta(runs):
 def test_generate_evaluate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
     ck = ckpts(runs/"two")/f"step_{STEPS:07d}"
     (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
-    r = run_gg("generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "4", "--device", "cpu",
+    r = run_gg("generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "4", "--device",
+               "cpu",
                env={"WORLD_SIZE": None, "RANK": None})
     assert r.stdout.count("=== ") >= 1, r.stdout
     run_gg("export", "--checkpoint", ck, "--out", tmp_path/"hf")
@@ -76,7 +78,8 @@ def test_generate_evaluate_and_export_read_a_sharded_checkpoint(runs, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path/"hf")
     full = load_checkpoint(ck, optimizers=False)["model"]
     torch.testing.assert_close(hf.model.embed_tokens.weight, full["tok_embeddings.weight"])
-    r = run_gg("evaluate", "--checkpoint", ckpts(runs/"two").parent, "--validation", "--validation-steps", "1",  # a run dir:
+    # a run dir:
+    r = run_gg("evaluate", "--checkpoint", ckpts(runs/"two").parent, "--validation", "--validation-steps", "1",
                "--device", "cpu", "--output-file-name", tmp_path/"res.json", env={"WORLD_SIZE": None, "RANK": None})
     val = json.loads((tmp_path/"res.json").read_text())["validation"]
     assert val["tokens"] == 256 and val["loss"] < 8.0, val  # the trained weights: a fresh model scores ~ln(4096) = 8.3
@@ -139,7 +142,8 @@ RECIPE = "recipes/pretraining/debug.yaml"
 
 def small_sets(prepared, out: Path, steps=2) -> list[str]:
     "A two-step, one-process run saving sharded checkpoints under `out`."
-    s = {"paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+    s = {"paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2,
          "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
          "training.micro_batch_size": 4, "training.total_batch_size": 256, "validation.enabled": False,
          "generation.every": 0, "evals.every": 0, "checkpointing.every": steps, "checkpointing.format": "sharded",
@@ -163,8 +167,10 @@ def test_a_damaged_shard_is_corrupted_in_every_verb(prepared, sharded_run, tmp_p
     if damage == "truncated": shard.write_bytes(shard.read_bytes()[: size // 3])
     else: shard.unlink()
     (tmp_path/"prompts.json").write_text(json.dumps(["def f(x):"]))
-    verbs = {"train": ["train", "--recipe", RECIPE, "--checkpoint", ck, "--set", *small_sets(prepared, tmp_path, steps=4)],
-             "generate": ["generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "2", "--device", "cpu"],
+    verbs = {"train": ["train", "--recipe", RECIPE, "--checkpoint", ck, "--set",
+                       *small_sets(prepared, tmp_path, steps=4)],
+             "generate": ["generate", "--checkpoint", ck, "--prompts", tmp_path/"prompts.json", "--max-gen-len", "2",
+                          "--device", "cpu"],
              "evaluate": ["evaluate", "--checkpoint", ck, "--validation", "--validation-steps", "1", "--device", "cpu"],
              "export": ["export", "--checkpoint", ck, "--out", tmp_path/"hf"]}
     said = {}
@@ -172,7 +178,8 @@ def test_a_damaged_shard_is_corrupted_in_every_verb(prepared, sharded_run, tmp_p
         assert gg([str(a) for a in argv]) == 2, verb
         said[verb] = capsys.readouterr().err.strip().splitlines()[-1]
     what = f"is truncated: {size // 3:,} of {size:,} bytes" if damage == "truncated" else "is missing"
-    assert set(said.values()) == {f"error: {ck}: corrupted sharded checkpoint (shard file __0_0.distcp {what}); use an earlier checkpoint"}, said
+    assert set(said.values()) == {f"error: {ck}: corrupted sharded checkpoint (shard file __0_0.distcp {what}); use an "
+                                  "earlier checkpoint"}, said
     assert not (tmp_path/"hf").exists()
     assert json.loads((run/"metrics.jsonl").read_text().splitlines()[-1])["step"] == 2   # the run directory untouched
     # `gg serve` loads through the same function as generate and evaluate

@@ -10,15 +10,18 @@ from conftest import ROOT, GG, run_gg
 
 RECIPE = "recipes/pretraining/debug.yaml"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gradient_garden.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+            "gradient_garden.cli"]
 STEPS = 30
 
 def sets(prepared, out: Path, **extra):
     "A small, fast run: 1024 tokens a step, a loss row every step, no periodic checkpoints, writing under `out`."
-    s = {"paths.runs": out/"runs", "training.max_steps": STEPS, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+    s = {"paths.runs": out/"runs", "training.max_steps": STEPS, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2,
          "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
          "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.enabled": False,
-         "generation.every": 0, "checkpointing.every": 0, "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu", **extra}
+         "generation.every": 0, "checkpointing.every": 0, "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu",
+         **extra}
     return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
 
 def run_dir(out: Path) -> Path: return out/"runs"/"pretraining"/"debug"
@@ -54,7 +57,8 @@ def signalled_then_resumed(prepared, out, start, pick_pid, sig, launcher):
                     f"{run_dir(out)/'checkpoints'/f'step_{step:07d}{layout}'}; resume with --checkpoint {run_dir(out)}"), line
     assert 3 <= step < STEPS, step
     assert f"{start}: stopped by {signal.Signals(sig).name}" in stdout  # the summary table says so too
-    r = subprocess.run(launcher + ["train", "--recipe", RECIPE, "--checkpoint", run_dir(out), "--set", *sets(prepared, out)],
+    r = subprocess.run(launcher + ["train", "--recipe", RECIPE, "--checkpoint", run_dir(out), "--set",
+                                   *sets(prepared, out)],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return step, losses(out)
@@ -103,7 +107,8 @@ def test_a_two_rank_checkpoint_resumes_bit_exactly_on_one_process(prepared, tmp_
     for name, extra in (("exact", {"training.virtual_ranks": 2}), ("plain", {})):
         shutil.copytree(tmp_path/"two", tmp_path/name)
         ck = run_dir(tmp_path/name)/"checkpoints"/"step_0000010"
-        r = run_gg("train", "--recipe", RECIPE, "--checkpoint", ck, "--set", *sets(prepared, tmp_path/name, **every, **extra))
+        r = run_gg("train", "--recipe", RECIPE, "--checkpoint", ck, "--set",
+                   *sets(prepared, tmp_path/name, **every, **extra))
         if name == "plain": assert "saved by 2 ranks; one process adds their gradients in another order" in r.stderr
     exact, plain = losses(tmp_path/"exact"), losses(tmp_path/"plain")
     assert sorted(exact) == list(range(1, STEPS + 1)) and exact == two        # bit for bit, steps 11..30 included
@@ -154,7 +159,8 @@ def test_a_failed_sharded_write_is_one_line(prepared, tmp_path, async_save, kind
     "Sharded saves, synchronous or in the background: the one line, and the previous checkpoint stays the latest."
     r = subprocess.run([sys.executable, "-c", FAIL_SECOND_SHARDED_WRITE, kind, "train", "--recipe", RECIPE, "--set",
                         *sets(prepared, tmp_path, **{"training.max_steps": 8, "checkpointing.every": 4,
-                                                     "checkpointing.format": "sharded", "checkpointing.async_save": async_save})],
+                                                     "checkpointing.format": "sharded",
+                                                     "checkpointing.async_save": async_save})],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     ck = run_dir(tmp_path)/"checkpoints"
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("not written") == 1, r.stderr[-3000:]
@@ -182,7 +188,8 @@ def test_ctrl_c_while_waiting_for_a_background_write(tmp_path):
 
 def test_sigterm_to_gg_notebook_reaches_the_kernel(prepared, tmp_path):
     "SIGTERM to `gg notebook` (papermill's process; the kernel has a session of its own): checkpoint, report, one line."
-    proc = subprocess.Popen(GG + ["notebook", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{"training.max_steps": 300})],
+    proc = subprocess.Popen(GG + ["notebook", "--recipe", RECIPE, "--set",
+                                  *sets(prepared, tmp_path, **{"training.max_steps": 300})],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_rows(tmp_path, 3, proc)
     proc.send_signal(signal.SIGTERM)
@@ -202,26 +209,32 @@ def test_sigterm_to_gg_notebook_reaches_the_kernel(prepared, tmp_path):
 def test_a_sharded_write_failing_on_one_rank_stops_all(prepared, tmp_path, async_save):
     "2 gloo ranks, the disk fills on rank 1 only (in the background write): every rank stops, rank 0 says it once."
     script = tmp_path/"fail_on_rank_1.py"
-    script.write_text(FAIL_SECOND_SHARDED_WRITE.replace('if len(calls) > 1:', 'if len(calls) > 1 and __import__("os").environ["RANK"] == "1":'))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "enospc",
+    script.write_text(FAIL_SECOND_SHARDED_WRITE.replace('if len(calls) > 1:', 'if len(calls) > 1 and '
+                                                                              '__import__("os").environ["RANK"] == "1":'))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), "enospc",
                         "train", "--recipe", RECIPE, "--set",
                         *sets(prepared, tmp_path, **{"training.max_steps": 8, "checkpointing.every": 4,
-                                                     "checkpointing.format": "sharded", "checkpointing.async_save": async_save})],
+                                                     "checkpointing.format": "sharded",
+                                                     "checkpointing.async_save": async_save})],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     ck = run_dir(tmp_path)/"checkpoints"
     how = " (background write)" if async_save else ""
-    line = (f"error: checkpoint of step 8 not written{how}: rank 1: disk full (OSError: [Errno 28] No space left on device); "
+    line = (f"error: checkpoint of step 8 not written{how}: rank 1: disk full (OSError: [Errno 28] No space left on "
+            "device); "
             f"the last intact checkpoint is {ck/'step_0000004'}")
     assert r.returncode != 0 and r.stderr.count(line) == 1 and r.stderr.count("step 8 not written") == 1, r.stderr[-4000:]
     assert "exit status 1: a checkpoint was not written" in r.stderr  # torchrun's summary points at the line
     assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]
 
 def test_a_checkpoint_over_the_file_size_limit_is_one_line(prepared, tmp_path):
-    "A real write failure under RLIMIT_FSIZE (torch reports it as `enforce fail at inline_container.cc`): the cause, named."
+    ("A real write failure under RLIMIT_FSIZE (torch reports it as `enforce fail at inline_container.cc`): the cause, "
+     "named.")
     import resource
     limit = 200_000                                            # above every log and config file, below one checkpoint
     r = subprocess.run(GG + ["train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{"training.max_steps": 4,
-                             "checkpointing.every": 4})], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                             "checkpointing.every": 4})], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=300,
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert r.returncode == 1 and "Traceback" not in r.stderr and "inline_container" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
@@ -231,7 +244,8 @@ def test_a_checkpoint_over_the_file_size_limit_is_one_line(prepared, tmp_path):
 def test_a_second_ctrl_c_within_a_second_aborts_at_once(prepared, tmp_path):
     "One process: Ctrl-C asks for a stop after the step; a second one 0.05 s later aborts mid-step, with no checkpoint."
     proc = subprocess.Popen(GG + ["train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, **{
-                            "training.max_steps": 1000, "training.total_batch_size": 32768})],   # ~1 s steps of 128 micro-batches
+                            # ~1 s steps of 128 micro-batches
+                            "training.max_steps": 1000, "training.total_batch_size": 32768})],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_rows(tmp_path, 1, proc)
     proc.send_signal(signal.SIGINT); time.sleep(0.05); proc.send_signal(signal.SIGINT)
@@ -242,7 +256,8 @@ def test_a_second_ctrl_c_within_a_second_aborts_at_once(prepared, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_gg_launch_ends_with_our_line(prepared, tmp_path):
-    "torchrun's launcher run by `gg launch`: a SIGTERM to it saves on both ranks, and the last line and exit status are ours."
+    ("torchrun's launcher run by `gg launch`: a SIGTERM to it saves on both ranks, and the last line and exit status "
+     "are ours.")
     proc = subprocess.Popen(GG + ["launch", "--standalone", "--nproc-per-node", "2", "train", "--recipe", RECIPE,
                                   "--set", *sets(prepared, tmp_path)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -266,4 +281,5 @@ def test_gg_launch_names_the_failed_rank_in_its_last_line(prepared, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert lines[-1].startswith("gg launch: rank ") and lines[-1].endswith(
         "failed (exit status 2): exit status 2: bad input, said in one 'error:' line above"), lines[-1]
-    assert any(l.startswith(f"error: {tmp_path/'nowhere'/'pretraining'}: no such data folder") for l in lines), r.stderr[-2000:]
+    assert any(l.startswith(f"error: {tmp_path/'nowhere'/'pretraining'}: no such data folder")
+               for l in lines), r.stderr[-2000:]

@@ -2,7 +2,6 @@
 `gg train` runs it, a resumed run equals the uninterrupted one bit for bit, and `gg plan` plans it with the stage's
 own rows and lines."""
 import json, textwrap
-from pathlib import Path
 import torch
 from conftest import run_gg
 
@@ -86,11 +85,13 @@ def test_a_plugin_stage_trains_resumes_exactly_and_plans(prepared, tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"]           # it learns: the blocks repeat
     assert [r["step"] for r in recs if "val_loss" in r] == [4, 8]
 
-    run_gg("train", "--recipe", recipe, "--set", *sets(prepared, part, **{"checkpointing.every": 3, "checkpointing.keep_last": 5}), env=env)
+    run_gg("train", "--recipe", recipe, "--set",
+           *sets(prepared, part, **{"checkpointing.every": 3, "checkpointing.keep_last": 5}), env=env)
     ckpt = part/"copy"/"copy"/"checkpoints"/"step_0000003.pt"
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["stage"] == "copy_stage:copy"
     resumed = tmp_path/"resumed"
-    run_gg("train", "--recipe", recipe, "--checkpoint", ckpt, "--set", *sets(prepared, resumed, **{"checkpointing.every": 8}), env=env)
+    run_gg("train", "--recipe", recipe, "--checkpoint", ckpt, "--set",
+           *sets(prepared, resumed, **{"checkpointing.every": 8}), env=env)
     a = {r["step"]: r["loss"] for r in recs if "loss" in r}
     b = {r["step"]: r["loss"] for r in metrics(resumed/"copy"/"copy") if "loss" in r}
     assert sorted(b) == [4, 5, 6, 7, 8] and all(a[s] == b[s] for s in b), (a, b)
@@ -104,10 +105,14 @@ def test_a_plugin_stage_trains_resumes_exactly_and_plans(prepared, tmp_path):
 
 def test_a_plugin_stage_is_checked_in_one_line(prepared, tmp_path):
     recipe, env = setup(prepared, tmp_path)
-    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"a"), "stage_options.width=3", env=env, check=False)
-    assert r.returncode == 2 and r.stderr.strip().endswith("stage_options.width: unknown key; allowed keys here are period"), r.stderr
-    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"b"), "training.stage=copy_stage:nope", env=env, check=False)
+    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"a"), "stage_options.width=3", env=env,
+               check=False)
+    assert r.returncode == 2 and r.stderr.strip().endswith("stage_options.width: unknown key; allowed keys here are "
+                                                           "period"), r.stderr
+    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"b"), "training.stage=copy_stage:nope",
+               env=env, check=False)
     assert r.returncode == 2 and "training.stage: got 'copy_stage:nope'; module 'copy_stage' has no 'nope'" in r.stderr
-    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"c"), "training.stage=toy", env=env, check=False)
+    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"c"), "training.stage=toy", env=env,
+               check=False)
     assert r.returncode == 2 and "training.stage: got 'toy'; registered stages are pretraining, instruct, dpo, rl" in r.stderr
     assert "Traceback" not in r.stderr

@@ -1,17 +1,19 @@
 """Tokenizer backends against independent references: Meta's Llama 3 tokenizer and ChatFormat (llama-models),
 a Hugging Face conversion of the same vocabulary, and each other on the locally trained BPE; plus the error cases."""
-import json, os, pickle, subprocess, sys, sysconfig
+import json, pickle, subprocess, sys, sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gradient_garden.config import ConfigError, TokenizerConfig
-from gradient_garden.tokenizer import (BOS, EOS, EOT, REQUIRED_SPECIAL_TOKENS, HFTokenizer, TikTokenizer, ensure_tokenizer,
+from gradient_garden.tokenizer import (BOS, EOS, EOT, REQUIRED_SPECIAL_TOKENS, HFTokenizer, TikTokenizer,
+                                       ensure_tokenizer,
                                        init_tokenizer, llama3_special_tokens, tiktoken_pieces, train_bpe)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
-SAMPLE_FILES = ["argparse.py", "typing.py", "dataclasses.py", "pathlib.py", "functools.py", "inspect.py", "json/decoder.py"]
+SAMPLE_FILES = ["argparse.py", "typing.py", "dataclasses.py", "pathlib.py", "functools.py", "inspect.py",
+                "json/decoder.py"]
 UNSEEN_FILES = ["os.py", "shutil.py", "difflib.py", "email/_header_value_parser.py", "unittest/mock.py"]
 
 CRAFTED = [
@@ -44,7 +46,8 @@ def texts():
 
 def test_llama3_special_ids(llama, meta):
     assert llama.vocab_size == meta.n_words == 128256
-    assert (llama.bos_id, llama.eos_id, llama.eot_id, llama.pad_id) == (meta.bos_id, meta.eos_id, meta.eot_id, meta.pad_id)
+    assert (llama.bos_id, llama.eos_id, llama.eot_id, llama.pad_id) == (meta.bos_id, meta.eos_id, meta.eot_id,
+                                                                        meta.pad_id)
     assert llama.special_ids == meta.special_tokens
     assert llama.pad_id != llama.eos_id
     assert (llama.start_header_id, llama.end_header_id) == (meta.special_tokens["<|start_header_id|>"],
@@ -76,7 +79,8 @@ def test_llama3_decode_accepts_arrays(llama):
 CHATS = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}],
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},
+     {"role": "assistant", "content": "6."}],
     [{"role": "system", "content": ""}, {"role": "user", "content": "\nstarts with a newline"},
      {"role": "assistant", "content": "  leading spaces, ünïcode 🌱, <|eot_id|> as text\n"},
      {"role": "tool", "content": '{"result": 42}'}, {"role": "assistant", "content": "The tool said 42."}],
@@ -108,7 +112,8 @@ def test_llama3_supervised_text(llama):
     assert llama.decode([i for i, m in zip(ids, mask) if m]) == "4<|eot_id|>6.<|eot_id|>"
 
 
-# --- the Hugging Face backend on the same real vocabulary --------------------------------------------------------------
+# --- the Hugging Face backend on the same real vocabulary
+# --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_llama_dir(tmp_path_factory):
     """Meta's tokenizer.model converted to a local Hugging Face folder laid out like an instruct checkpoint."""
@@ -118,7 +123,8 @@ def hf_llama_dir(tmp_path_factory):
     tok.save(str(out / "tokenizer.json"))
     # Llama 3 instruct sets eos_token to <|eot_id|> and declares no pad token.
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOT, "clean_up_tokenization_spaces": False}))
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOT,
+         "clean_up_tokenization_spaces": False}))
     return out
 
 def test_hf_backend_on_llama3_vocab_matches_meta(hf_llama_dir, llama, texts, meta_ids):
@@ -126,7 +132,8 @@ def test_hf_backend_on_llama3_vocab_matches_meta(hf_llama_dir, llama, texts, met
     assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.eot_id, hf.pad_id) == (128256, 128000, 128001, 128009, 128004)
     whole = [i for i, t in enumerate(texts) if len(tiktoken_pieces(t)) == 1]  # Meta cuts longer inputs; HF does not
     assert hf.encode_batch([texts[i] for i in whole]) == [meta_ids[i] for i in whole]
-    for chat in CHATS: assert hf.render_chat(chat, add_generation_prompt=True) == llama.render_chat(chat, add_generation_prompt=True)
+    for chat in CHATS: assert hf.render_chat(chat, add_generation_prompt=True) == llama.render_chat(chat,
+                                                                                                    add_generation_prompt=True)
 
 
 # --- the trained BPE: both backends, one vocabulary -------------------------------------------------------------------
@@ -139,7 +146,8 @@ def test_trained_bpe_files_and_layout(garden):
     assert len((garden / "tokenizer.model").read_text().splitlines()) == 4096 - 256
     from transformers import AutoTokenizer
     auto = AutoTokenizer.from_pretrained(garden)
-    assert len(auto) == 4096 and auto.bos_token == BOS and auto.eos_token == EOS and auto.pad_token == "<|finetune_right_pad_id|>"
+    assert (len(auto) == 4096 and auto.bos_token == BOS and auto.eos_token == EOS
+            and auto.pad_token == "<|finetune_right_pad_id|>")
     assert auto.convert_tokens_to_ids(llama3_special_tokens()) == list(range(3840, 4096))
 
 def test_trained_bpe_backends_agree(garden):
@@ -174,7 +182,8 @@ def test_train_bpe_deterministic_across_processes(garden, tmp_path):
 def test_tokenizers_pickle(garden):
     for tok in (HFTokenizer(garden), TikTokenizer(garden)):
         clone = pickle.loads(pickle.dumps(tok))
-        assert clone.encode("def f(x): <|eot_id|>") == tok.encode("def f(x): <|eot_id|>") and clone.identity == tok.identity
+        assert (clone.encode("def f(x): <|eot_id|>") == tok.encode("def f(x): <|eot_id|>")
+                and clone.identity == tok.identity)
 
 def test_hf_backend_state_is_reset_before_encoding(garden):
     tok = HFTokenizer(garden)
@@ -193,7 +202,8 @@ def _hf_folder_without(tmp_path, missing: str) -> Path:
     tok = _new_bpe()
     tok.train_from_iterator(read(SAMPLE_FILES[:1]), trainers.BpeTrainer(
         vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in llama3_special_tokens(16) if t != missing])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in llama3_special_tokens(16)
+                            if t != missing])
     out = tmp_path / ("without-" + "".join(c for c in missing if c.isalnum()))
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
     return out
@@ -220,7 +230,8 @@ def test_missing_path(backend, path, match):
     with pytest.raises(ConfigError, match=match): init_tokenizer(TokenizerConfig(backend=backend, path=path))
 
 def test_hub_id_offline_is_one_line():
-    with pytest.raises(ConfigError, match="tokenizer.path='gradient-garden/no-such-tokenizer': AutoTokenizer cannot load") as e:
+    with pytest.raises(ConfigError,
+                       match="tokenizer.path='gradient-garden/no-such-tokenizer': AutoTokenizer cannot load") as e:
         HFTokenizer("gradient-garden/no-such-tokenizer", local_files_only=True)
     assert "\n" not in str(e.value)
 
@@ -238,7 +249,8 @@ def test_malformed_tiktoken_file(tmp_path):
 
 def test_bad_backend():
     cfg = TokenizerConfig(); cfg.backend = "sentencepiece"
-    with pytest.raises(ConfigError, match="tokenizer.backend='sentencepiece': allowed values are 'huggingface', 'tiktoken'"):
+    with pytest.raises(ConfigError,
+                       match="tokenizer.backend='sentencepiece': allowed values are 'huggingface', 'tiktoken'"):
         init_tokenizer(cfg)
 
 def test_bad_chat_messages(llama):

@@ -16,8 +16,11 @@ def checkpoints(tmp_path_factory):
     "A tiny random model saved as a pretraining and as an instruct checkpoint (same weights)."
     d = tmp_path_factory.mktemp("user")
     cfg = GlobalConfig()
-    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32, max_seq_len=96, init_std=0.1)
-    cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(train_bpe([Path(json.__file__).read_text(), Path(pytest.__file__).read_text()] * 20, 640, d/"tok")))
+    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32, max_seq_len=96,
+                            init_std=0.1)
+    cfg.tokenizer = TokenizerConfig(backend="huggingface",
+                                    path=str(train_bpe([Path(json.__file__).read_text(),
+                                                        Path(pytest.__file__).read_text()] * 20, 640, d/"tok")))
     torch.manual_seed(0)
     weights = Tendril(cfg.model).state_dict()
     out = {}
@@ -41,7 +44,8 @@ def completions(path: Path) -> list[str]: return [r["completion"] for r in json.
 def test_generate_uses_the_checkpoints_chat_format(checkpoints, capsys):
     "An instruct checkpoint without flags gives what --instruct gives; --raw completes the plain text."
     d, ck = checkpoints
-    (d/"p.json").write_text(json.dumps(["What is 12 + 30?", {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "Spell cat"}]))
+    (d/"p.json").write_text(json.dumps(["What is 12 + 30?", {"messages": [{"role": "user", "content": "hi"}]},
+                                        {"prompt": "Spell cat"}]))
     got = {}
     for flags in ([], ["--instruct"]):
         out = d/f"gen{len(flags)}.json"
@@ -53,18 +57,24 @@ def test_generate_uses_the_checkpoints_chat_format(checkpoints, capsys):
     (d/"plain.json").write_text(json.dumps(["What is 12 + 30?"]))
     for ckpt, flags in ((ck["instruct"], ["--raw"]), (ck["pretraining"], [])):
         out = d/"raw.json"
-        assert gg(["generate", "--checkpoint", str(ckpt), "--prompts", str(d/"plain.json"), "--max-gen-len", "5", "--device", "cpu",
+        assert gg(["generate", "--checkpoint", str(ckpt), "--prompts", str(d/"plain.json"), "--max-gen-len", "5",
+                   "--device", "cpu",
                    "--output-file-name", str(out), *flags]) == 0
-        got[ckpt.parent.parent.name, *flags] = completions(out)
-    assert got["instruct", "--raw"] == got[("pretraining",)] != got[()][:1]   # same weights: raw is raw whatever the stage
-    err = one_line_error(capsys, ["generate", "--checkpoint", str(ck["instruct"]), "--prompts", str(d/"p.json"), "--raw", "--device", "cpu"])
+        got[(ckpt.parent.parent.name, *flags)] = completions(out)
+    # same weights: raw is raw whatever the stage
+    assert got["instruct", "--raw"] == got[("pretraining",)] != got[()][:1]
+    err = one_line_error(capsys,
+                         ["generate", "--checkpoint", str(ck["instruct"]), "--prompts", str(d/"p.json"), "--raw",
+                          "--device", "cpu"])
     assert "--prompts: item 1 is a chat (messages); plain-text completion (--raw) takes strings only" in err
 
 
 def test_a_messages_string_is_an_error_not_a_prompt(checkpoints, capsys):
     d, ck = checkpoints
     (d/"bad.json").write_text(json.dumps([{"messages": "hi"}]))
-    err = one_line_error(capsys, ["generate", "--checkpoint", str(ck["instruct"]), "--prompts", str(d/"bad.json"), "--device", "cpu"])
+    err = one_line_error(capsys,
+                         ["generate", "--checkpoint", str(ck["instruct"]), "--prompts", str(d/"bad.json"), "--device",
+                          "cpu"])
     assert "item 0: 'messages' must be a non-empty list of {role, content} objects (got str)" in err
 
 
@@ -85,7 +95,8 @@ def test_a_second_prepare_into_one_folder_is_refused(tmp_path, capsys):
 
 
 def test_a_one_process_sharded_save_prints_no_warning(tmp_path):
-    "dcp's 'assuming the intent is to save in a single process' is what we mean on one process: not printed (sync or background)."
+    ("dcp's 'assuming the intent is to save in a single process' is what we mean on one process: not printed (sync or "
+     "background).")
     import subprocess, sys
     code = """
 import sys, torch
@@ -97,7 +108,8 @@ for async_save in (False, True):
     m.save_sharded(2, {"model": {"w": torch.ones(3)}}, meta); m.wait()
 print("saved")
 """
-    r = subprocess.run([sys.executable, "-W", "default", "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "saved", r.stderr[-2000:]
     assert "single process" not in r.stderr, r.stderr[-2000:]
 
@@ -107,9 +119,11 @@ RECIPE = "recipes/pretraining/debug.yaml"
 
 def small_run(prepared, out: Path, steps=2) -> list[str]:
     "`--set` values of a two-step, one-process run under `out`."
-    s = {"paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
+    s = {"paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2,
          "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
-         "training.micro_batch_size": 4, "training.total_batch_size": 256, "validation.every": steps, "validation.steps": 1,
+         "training.micro_batch_size": 4, "training.total_batch_size": 256, "validation.every": steps,
+         "validation.steps": 1,
          "generation.every": 0, "evals.every": 0, "checkpointing.every": steps, "optimizers.adamw.warmup_steps": 1,
          "runtime.device": "cpu"}
     return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
@@ -120,12 +134,14 @@ def test_gg_notebook_shows_the_console_of_gg_train(prepared, tmp_path):
     r = run_gg("notebook", "--recipe", RECIPE, "--set", *small_run(prepared, tmp_path))
     assert "Unable to parse" not in r.stderr and "unknown parameter" not in r.stderr, r.stderr
     out = r.stdout.splitlines()
-    assert [l.split(" |")[0] for l in out if l.startswith("pretraining ")] == ["pretraining 1/2 (50%)", "pretraining 2/2 (100%)"], r.stdout
+    assert [l.split(" |")[0] for l in out if l.startswith("pretraining ")] == ["pretraining 1/2 (50%)",
+                                                                               "pretraining 2/2 (100%)"], r.stdout
     assert "pretraining: finished" in out and any(l.startswith("MFU ") for l in out), r.stdout      # the summary table
     assert sum(l.startswith("mfu: against a peak of ") for l in out) == 1, r.stdout
     report = tmp_path/"runs"/"pretraining"/"debug"/"report.ipynb"
     assert out[-1] == f"report: {report}" and report.is_file()
-    assert not any("dense model" in l or l.startswith("rank 0 of") for l in out), r.stdout   # the report's own output stays in it
+    # the report's own output stays in it
+    assert not any("dense model" in l or l.startswith("rank 0 of") for l in out), r.stdout
 
 
 def test_gg_notebook_says_the_kernels_error_as_gg_train_does(prepared, tmp_path):
@@ -134,10 +150,12 @@ def test_gg_notebook_says_the_kernels_error_as_gg_train_does(prepared, tmp_path)
     train = run_gg("train", "--recipe", RECIPE, "--set", *bad, check=False)
     nb = run_gg("notebook", "--recipe", RECIPE, "--set", *bad, "--overwrite", check=False)
     assert train.returncode == nb.returncode == 2, nb.stderr[-3000:]
-    assert nb.stderr.strip().splitlines()[-1] == train.stderr.strip().splitlines()[-1], (nb.stderr[-2000:], train.stderr[-500:])
+    assert nb.stderr.strip().splitlines()[-1] == train.stderr.strip().splitlines()[-1], (nb.stderr[-2000:],
+                                                                                         train.stderr[-500:])
     assert "nowhere" in nb.stderr.strip().splitlines()[-1]
     assert "Traceback" not in nb.stderr and "PapermillExecutionError" not in nb.stderr
-    assert (tmp_path/"runs"/"pretraining"/"debug"/"report.ipynb").is_file()   # the executed notebook, with the traceback
+    # the executed notebook, with the traceback
+    assert (tmp_path/"runs"/"pretraining"/"debug"/"report.ipynb").is_file()
 
 
 def test_gg_notebook_says_any_other_kernel_error_in_one_line(prepared, tmp_path):
@@ -151,4 +169,5 @@ def test_gg_notebook_says_any_other_kernel_error_in_one_line(prepared, tmp_path)
     r = run_gg("notebook", "--recipe", RECIPE, "--notebook", tmp_path/"boom.ipynb", "--output", tmp_path/"out.ipynb",
                "--set", *small_run(prepared, tmp_path), check=False)
     assert r.returncode == 1 and r.stdout.splitlines()[0] == "before", (r.stdout, r.stderr[-2000:])
-    assert r.stderr.strip().splitlines() == [f"error: ZeroDivisionError: division by zero (its traceback is in {tmp_path/'out.ipynb'})"], r.stderr
+    assert r.stderr.strip().splitlines() == ["error: ZeroDivisionError: division by zero (its traceback is in "
+                                             f"{tmp_path/'out.ipynb'})"], r.stderr

@@ -35,9 +35,11 @@ def unclean(cell) -> list[str]:
     found = []
     for kind, text in output_texts(cell):
         if kind == "stderr": found.append("a stderr stream")
-        if m := ABSOLUTE_PATH.search(text): found.append(f"an absolute path ({text[m.start():m.start() + 40].split()[0]!r})")
+        if m := ABSOLUTE_PATH.search(text): found.append("an absolute path "
+                                                         f"({text[m.start():m.start() + 40].split()[0]!r})")
         if WARNING.search(text): found.append("a warning")
-        mfu = [float(x.replace(",", "")) for x in MFU_PERCENT.findall(text)] + [100 * float(x) for x in MFU_FRACTION.findall(text)]
+        mfu = [float(x.replace(",", "")) for x in MFU_PERCENT.findall(text)] + [100 * float(x)
+                                                                                for x in MFU_FRACTION.findall(text)]
         if any(x > 100 for x in mfu): found.append(f"an MFU of {max(mfu):.0f}%")
     return list(dict.fromkeys(found))
 
@@ -55,7 +57,8 @@ def dirty(nbs: Path) -> list[str]:
     out = []
     for rel, cells in book(nbs):
         for i, c in enumerate(cells):
-            if found := unclean(c): out.append(f"{rel}: code cell {i} shows {', '.join(found)}; fix the cause and rerun it")
+            if found := unclean(c): out.append(f"{rel}: code cell {i} shows {', '.join(found)}; fix the cause and "
+                                               "rerun it")
     return out
 
 def shows(cell) -> bool:
@@ -74,8 +77,10 @@ def problems(committed: Path, executed: Path) -> list[str]:
         missing = [i for i, (a, b) in enumerate(zip(old, new)) if shows(b) and not shows(a)]
         stale = [i for i, (a, b) in enumerate(zip(old, new)) if shows(a) and not shows(b)]
         if errors: out.append(f"{rel}: code cells {errors} hold error outputs; run `make book` and commit")
-        if missing: out.append(f"{rel}: code cells {missing} show output when run but not in the committed notebook; run `make book` and commit")
-        if stale: out.append(f"{rel}: code cells {stale} show committed output that a run no longer produces; run `make book` and commit")
+        if missing: out.append(f"{rel}: code cells {missing} show output when run but not in the committed notebook; "
+                               "run `make book` and commit")
+        if stale: out.append(f"{rel}: code cells {stale} show committed output that a run no longer produces; run "
+                             "`make book` and commit")
         if not any(shows(c) for c in old) and any(shows(c) for c in new):
             out.append(f"{rel}: no outputs committed")
     return out
@@ -89,7 +94,9 @@ def over_baseline(lines: list[str], baseline: dict) -> list[str]:
 if __name__ == "__main__":
     baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
     unclean_cells = dirty(Path(sys.argv[1]))
-    if unclean_cells: print(f"note: {len(unclean_cells)} code cells with unclean outputs, within {BASELINE.name}", file=sys.stderr)
-    found = over_baseline(unclean_cells, baseline) + (problems(Path(sys.argv[1]), Path(sys.argv[2])) if len(sys.argv) > 2 else [])
+    if unclean_cells: print(f"note: {len(unclean_cells)} code cells with unclean outputs, within {BASELINE.name}",
+                            file=sys.stderr)
+    found = over_baseline(unclean_cells,
+                          baseline) + (problems(Path(sys.argv[1]), Path(sys.argv[2])) if len(sys.argv) > 2 else [])
     for line in found: print(line)
     sys.exit(1 if found else 0)

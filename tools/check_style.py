@@ -92,7 +92,8 @@ def cell_lengths(nb_path: Path) -> list[int]:
     return [len(source(c)) for c in json.loads(Path(nb_path).read_text())["cells"] if c["cell_type"] == "code"]
 
 def problems(nb_path: Path, strict: bool = False) -> list[tuple[str, str]]:
-    "The notebook's style problems, as (kind, line) pairs with kind 'long' or 'unchecked'; `strict`: no long cell kept whole."
+    ("The notebook's style problems, as (kind, line) pairs with kind 'long' or 'unchecked'; `strict`: no long cell "
+     "kept whole.")
     cells = json.loads(Path(nb_path).read_text())["cells"]
     out = []
     for i, cell in enumerate(cells):
@@ -112,13 +113,15 @@ def problems(nb_path: Path, strict: bool = False) -> list[tuple[str, str]]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Check the notebooks' house style (cell length, exported pieces checked).")
     p.add_argument("notebooks", nargs="*", type=Path, help="notebooks to check (default: nbs/*.ipynb)")
-    p.add_argument("--summary", action="store_true", help="print counts per notebook and the median cell length instead "
+    p.add_argument("--summary", action="store_true",
+                   help="print counts per notebook and the median cell length instead "
                                                            "of one line per problem")
     p.add_argument("--strict", action="store_true", help="a long cell is a problem even with a '# Kept whole:' reason")
     args = p.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
     nbs = args.notebooks or sorted((root/"nbs").glob("*.ipynb"))
-    nbs = [nb.relative_to(Path.cwd()) if nb.resolve().is_relative_to(Path.cwd()) else nb for nb in map(Path.absolute, nbs)]
+    nbs = [nb.relative_to(Path.cwd()) if nb.resolve().is_relative_to(Path.cwd()) else nb
+           for nb in map(Path.absolute, nbs)]
     total, lengths = 0, []
     for nb in nbs:
         found = problems(nb, args.strict)
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
             for _, line in found: print(line)
     if args.summary:
         median = statistics.median(lengths) if lengths else 0
-        print(f"code cells: {len(lengths)}, median {median:g} lines, {sum(n > MAX_LINES for n in lengths)} over {MAX_LINES}")
+        print(f"code cells: {len(lengths)}, median {median:g} lines, {sum(n > MAX_LINES for n in lengths)} over "
+              f"{MAX_LINES}")
         print(f"total: {total} problems in {len(nbs)} notebooks")
     return 1 if total else 0
 
