@@ -64,7 +64,8 @@ def measure_matmul_peak(device: torch.device = torch.device("cpu"), n: int = 102
 
 # %% ../nbs/06_hardware.ipynb #abdf08c8
 def peak_flops(device: torch.device, precision: str = "fp32", refresh: bool = False, tf32: bool = False) -> float:
-    "Peak FLOP/s of one device in `precision`: the datasheet for known GPUs, otherwise measured (busy CPUs under-read: `refresh`)."
+    ("Peak FLOP/s of one device in `precision`: the datasheet for known GPUs, otherwise measured (busy CPUs "
+     "under-read: `refresh`).")
     precision = resolve_precision(device, precision)[0]
     if device.type == "cuda":
         return (gpu_datasheet_flops(torch.cuda.get_device_name(device), compute_precision(device, precision, tf32))

@@ -6,7 +6,7 @@ both backends read."""
 
 # %% ../nbs/02_tokenizer.ipynb #85b76b59
 from __future__ import annotations
-import base64, hashlib, json, os, re, shutil
+import base64, hashlib, json, os, re
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -27,7 +27,8 @@ from .runtime import atomic_dir
 from fastcore.basics import patch
 
 # %% ../nbs/02_tokenizer.ipynb #d479bd6b
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+                  r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_NUM_SPECIAL_TOKENS = 256
 
 BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
@@ -77,7 +78,8 @@ class Tokenizer:
     "Common interface of both backends: special ids, encoding, decoding and the Llama 3 chat layout."
     kind = "base"
 
-    def __init__(self, name: str, path: str, special_ids: dict[str, int], vocab_size: int, declared_pad: int | None = None):
+    def __init__(self, name: str, path: str, special_ids: dict[str, int], vocab_size: int,
+                 declared_pad: int | None = None):
         missing = [t for t in REQUIRED_SPECIAL_TOKENS if t not in special_ids]
         if missing:
             raise ConfigError(f"tokenizer.path={path!r}: the tokenizer lacks the required special token {missing[0]!r}"
@@ -132,7 +134,8 @@ def _header(self: Tokenizer, role: str) -> list[int]:
 
 # %% ../nbs/02_tokenizer.ipynb #6e79b9f3
 @patch
-def render_chat(self: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+def render_chat(self: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int],
+                                                                                                         list[int]]:
     "Llama 3 chat ids and the mask of tokens to supervise (assistant content and its `<|eot_id|>`)."
     ids, mask = [self.bos_id], [0]
     for i, m in enumerate(messages):
@@ -159,7 +162,8 @@ def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
             tok, rank = line.split()
             ranks[base64.b64decode(tok, validate=True)] = int(rank)
         except ValueError as e:
-            raise ConfigError(f"tokenizer.path={str(path)!r}: line {n} is not '<base64 token> <rank>': {line[:60]!r}") from e
+            raise ConfigError(f"tokenizer.path={str(path)!r}: line {n} is not '<base64 token> <rank>': "
+                              f"{line[:60]!r}") from e
     if not ranks: raise ConfigError(f"tokenizer.path={str(path)!r}: no tokens in the tiktoken BPE file")
     return ranks
 
@@ -170,37 +174,45 @@ class TikTokenizer(Tokenizer):
 
     def __init__(self, path: str | Path, special_tokens: Sequence[str] | None = None, pattern: str = LLAMA3_PATTERN):
         p = Path(path).expanduser()
-        file = next((f for f in (p / "tokenizer.model", p / "original" / "tokenizer.model") if f.is_file()), None) if p.is_dir() else p
+        file = (next((f for f in (p / "tokenizer.model", p / "original" / "tokenizer.model") if f.is_file()), None)
+                if p.is_dir() else p)
         if file is None or not file.is_file():
             raise ConfigError(f"tokenizer.path={str(path)!r}: no tiktoken BPE file (expected a file or a folder holding"
                               " tokenizer.model or original/tokenizer.model)")
         self.ranks, self.pattern = load_tiktoken_ranks(file), pattern
         n_base = max(self.ranks.values()) + 1
         special_ids = {t: n_base + i for i, t in enumerate(special_tokens or llama3_special_tokens())}
-        self.model = tiktoken.Encoding(name=file.name, pat_str=pattern, mergeable_ranks=self.ranks, special_tokens=special_ids)
+        self.model = tiktoken.Encoding(name=file.name, pat_str=pattern, mergeable_ranks=self.ranks,
+                                       special_tokens=special_ids)
         name = (p.name if p.is_dir() else file.parent.name) if file.name == "tokenizer.model" else file.stem
         super().__init__(name, str(path), special_ids, self.model.n_vocab)
         self.n_threads = os.cpu_count() or 1
 
     def _encode_one(self, text: str) -> list[int]:
         if len(text) <= TIKTOKEN_MAX_RUN: return self.model.encode_ordinary(text)
-        return [i for ids in self.model.encode_ordinary_batch(tiktoken_pieces(text), num_threads=self.n_threads) for i in ids]
+        return [i for ids in self.model.encode_ordinary_batch(tiktoken_pieces(text), num_threads=self.n_threads)
+                for i in ids]
 
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
         if all(len(t) <= TIKTOKEN_MAX_RUN for t in texts):
             return self.model.encode_ordinary_batch(texts, num_threads=self.n_threads)
         owner, pieces = zip(*[(j, p) for j, t in enumerate(texts) for p in tiktoken_pieces(t)])
         out = [[] for _ in texts]
-        for j, ids in zip(owner, self.model.encode_ordinary_batch(list(pieces), num_threads=self.n_threads)): out[j] += ids
+        for j, ids in zip(owner, self.model.encode_ordinary_batch(list(pieces), num_threads=self.n_threads)):
+            out[j] += ids
         return out
 
-    def decode(self, ids: Sequence[int]) -> str:
-        "Text of `ids`; special tokens decode to their names."
-        return self.model.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
+# %% ../nbs/02_tokenizer.ipynb #14fcd08a
+@patch
+def decode(self: TikTokenizer, ids: Sequence[int]) -> str:
+    "Text of `ids`; special tokens decode to their names."
+    return self.model.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
 
-    def _identity_bytes(self) -> Iterable[bytes]:
-        yield self.pattern.encode()
-        yield "\n".join(f"{base64.b64encode(b).decode()} {r}" for b, r in sorted(self.ranks.items(), key=lambda kv: kv[1])).encode()
+@patch
+def _identity_bytes(self: TikTokenizer) -> Iterable[bytes]:
+    yield self.pattern.encode()
+    yield "\n".join(f"{base64.b64encode(b).decode()} {r}"
+                    for b, r in sorted(self.ranks.items(), key=lambda kv: kv[1])).encode()
 
 # %% ../nbs/02_tokenizer.ipynb #a0b02d92
 def _is_hub_id(path: str) -> bool:
@@ -215,16 +227,20 @@ class HFTokenizer(Tokenizer):
     kind = "hf"
 
     def __init__(self, path: str | Path, **from_pretrained_kwargs):
-        from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+        # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+        from transformers import AutoTokenizer
         path = str(path)
         if not Path(path).expanduser().exists() and not _is_hub_id(path):
-            raise ConfigError(f"tokenizer.path={path!r}: no such folder (expected a local tokenizer folder or a hub id 'org/name')")
+            raise ConfigError(f"tokenizer.path={path!r}: no such folder (expected a local tokenizer folder or a hub id "
+                              "'org/name')")
         src = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
         try: self.hf = AutoTokenizer.from_pretrained(src, **from_pretrained_kwargs)
         except Exception as e:
-            raise ConfigError(f"tokenizer.path={path!r}: AutoTokenizer cannot load it ({type(e).__name__}: {_first_line(e)})") from e
+            raise ConfigError(f"tokenizer.path={path!r}: AutoTokenizer cannot load it ({type(e).__name__}: "
+                              f"{_first_line(e)})") from e
         if getattr(self.hf, "backend_tokenizer", None) is None:
-            raise ConfigError(f"tokenizer.path={path!r}: not a fast tokenizer (needs tokenizer.json for the Rust `tokenizers` backend)")
+            raise ConfigError(f"tokenizer.path={path!r}: not a fast tokenizer (needs tokenizer.json for the Rust "
+                              "`tokenizers` backend)")
         vocab = self.hf.get_vocab()
         added = {t.content: i for i, t in self.hf.added_tokens_decoder.items()}
         special_ids = {t: vocab[t] for t in REQUIRED_SPECIAL_TOKENS + PAD_CANDIDATES if t in vocab} | {
@@ -242,7 +258,8 @@ def _backend(self: HFTokenizer) -> tokenizers.Tokenizer:
     return b
 
 @patch
-def _encode_one(self: HFTokenizer, text: str) -> list[int]: return self._backend.encode(text, add_special_tokens=False).ids
+def _encode_one(self: HFTokenizer, text: str) -> list[int]:
+    return self._backend.encode(text, add_special_tokens=False).ids
 
 @patch
 def _encode_many(self: HFTokenizer, texts: list[str]) -> list[list[int]]:
@@ -266,7 +283,8 @@ def _identity_bytes(self: HFTokenizer) -> Iterable[bytes]:
 
 # %% ../nbs/02_tokenizer.ipynb #f988a6ca
 LLAMA3_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{ bos_token }}{% for message in messages %}{% set role = 'ipython' if message['role'] == 'tool' else "
+    "message['role'] %}"
     "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
@@ -292,7 +310,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_fr
     "Train a byte-level BPE with Llama 3 pre-tokenization and special tokens; save it for both backends in `out_dir`."
     n_special = LLAMA3_NUM_SPECIAL_TOKENS
     if vocab_size < 256 + n_special + 1:
-        raise ConfigError(f"vocab_size={vocab_size}: must exceed {256 + n_special} (256 bytes + {n_special} special tokens)")
+        raise ConfigError(f"vocab_size={vocab_size}: must exceed {256 + n_special} (256 bytes + {n_special} special "
+                          "tokens)")
     tok = _new_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_special, min_frequency=min_frequency, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
@@ -304,7 +323,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path, min_fr
     specials = llama3_special_tokens(n_special)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     bos_id = n_base
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, bos_id)])
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
@@ -339,7 +359,8 @@ def encode_markup(self: Tokenizer, text: str) -> list[int]:
         toks = self.markup_tokens
         self._markup = re.compile("|".join(map(re.escape, sorted(toks, key=len, reverse=True)))), toks
     pattern, toks = self._markup
-    if not toks: return self._encode_one(text)          # no added tokens: plain text (an empty pattern matches everywhere)
+    # no added tokens: plain text (an empty pattern matches everywhere)
+    if not toks: return self._encode_one(text)
     ids, at = [], 0
     for m in pattern.finditer(text):
         ids += self._encode_one(text[at:m.start()]) + [toks[m.group()]]
@@ -370,9 +391,11 @@ def _has_tokenizer(path: Path, backend: str) -> bool:
 # %% ../nbs/02_tokenizer.ipynb #dc634df0
 def ensure_tokenizer(tok_cfg: TokenizerConfig, texts_fn: Callable[[], Iterable[str]], vocab_size: int = 4096,
                      min_frequency: int = 2) -> Tokenizer:
-    "Load the configured tokenizer, first training and saving a BPE from `texts_fn()` at `tok_cfg.path` if it is missing."
+    ("Load the configured tokenizer, first training and saving a BPE from `texts_fn()` at `tok_cfg.path` if it is "
+     "missing.")
     path = Path(tok_cfg.path).expanduser()
-    if not _has_tokenizer(path, tok_cfg.backend) and not (tok_cfg.backend == "huggingface" and _is_hub_id(tok_cfg.path)):
+    if not _has_tokenizer(path,
+                          tok_cfg.backend) and not (tok_cfg.backend == "huggingface" and _is_hub_id(tok_cfg.path)):
         if path.suffix or (path.exists() and any(path.iterdir())):
             raise ConfigError(f"tokenizer.path={tok_cfg.path!r}: holds no {tok_cfg.backend} tokenizer; give an existing"
                               " tokenizer or a new folder path to train one in")

@@ -25,7 +25,8 @@ def load_meta(data_dir) -> dict:
     if not d.is_dir(): raise ConfigError(f"{d}: no such data folder; run `gg prepare` first (paths.datasets)")
     if not (d/"meta.json").is_file():
         if (d/"progress.json").is_file():
-            raise ConfigError(f"{d}: preparation did not finish (progress.json but no meta.json); rerun `gg prepare` to resume it")
+            raise ConfigError(f"{d}: preparation did not finish (progress.json but no meta.json); rerun `gg prepare` "
+                              "to resume it")
         raise ConfigError(f"{d}: no meta.json; run `gg prepare` to make the shards")
     meta = json.loads((d/"meta.json").read_text())
     if meta.get("format") != "gradient-garden-shards":
@@ -55,21 +56,26 @@ class PretrainLoader:
                  seed: int = 0, tokenizer_identity: str | None = None):
         for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
             if v < 1: raise ConfigError(f"loader {name}: got {v}; must be >= 1")
-        if not 0 <= rank < world_size: raise ConfigError(f"loader rank: got {rank}; must be in [0, world_size={world_size})")
+        if not 0 <= rank < world_size: raise ConfigError(f"loader rank: got {rank}; must be in [0, "
+                                                         f"world_size={world_size})")
         self.data_dir, self.split, self.batch_size, self.seq_len = Path(data_dir), split, batch_size, seq_len
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.meta = load_meta(data_dir)
         found = self.meta["tokenizer"]
         if tokenizer_identity is not None and found["identity"] != tokenizer_identity:
-            raise ConfigError(f"{self.data_dir}: the shards were made by tokenizer {found.get('name')!r} ({found['identity']}), "
-                              f"not by the configured one ({tokenizer_identity}); prepare the data again with this tokenizer")
+            raise ConfigError(f"{self.data_dir}: the shards were made by tokenizer {found.get('name')!r} "
+                              f"({found['identity']}), "
+                              f"not by the configured one ({tokenizer_identity}); prepare the data again with this "
+                              "tokenizer")
         self.shards = open_shards(data_dir, self.meta, split)
         self.counts = np.array([max(0, (len(s) - 1) // seq_len) for s in self.shards], dtype=np.int64)
         self.n_windows = int(self.counts.sum())
         need = batch_size * world_size
         if self.n_windows < need:
-            raise ConfigError(f"{self.data_dir}/{split}: holds {self.n_windows} windows of seq_len+1 = {seq_len + 1} tokens; "
-                              f"one batch needs {need} (batch_size {batch_size} x world_size {world_size}); prepare more data")
+            raise ConfigError(f"{self.data_dir}/{split}: holds {self.n_windows} windows of seq_len+1 = {seq_len + 1} "
+                              "tokens; "
+                              f"one batch needs {need} (batch_size {batch_size} x world_size {world_size}); prepare "
+                              "more data")
         self.epoch = self.position = 0
         self._perm = lru_cache(maxsize=4)(self._window_perm)
 
@@ -91,7 +97,8 @@ def _window_perm(self: PretrainLoader, epoch: int, shard: int) -> np.ndarray:
 # %% ../../nbs/04_loaders.ipynb #e00f5df1
 @patch
 def _gather(self: PretrainLoader, epoch: int, start: int, count: int) -> np.ndarray:
-    "Windows at positions `start .. start+count` of the order (wrapping into later epochs), as int64 [count, seq_len+1]."
+    ("Windows at positions `start .. start+count` of the order (wrapping into later epochs), as int64 [count, "
+     "seq_len+1].")
     out, filled, span = np.empty((count, self.seq_len + 1), dtype=np.int64), 0, np.arange(self.seq_len + 1)
     while filled < count:
         e, p = epoch + start // self.n_windows, start % self.n_windows
@@ -133,7 +140,8 @@ def load_state_dict(self: PretrainLoader, state: dict) -> None:
     "Continue from `state`; refuse one whose order would differ (another seed, seq_len, split or data)."
     for key in ("split", "seed", "seq_len", "n_windows"):
         if state.get(key) != getattr(self, key):
-            raise ConfigError(f"loader state: {key} is {state.get(key)!r} in the checkpoint but {getattr(self, key)!r} now; "
+            raise ConfigError(f"loader state: {key} is {state.get(key)!r} in the checkpoint but {getattr(self, key)!r} "
+                              "now; "
                               "the saved position would point elsewhere")
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
@@ -159,7 +167,8 @@ def pretraining_loaders(cfg: GlobalConfig, rank: int = 0, world_size: int = 1,
                         tokenizer_identity: str | None = None) -> tuple[PretrainLoader, PretrainLoader]:
     "Train and validation `PretrainLoader`s for `cfg` (`<paths.datasets>/pretraining`, `training` batch/seq/seed)."
     t, data_dir = cfg.training, Path(cfg.paths.datasets)/"pretraining"
-    make = lambda split: PretrainLoader(data_dir, split, t.micro_batch_size, t.seq_len, rank, world_size, t.seed, tokenizer_identity)
+    make = lambda split: PretrainLoader(data_dir, split, t.micro_batch_size, t.seq_len, rank, world_size, t.seed,
+                                        tokenizer_identity)
     return make("train"), make("val")
 
 # %% ../../nbs/04_loaders.ipynb #df6a77e9
@@ -170,7 +179,8 @@ def pin_batch(batch: dict) -> dict:
 class PrefetchLoader:
     "Wraps any loader: a background thread prepares the next `depth` batches (pinned for CUDA); resumes exactly."
     def __init__(self, loader, depth: int = 2, pin: bool = False):
-        if depth < 1: raise ConfigError(f"runtime.num_workers: got {depth}; batches prepared ahead must be >= 1 (or 0 for none)")
+        if depth < 1: raise ConfigError(f"runtime.num_workers: got {depth}; batches prepared ahead must be >= 1 (or 0 "
+                                        "for none)")
         self.loader, self.depth, self.pin = loader, depth, pin
         self._state = loader.state_dict()            # the position after the last batch handed out
         self._thread = None
@@ -192,7 +202,8 @@ class PrefetchLoader:
         self._thread.start()
 
     def close(self):
-        "Stop the producer; the inner loader is left after the batches it prepared (`state_dict` still tells the truth)."
+        ("Stop the producer; the inner loader is left after the batches it prepared (`state_dict` still tells the "
+         "truth).")
         if self._thread is not None:
             self._stop.set(); self._thread.join(); self._thread = None
 

@@ -100,7 +100,8 @@ def _check_tasks(tasks) -> list[str]:
         raise ConfigError(f"verifiable.tasks: got {bad or tasks}; allowed tasks are {', '.join(TASKS)}")
     return tasks
 
-def sample_examples(n: int, split: str = "train", tasks=None, seed: int = 0, unique: bool = False) -> list[VerifiableExample]:
+def sample_examples(n: int, split: str = "train", tasks=None, seed: int = 0,
+                    unique: bool = False) -> list[VerifiableExample]:
     "`n` examples of `split`, tasks drawn uniformly; `unique` drops repeated problems (may return fewer)."
     if split not in SPLITS: raise ConfigError(f"verifiable.split: got {split!r}; allowed: {', '.join(SPLITS)}")
     tasks, rng = _check_tasks(tasks), random.Random(f"{seed}|{split}")

@@ -32,7 +32,8 @@ class SamplingRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 16)   # a torch seed (int64), n <= 16 choices seeded seed, seed+1, ...
+    # a torch seed (int64), n <= 16 choices seeded seed, seed+1, ...
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -79,7 +80,8 @@ def validation_error(e: ValidationError) -> APIError:
     param = str(err["loc"][0]) if err["loc"] else None
     if err["type"] == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {path}", param=param, code="unknown_parameter")
-    if err["type"] == "missing": return APIError(400, f"Missing required parameter: {path}", param=param, code="missing_required_parameter")
+    if err["type"] == "missing": return APIError(400, f"Missing required parameter: {path}", param=param,
+                                                 code="missing_required_parameter")
     got = f" (got {err['input']!r})" if not isinstance(err.get("input"), (dict, list)) else ""
     return APIError(400, f"{path}: {err['msg']}{got}", param=param, code="invalid_value")
 
@@ -97,7 +99,8 @@ STREAM_INTERVAL_TOKENS, STREAM_INTERVAL_MS = 16, 20.0
 
 @dataclass(frozen=True)
 class StreamInterval:
-    "A stream's pending text goes out after `tokens` tokens or `ms` milliseconds, whichever comes first (1 or 0: every token)."
+    ("A stream's pending text goes out after `tokens` tokens or `ms` milliseconds, whichever comes first (1 or 0: "
+     "every token).")
     tokens: float = STREAM_INTERVAL_TOKENS
     ms: float = STREAM_INTERVAL_MS
 
@@ -112,7 +115,7 @@ class StreamInterval:
 # %% ../../nbs/62_serve_api.ipynb #a47436cf
 @dataclass
 class Served:
-    "The model behind the API: its decoder (or `DecoderClient`), the name clients use, whether it chats, how often streams send."
+    "The model behind the API: its decoder (or `DecoderClient`), the name clients use, whether it chats, stream pace."
     decoder: BatchDecoder   # or a `DecoderClient` (`64_serve_process`): the same submit, pending, snapshot, close
     model_id: str
     chat: bool = True
@@ -125,10 +128,12 @@ class Served:
 def chat_prompt(served: Served, req: ChatCompletionRequest) -> list[int]:
     "Token ids of a chat request (the chat template with the assistant header appended)."
     if not served.chat:
-        raise APIError(400, f"model {served.model_id!r} is a plain (pretraining) checkpoint that was not trained to chat; "
-                            "use /v1/completions, or serve an instruct or dpo checkpoint", param="messages", code="model_not_chat")
+        raise APIError(400, f"model {served.model_id!r} is a plain (pretraining) checkpoint that was not trained to "
+                            "chat; use /v1/completions, or serve an instruct or dpo checkpoint",
+                       param="messages", code="model_not_chat")
     msgs = [{"role": "system" if m.role == "developer" else m.role,
-             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)} for m in req.messages]
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+             for m in req.messages]
     try: return served.decoder.tok.render_chat(msgs, add_generation_prompt=True)[0]
     except ConfigError as e: raise APIError(400, str(e), param="messages") from None
 
@@ -148,12 +153,14 @@ def completion_prompts(served: Served, req: CompletionRequest) -> list[list[int]
     return out
 
 # %% ../../nbs/62_serve_api.ipynb #9a88a212
-def check_request(served: Served, req: SamplingRequest, prompt_len: int, default_max: int | None, what: str = "messages") -> int:
+def check_request(served: Served, req: SamplingRequest, prompt_len: int, default_max: int | None,
+                  what: str = "messages") -> int:
     "Refuse unsupported fields and requests that do not fit the context; return `max_tokens`."
     for f in ("presence_penalty", "frequency_penalty"):
         if getattr(req, f): raise APIError(400, f"{f}: not supported by this server (use repetition_penalty)", param=f)
     if req.n > served.decoder.max_batch_size:
-        raise APIError(400, f"n: got {req.n}; this server decodes at most {served.decoder.max_batch_size} sequences together", param="n")
+        raise APIError(400, f"n: got {req.n}; this server decodes at most {served.decoder.max_batch_size} sequences "
+                            "together", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4: raise APIError(400, f"stop: got {len(stops)} sequences; at most 4 are allowed", param="stop")
     L = served.max_len

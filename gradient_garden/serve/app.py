@@ -33,11 +33,13 @@ class LoopWaker:
         if not run._due: run._due = True; self.due.append(run)
 
     def flush(self):
-        "Decoder thread, end of a step: one wake-up for the marked runs whose events are due (unless one is on its way)."
+        ("Decoder thread, end of a step: one wake-up for the marked runs whose events are due (unless one is on its "
+         "way).")
         if self.due:
             now = time.perf_counter()
             ripe = [run.ripe(now) for run in self.due]
-            if any(ripe) or self.woken:      # a wake-up goes out anyway: streams half due ride along, and fall into step
+            # a wake-up goes out anyway: streams half due ride along, and fall into step
+            if any(ripe) or self.woken:
                 ripe = [r or run.ripe(now, early=True) for r, run in zip(ripe, self.due)]
             for run in (run for run, r in zip(self.due, ripe) if r): run._due = False; self.woken.append(run)
             self.due = [run for run, r in zip(self.due, ripe) if not r]
@@ -55,7 +57,8 @@ def loop_waker(decoder: BatchDecoder) -> LoopWaker:
     "The waker of the running event loop on `decoder` (made and hooked to its steps on first use)."
     loop, mine = asyncio.get_running_loop(), [getattr(f, "__self__", None) for f in decoder.after_step]
     if found := [w for w in mine if isinstance(w, LoopWaker) and w.loop is loop]: return found[0]
-    decoder.after_step[:] = [f for f, w in zip(decoder.after_step, mine) if not (isinstance(w, LoopWaker) and w.loop.is_closed())]
+    decoder.after_step[:] = [f for f, w in zip(decoder.after_step, mine)
+                             if not (isinstance(w, LoopWaker) and w.loop.is_closed())]
     decoder.after_step.append((waker := LoopWaker(loop)).flush)
     return waker
 
@@ -83,7 +86,8 @@ class RequestRun:
         self._urgent = True                  # events still queued go out at the next step: the waker forgets this run
 
     async def batches(self):
-        "Lists of `(choice, kind, payload)` as they arrive, until every sequence is done or cancelled; decoder errors: a 500."
+        ("Lists of `(choice, kind, payload)` as they arrive, until every sequence is done or cancelled; decoder "
+         "errors: a 500.")
         left = len(self.seqs)
         while left:
             await self.ready.wait()
@@ -109,7 +113,8 @@ def _emitter(self: RequestRun, i: int) -> Callable:
 
 @patch
 def ripe(self: RequestRun, now: float, early: bool = False) -> bool:
-    "Decoder thread: whether the queued events go out now (first text, an end, `every` pieces or `every_s`; `early`: half)."
+    ("Decoder thread: whether the queued events go out now (first text, an end, `every` pieces or `every_s`; `early`: "
+     "half).")
     k = 0.5 if early else 1.0
     if not (self._urgent or self._held >= k * self.every or now - self._last >= k * self.every_s): return False
     self._urgent, self._held, self._last = False, 0, now
@@ -118,7 +123,8 @@ def ripe(self: RequestRun, now: float, early: bool = False) -> bool:
 
 # %% ../../nbs/63_serve_app.ipynb #2bd8a2a2
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -138,13 +144,15 @@ async def collect_run(request, run: RequestRun) -> tuple[list[str], list[str], i
         async for batch in run.batches():
             for i, kind, payload in batch:
                 if kind == "text": texts[i] += payload
-                elif kind == "done": reasons[i], tokens = payload["finish_reason"], tokens + payload["completion_tokens"]
+                elif kind == "done":
+                    reasons[i], tokens = payload["finish_reason"], tokens + payload["completion_tokens"]
     finally: watcher.cancel()
     return texts, reasons, tokens
 
 # %% ../../nbs/63_serve_app.ipynb #aa1d545b
 def _chat_choice(i, text, reason, stream: bool, first: bool = False) -> dict:
-    if not stream: return dict(index=i, message=dict(role="assistant", content=text), finish_reason=reason, logprobs=None)
+    if not stream: return dict(index=i, message=dict(role="assistant", content=text), finish_reason=reason,
+                               logprobs=None)
     delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
     return dict(index=i, delta=delta, finish_reason=reason, logprobs=None)
 
@@ -164,7 +172,8 @@ async def _sse_events(run: RequestRun, chunk: dict, text_head: str, chat: bool, 
     extra = {"usage": None} if usage_wanted else {}
     try:
         if chat:
-            for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True, first=True)]) | extra)
+            for i in range(len(run.seqs)): yield _sse(chunk | dict(choices=[choice(i, "", None, True,
+                                                                                   first=True)]) | extra)
         async for batch in run.batches():
             out, texts = [], {}                 # the batch's text per choice, in one event each
             for i, kind, payload in batch:
@@ -172,7 +181,8 @@ async def _sse_events(run: RequestRun, chunk: dict, text_head: str, chat: bool, 
                 if kind == "cancelled": continue
                 if i in texts: out.append(_text_event(text_head, i, texts.pop(i), chat))
                 tokens += payload["completion_tokens"]
-                out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"], True)])))
+                out.append(_sse(chunk | dict(choices=[choice(i, None if chat else "", payload["finish_reason"],
+                                                             True)])))
             out += [_text_event(text_head, i, t, chat) for i, t in texts.items()]
             yield "".join(out)
         if usage_wanted: yield _sse(chunk | dict(choices=[], usage=_usage(n_prompt, tokens)))
@@ -181,7 +191,8 @@ async def _sse_events(run: RequestRun, chunk: dict, text_head: str, chat: bool, 
     finally: await run.__aexit__(None, None, None)
 
 # %% ../../nbs/63_serve_app.ipynb #d9d6f00e
-async def _respond(request, served: Served, req: SamplingRequest, prompts: list[list[int]], max_tokens: list[int], chat: bool):
+async def _respond(request, served: Served, req: SamplingRequest, prompts: list[list[int]], max_tokens: list[int],
+                   chat: bool):
     "Run a (chat or text) completion request; a JSON answer or a streaming response."
     params = [sampling_params(req, m, j) for m in max_tokens for j in range(req.n)]
     run_prompts = [p for p in prompts for _ in range(req.n)]
@@ -193,13 +204,16 @@ async def _respond(request, served: Served, req: SamplingRequest, prompts: list[
     if not req.stream:
         async with run:
             texts, reasons, tokens = await collect_run(request, run)
-        return JSONResponse(head | dict(object=obj, choices=[choice(i, t, r, False) for i, (t, r) in enumerate(zip(texts, reasons))],
+        return JSONResponse(head | dict(object=obj,
+                                        choices=[choice(i, t, r, False)
+                                                 for i, (t, r) in enumerate(zip(texts, reasons))],
                                         usage=_usage(n_prompt, tokens)))
     await run.__aenter__()                          # a full queue answers 429 before the stream starts
     usage_wanted = bool(req.stream_options and req.stream_options.include_usage)
     chunk = head | dict(object=f"{obj}.chunk" if chat else obj)
     text_head = json.dumps(chunk | ({"usage": None} if usage_wanted else {}), ensure_ascii=False)[:-1]
-    return StreamingResponse(_sse_events(run, chunk, text_head, chat, usage_wanted, n_prompt), media_type="text/event-stream",
+    return StreamingResponse(_sse_events(run, chunk, text_head, chat, usage_wanted, n_prompt),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 # %% ../../nbs/63_serve_app.ipynb #7c8807a3
@@ -236,7 +250,8 @@ def _install_auth(app, api_key: str | None):
             given = request.headers.get("authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return _error_response(APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                return _error_response(APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer "
+                                                     "<key>'",
                                                 code="invalid_api_key"))
         return await call_next(request)
 
@@ -263,7 +278,8 @@ def _add_info_routes(app, served: Served):
     @app.get("/v1/models")
     async def models():
         return dict(object="list", data=[dict(id=served.model_id, object="model", created=served.created,
-                                              owned_by="gradient-garden", chat=served.chat, max_model_len=served.max_len)])
+                                              owned_by="gradient-garden", chat=served.chat,
+                                              max_model_len=served.max_len)])
 
 # %% ../../nbs/63_serve_app.ipynb #421b90f8
 def _add_completion_routes(app, served: Served):
@@ -281,7 +297,8 @@ def _add_completion_routes(app, served: Served):
         _check_model(served, req.model)
         prompts = completion_prompts(served, req)
         if len(prompts) * req.n > served.decoder.max_batch_size:
-            raise APIError(400, f"prompt: {len(prompts)} prompts x n={req.n} exceed the {served.decoder.max_batch_size} "
+            raise APIError(400,
+                           f"prompt: {len(prompts)} prompts x n={req.n} exceed the {served.decoder.max_batch_size} "
                                 "sequences this server decodes together", param="prompt")
         limits = [check_request(served, req, len(p), 16, "prompt") for p in prompts]
         return await _respond(request, served, req, prompts, limits, chat=False)

@@ -81,7 +81,8 @@ class BatchDecoder:
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []
         self.cache: KVCache | None = None  # buffers of `capacity` rows; rows 0..len(rows)-1 are in use
-        self._view = None                  # a KVCache over the rows in use (views of the buffers), rebuilt as they change
+        # a KVCache over the rows in use (views of the buffers), rebuilt as they change
+        self._view = None
         self.starts = self.last = None     # [rows] first real column, [rows] next token to feed
         self.col, self.fast = 0, False
         self._bias = self._bias_of = None  # the additive attention bias of the rows' padding, and the starts it is for
@@ -115,7 +116,8 @@ def snapshot(self: BatchDecoder) -> dict:
 # %% ../../nbs/61_serve_decoder.ipynb #a3327ffd
 @patch
 def _sample(self: BatchDecoder, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
-    "The next token of every row: greedy rows by one argmax, the others with their own settings (a failure: `row.error`)."
+    ("The next token of every row: greedy rows by one argmax, the others with their own settings (a failure: "
+     "`row.error`).")
     nxt = logits.max(-1).indices
     for i, r in enumerate(rows):
         p = r.params
@@ -150,7 +152,8 @@ def _fail(self: BatchDecoder, r: Sequence, e: Exception) -> bool:
 # %% ../../nbs/61_serve_decoder.ipynb #511e5537
 @patch
 def _advance(self: BatchDecoder, r: Sequence, token: int) -> bool:
-    "Record the new token of `r`, emit its text; False when `r` is finished (stop token, stop string, length) or failed."
+    ("Record the new token of `r`, emit its text; False when `r` is finished (stop token, stop string, length) or "
+     "failed.")
     if r.error is not None: return self._fail(r, r.error)
     try:
         if token in self.stop_ids and not r.params.ignore_eos: return self._finish(r, "stop", stop_token=True)
@@ -255,14 +258,16 @@ def _prefill(self: BatchDecoder, tokens: torch.Tensor, real: torch.Tensor | None
     positions = bias = None
     if real is not None:         # what `forward` makes of the mask: positions over real tokens, causal + padding bias
         positions = positions_from_pad_mask(real)[:, start:]
-        bias = additive_mask(attention_mask(tokens.shape[1], start, real, device=self.device), self.model.tok_embeddings.weight.dtype)
+        bias = additive_mask(attention_mask(tokens.shape[1], start, real, device=self.device),
+                             self.model.tok_embeddings.weight.dtype)
     return decode_step(self.model, tokens, view, start, positions=positions, attn_bias=bias).float()
 
 
 # %% ../../nbs/61_serve_decoder.ipynb #eefdcf31
 @patch
 def _admit(self: BatchDecoder):
-    "Prefill waiting sequences straight into free rows of the cache (one left-padded forward); sample their first tokens."
+    ("Prefill waiting sequences straight into free rows of the cache (one left-padded forward); sample their first "
+     "tokens.")
     with self._cv:
         take = min(self.max_batch_size - len(self.rows), len(self.waiting))
         new = [self.waiting.popleft() for _ in range(take)]
@@ -273,12 +278,14 @@ def _admit(self: BatchDecoder):
     if not n: self.col = width
     else:
         used = self.col - int(self.starts.min())
-        if width > self.col or self.col - used >= self.max_len // 4: self._realign(max(used, width))   # room; padding out
+        # room; padding out
+        if width > self.col or self.col - used >= self.max_len // 4: self._realign(max(used, width))
     self._reserve(n + len(new))
     tokens = torch.full((len(new), width), self.pad_id, dtype=torch.long)
     for i, s in enumerate(new): tokens[i, width - len(s.prompt):] = torch.tensor(s.prompt)
     starts = torch.tensor([self.col - len(s.prompt) for s in new])
-    real = torch.arange(self.col)[None] >= starts[:, None]            # over every column: the row's older data is hidden
+    # over every column: the row's older data is hidden
+    real = torch.arange(self.col)[None] >= starts[:, None]
     tokens, real, starts = tokens.to(self.device), real.to(self.device), starts.to(self.device)
     try: logits = self._prefill(tokens, None if self.col == width and bool(real.all()) else real, n)
     except Exception as e:                   # the newcomers fail; the rows already running never saw this forward
@@ -310,7 +317,8 @@ def _forward(self: BatchDecoder, col: int) -> torch.Tensor:
     if self.fast:
         positions, bias = self._padding()
         return decode_step(self.model, self.last[:, None], self._view, col, positions=positions, attn_bias=bias)
-    mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:, None]
+    mask = None if not bool(self.starts.any()) else torch.arange(col + 1, device=self.device)[None] >= self.starts[:,
+                                                                                                                   None]
     return self.model(self.last[:, None], attn_mask=mask, kv_cache=self._view, start_pos=col)[:, -1]
 
 @patch
@@ -348,7 +356,8 @@ def _notify(self: BatchDecoder):
 @patch
 @contextmanager
 def running(self: BatchDecoder):
-    "Within the block (on the decoder thread) autocast is on, the model holds its decoding weights, the fast step is chosen."
+    ("Within the block (on the decoder thread) autocast is on, the model holds its decoding weights, the fast step is "
+     "chosen.")
     cpu = self.device.type == "cpu"
     with autocast_context(self.device, self.precision) if cpu else nullcontext(), \
          hold_decode_weights(self.model) if cpu else nullcontext():

@@ -35,13 +35,15 @@ def _chat_template_in(folder) -> bool:
 
 def decoder_info(decoder: BatchDecoder, model_id: str, chat: bool, tokenizer: TokenizerConfig | None) -> dict:
     "What the web server needs to know of an decoder it does not hold: names, limits, the tokenizer to load."
-    return dict(model_id=model_id, chat=chat, tokenizer=tokenizer, max_len=decoder.max_len, vocab_size=decoder.vocab_size,
+    return dict(model_id=model_id, chat=chat, tokenizer=tokenizer, max_len=decoder.max_len,
+                vocab_size=decoder.vocab_size,
                 max_batch_size=decoder.max_batch_size, max_queue=decoder.max_queue)
 
 def load_decoder(args) -> tuple[BatchDecoder, dict]:
     "Model, tokenizer and decoder for the flags of `gg serve`, and what the web server needs to know of them."
     device, dtype = resolve_device(args.device), _DTYPES[args.dtype]
-    precision = args.dtype if device.type == "cpu" else "fp32"     # CPU: fp32 weights, low-precision matmuls under autocast
+    # CPU: fp32 weights, low-precision matmuls under autocast
+    precision = args.dtype if device.type == "cpu" else "fp32"
     if device.type == "cpu": dtype = torch.float32
     if getattr(args, "threads", None): torch.set_num_threads(args.threads)
     if args.checkpoint:
@@ -53,7 +55,8 @@ def load_decoder(args) -> tuple[BatchDecoder, dict]:
         chat, name = _chat_template_in(args.hf_checkpoint), Path(args.hf_checkpoint).resolve().name
     tokenizer = init_tokenizer(tok_cfg)
     if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = {model.cfg.vocab_size}")
+        raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = "
+                          f"{model.cfg.vocab_size}")
     decoder = BatchDecoder(model, tokenizer, args.max_batch_size, args.max_queue, precision)
     return decoder, decoder_info(decoder, args.model_name or name, chat, tok_cfg)
 
@@ -69,7 +72,8 @@ class DecoderProcess:
         decoder.after_step.append(self.flush)
 
     def send(self, msg):
-        "Send one message to the front end (from the decoder thread or the receiving thread); a vanished one is ignored."
+        ("Send one message to the front end (from the decoder thread or the receiving thread); a vanished one is "
+         "ignored.")
         with self._send_lock:
             try: self.events.send(msg)
             except OSError: pass
@@ -125,7 +129,8 @@ def serve(self: DecoderProcess, requests, info: dict):
         self.events.close()
 
 # %% ../../nbs/64_serve_process.ipynb #44116e89
-DECODER_FLAGS = ("checkpoint", "hf_checkpoint", "device", "dtype", "threads", "max_batch_size", "max_queue", "model_name",
+DECODER_FLAGS = ("checkpoint", "hf_checkpoint", "device", "dtype", "threads", "max_batch_size", "max_queue",
+                 "model_name",
                 "stream_interval", "stream_interval_ms")
 
 def decoder_args(args) -> SimpleNamespace:
@@ -165,7 +170,8 @@ class DecoderClient:
         t0 = time.monotonic()
         while not self.events.poll(1.0):
             if self.process is not None and not self.process.is_alive():
-                raise RuntimeError(f"the decoder process exited (code {self.process.exitcode}) before its model was loaded")
+                raise RuntimeError(f"the decoder process exited (code {self.process.exitcode}) before its model was "
+                                   "loaded")
             if time.monotonic() - t0 > timeout: raise RuntimeError(f"the decoder was not ready after {timeout:g} s")
         try: return self.events.recv()
         except EOFError: raise RuntimeError("the decoder process exited before its model was loaded") from None
@@ -177,7 +183,8 @@ def spawn(cls: DecoderClient, args) -> DecoderClient:
     ctx = multiprocessing.get_context("spawn")           # a fresh interpreter: no forked threads or CUDA state
     req_in, req_out = ctx.Pipe(duplex=False)
     ev_in, ev_out = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=decoder_process_main, args=(decoder_args(args), req_in, ev_out), name="gg-serve-decoder",
+    process = ctx.Process(target=decoder_process_main, args=(decoder_args(args), req_in, ev_out),
+                          name="gg-serve-decoder",
                           daemon=True)
     process.start()
     req_in.close(); ev_out.close()                       # the child's ends: when it exits, reading here sees the end
@@ -197,7 +204,8 @@ def _send(self: DecoderClient, msg: tuple):
 # %% ../../nbs/64_serve_process.ipynb #848c8ae5
 @patch
 def submit(self: DecoderClient, seqs: list[Sequence]):
-    "Send the sequences of one request, all or none; `QueueFull` / `DecoderClosed` as `BatchDecoder.submit` raises them."
+    ("Send the sequences of one request, all or none; `QueueFull` / `DecoderClosed` as `BatchDecoder.submit` raises "
+     "them.")
     with self._lock:
         if self._closed: raise DecoderClosed(self._why_closed)
         room = self.max_queue + self.max_batch_size - len(self.seqs)   # counted here: a 429 needs no round trip

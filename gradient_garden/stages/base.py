@@ -31,7 +31,8 @@ class StageParts:
 @dataclass(frozen=True)
 class Stage:
     "Everything the platform knows of a training stage, read by config checks, checkpoints, plan, run and `gg prepare`."
-    name: str                              # `training.stage`, the run folder, the `--<name>` flag of `gg prepare` / `gg train`
+    # `training.stage`, the run folder, the `--<name>` flag of `gg prepare` / `gg train`
+    name: str
     build: Callable                        # (cfg, tokenizer, env, model) -> StageParts
     order: int = 0                         # it may start from a checkpoint of a stage whose order is lower or equal
     chat: bool = False                     # it trains on chats in the tokenizer's chat format
@@ -40,15 +41,18 @@ class Stage:
     prepare: Callable | None = None        # (cfg, data, overwrite, progress) -> what it wrote; None: token shards
     check: Callable | None = None          # (cfg, world_size): combinations of its keys, before any work
     check_start: Callable | None = None    # (cfg, checkpoint meta or None): what it needs of its starting checkpoint
-    plan_bytes: Callable | None = None     # (cfg, world, sizes) -> {row: bytes per rank} held through a step (`gg plan`)
-    plan_transient: Callable | None = None # (cfg, world, sizes) -> {row: bytes per rank} held only before the forward passes
+    # (cfg, world, sizes) -> {row: bytes per rank} held through a step (`gg plan`)
+    plan_bytes: Callable | None = None
+    # (cfg, world, sizes) -> {row: bytes per rank} held only before the forward passes
+    plan_transient: Callable | None = None
     plan_lines: Callable | None = None     # (cfg, world) -> lines of text `gg plan` adds
 
 # %% ../../nbs/40_stages.ipynb #291ac115
 def stage_options(stage: Stage, cfg) -> Any:
     "The plugin `stage`'s options dataclass read from `cfg.stage_options` (None for a stage without options)."
     if stage.options is None:
-        if cfg.stage_options: raise ConfigError(f"stage_options: got {sorted(cfg.stage_options)}; stage {stage.name!r} takes no options")
+        if cfg.stage_options: raise ConfigError(f"stage_options: got {sorted(cfg.stage_options)}; stage {stage.name!r} "
+                                                "takes no options")
         return None
     return from_plain(stage.options, cfg.stage_options, "stage_options")
 
@@ -61,13 +65,15 @@ _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "
 def check_messages(messages, where: str = "messages") -> list[dict]:
     "Validate (and normalise ShareGPT `from`/`value`) chat messages; raise `ConfigError` naming `where`."
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ConfigError(f"{where}: expected a non-empty list of {{role, content}} messages, got {type(messages).__name__}")
+        raise ConfigError(f"{where}: expected a non-empty list of {{role, content}} messages, got "
+                          f"{type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
         if isinstance(m, dict) and "role" not in m and "from" in m:
             m = {"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m.get("value")}
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ConfigError(f"{where}[{i}]: got {str(m)[:80]!r}; expected {{'role': one of {', '.join(ROLES)}, 'content': str}}")
+            raise ConfigError(f"{where}[{i}]: got {str(m)[:80]!r}; expected {{'role': one of {', '.join(ROLES)}, "
+                              f"'content': str}}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -107,8 +113,10 @@ def check_source(src, where: str, kinds=SOURCE_KEYS) -> dict:
         got = src.get("type") if isinstance(src, dict) else src
         raise ConfigError(f"{where}.type: got {got!r}; allowed: {', '.join(kinds)}")
     unknown = sorted(set(src) - kinds[src["type"]])
-    if unknown: raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys for type {src['type']!r}: {', '.join(sorted(kinds[src['type']]))}")
-    if src["type"] in ("hub", "json") and not src.get("path"): raise ConfigError(f"{where}.path: required for type {src['type']!r}")
+    if unknown: raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys for type {src['type']!r}: "
+                                  f"{', '.join(sorted(kinds[src['type']]))}")
+    if src["type"] in ("hub", "json") and not src.get("path"): raise ConfigError(f"{where}.path: required for type "
+                                                                                 f"{src['type']!r}")
     return src
 
 # %% ../../nbs/40_stages.ipynb #facdd88b
@@ -128,7 +136,8 @@ def load_rows(src: dict, split: str):
     elif split == "val" and src.get("val_split"):
         ds = datasets.load_dataset(src["path"], src.get("name"), split=src["val_split"], revision=src.get("revision"))
     else:
-        ds = datasets.load_dataset(src["path"], src.get("name"), split=src.get("split", "train"), revision=src.get("revision"))
+        ds = datasets.load_dataset(src["path"], src.get("name"), split=src.get("split", "train"),
+                                   revision=src.get("revision"))
     hash_split = not (src["type"] == "hub" and src.get("val_split"))
     frac, n = src.get("val_fraction", 0.02), 0
     for i, row in enumerate(ds):
@@ -166,7 +175,8 @@ def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int
 
 # %% ../../nbs/40_stages.ipynb #0cae1bc1
 class SplitStream:
-    "One rank's resumable stream over the `kept` items of a prepared split (those that fit `seq_len`); the SFT and DPO loaders build on it."
+    ("One rank's resumable stream over the `kept` items of a prepared split (those that fit `seq_len`); the SFT and "
+     "DPO loaders build on it.")
     def __init__(self, data, kept: np.ndarray, split: str, batch_size: int, seq_len: int, rank: int, world_size: int,
                  seed: int, shuffle: bool, what: str):
         self.data, self.kept = data, kept
@@ -195,7 +205,8 @@ def check_stream_state(saved: dict, mine: dict, keys):
     "One clear line when a saved loader state cannot continue this loader's stream."
     if saved.get("stream") != "global" and saved.get("world_size", 1) != 1:
         raise ConfigError(f"loader state: written by the per-rank {saved.get('kind')} loader of older versions on "
-                          f"{saved.get('world_size')} ranks, whose order cannot be continued; resume with --reset-loader")
+                          f"{saved.get('world_size')} ranks, whose order cannot be continued; resume with "
+                          "--reset-loader")
     for k in keys:
         if saved.get(k) != mine[k]:
             raise ConfigError(f"loader state: {k} was {saved.get(k)!r} when saved, is {mine[k]!r} now; "

@@ -6,7 +6,6 @@ vocabulary checks, and a task that wraps the causal (pretraining or SFT) task.""
 # %% ../../nbs/44_distillation.ipynb #f3f171a1
 from __future__ import annotations
 import warnings
-from pathlib import Path
 from typing import Optional
 import torch
 from fastcore.basics import patch
@@ -35,12 +34,14 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 # %% ../../nbs/44_distillation.ipynb #4b4ec8f4
 def load_teacher(name_or_path: str, dtype: str = "fp32", device="cpu"):
     "A frozen, eval-mode `AutoModelForCausalLM` from a hub id or local folder."
-    from transformers import AutoModelForCausalLM  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    from transformers import AutoModelForCausalLM
     torch_dtype = parse_dtype(dtype, "distillation.teacher_dtype")
     try: teacher = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"distillation.teacher: got {str(name_or_path)!r}; AutoModelForCausalLM cannot load it ({first})") from None
+        raise ConfigError(f"distillation.teacher: got {str(name_or_path)!r}; AutoModelForCausalLM cannot load it "
+                          f"({first})") from None
     return teacher.to(device).eval().requires_grad_(False)
 
 # %% ../../nbs/44_distillation.ipynb #37af2694
@@ -62,7 +63,8 @@ def check_vocab(student_vocab: int, teacher_vocab: int, student_tokenizer=None, 
     "Refuse a teacher whose vocabulary does not cover the student's ids with the same tokens."
     if teacher_vocab < student_vocab:
         raise ConfigError(f"distillation.teacher: the teacher's vocabulary has {teacher_vocab} tokens, fewer than the "
-                          f"student's model.vocab_size = {student_vocab}; distillation needs teacher vocab >= student vocab with shared ids")
+                          f"student's model.vocab_size = {student_vocab}; distillation needs teacher vocab >= student "
+                          "vocab with shared ids")
     if student_tokenizer is None or teacher_tokenizer is None: return
     size = lambda t: len(t) if hasattr(t, "__len__") else t.vocab_size
     n = min(student_vocab, size(student_tokenizer), size(teacher_tokenizer))
@@ -70,16 +72,20 @@ def check_vocab(student_vocab: int, teacher_vocab: int, student_tokenizer=None, 
     if a is None or b is None: a, b = _decoded(student_tokenizer, n), _decoded(teacher_tokenizer, n)
     bad = next((i for i in range(n) if a[i] != b[i]), None)
     if bad is not None:
-        raise ConfigError(f"distillation.teacher: the tokenizers disagree at id {bad} ({a[bad]!r} vs {b[bad]!r}); student "
-                          f"vocab {student_vocab}, teacher vocab {teacher_vocab}: distillation needs the same ids for the shared tokens")
+        raise ConfigError(f"distillation.teacher: the tokenizers disagree at id {bad} ({a[bad]!r} vs {b[bad]!r}); "
+                          "student "
+                          f"vocab {student_vocab}, teacher vocab {teacher_vocab}: distillation needs the same ids for "
+                          "the shared tokens")
 
 # %% ../../nbs/44_distillation.ipynb #622bfdb6
 def load_teacher_tokenizer(name_or_path: str):
     "The tokenizer saved with the teacher, or None (with a warning) when there is none."
-    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    from transformers import AutoTokenizer
     try: return AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception:
-        warnings.warn(f"distillation.teacher: no tokenizer with {name_or_path}; assuming it uses the student's token ids")
+        warnings.warn(f"distillation.teacher: no tokenizer with {name_or_path}; assuming it uses the student's token "
+                      "ids")
         return None
 
 # %% ../../nbs/44_distillation.ipynb #55e5fa47
@@ -88,15 +94,18 @@ def teacher_attention_mask(batch: dict, dtype: torch.dtype) -> torch.Tensor:
     ids, doc = batch["input_ids"], batch.get("doc_ids")
     if doc is None and batch.get("position_ids") is not None: doc = (batch["position_ids"] == 0).long().cumsum(-1)
     mask = attention_mask(ids.shape[1], doc_ids=doc, device=ids.device)
-    if mask is None: mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()[None, None]
+    if mask is None: mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()[None,
+                                                                                                               None]
     return additive_mask(mask, dtype).expand(ids.shape[0], -1, -1, -1)
 
 # %% ../../nbs/44_distillation.ipynb #9961ba6d
 class DistillationTask:
     "Wraps a causal task: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE, summed over supervised tokens."
     def __init__(self, dist_cfg: DistillationConfig, teacher, task=None, student_vocab: Optional[int] = None):
-        if not 0 <= dist_cfg.alpha <= 1: raise ConfigError(f"distillation.alpha: got {dist_cfg.alpha}; must be in [0, 1]")
-        if dist_cfg.temperature <= 0: raise ConfigError(f"distillation.temperature: got {dist_cfg.temperature}; must be > 0")
+        if not 0 <= dist_cfg.alpha <= 1: raise ConfigError(f"distillation.alpha: got {dist_cfg.alpha}; must be in [0, "
+                                                           "1]")
+        if dist_cfg.temperature <= 0: raise ConfigError(f"distillation.temperature: got {dist_cfg.temperature}; must "
+                                                        "be > 0")
         self.cfg, self.teacher, self.task = dist_cfg, teacher, task or CausalLMTask()
         if student_vocab is not None: check_vocab(student_vocab, teacher_vocab_size(teacher))
 
@@ -142,8 +151,10 @@ def wrap_with_distillation(task, cfg: GlobalConfig, tokenizer=None, device="cpu"
     "The stage's task, wrapped in `DistillationTask` when `distillation.enabled` (idempotent)."
     d = cfg.distillation
     if not d.enabled or isinstance(task, DistillationTask): return task
-    if cfg.training.stage == "dpo": raise ConfigError("distillation.enabled: got true with training.stage 'dpo'; distillation applies to pretraining and instruct")
-    if not d.teacher: raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when distillation.enabled is true")
+    if cfg.training.stage == "dpo": raise ConfigError("distillation.enabled: got true with training.stage 'dpo'; "
+                                                      "distillation applies to pretraining and instruct")
+    if not d.teacher: raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when "
+                                        "distillation.enabled is true")
     teacher = load_teacher(d.teacher, d.teacher_dtype, device)
     check_vocab(cfg.model.vocab_size, teacher_vocab_size(teacher), tokenizer, load_teacher_tokenizer(d.teacher))
     return DistillationTask(d, teacher, task)

@@ -32,8 +32,10 @@ def _from_module(name: str) -> Stage:
     "The `Stage` a plugin's `module:attr` names, imported on first use."
     module, _, attr = name.partition(":")
     try: found = getattr(importlib.import_module(module), attr)   # a user's module, named in the recipe
-    except ModuleNotFoundError as e: raise ConfigError(f"training.stage: got {name!r}; cannot import {e.name!r}") from None
-    except AttributeError: raise ConfigError(f"training.stage: got {name!r}; module {module!r} has no {attr!r}") from None
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"training.stage: got {name!r}; cannot import {e.name!r}") from None
+    except AttributeError:
+        raise ConfigError(f"training.stage: got {name!r}; module {module!r} has no {attr!r}") from None
     if not isinstance(found, Stage):
         raise ConfigError(f"training.stage: got {name!r}; {attr!r} is a {type(found).__name__}, not a Stage")
     return found
@@ -61,6 +63,7 @@ def check_start(cfg: GlobalConfig, ckpt: Optional[dict]) -> None:
     start = None if ckpt is None else get_stage(ckpt["stage"])
     if start is not None and start.order > stage.order:
         order = " -> ".join(s.name for s in sorted(STAGES.values(), key=lambda s: s.order))
-        raise ConfigError(f"training.stage: got {cfg.training.stage!r}; cannot start it from a later stage's checkpoint "
+        raise ConfigError(f"training.stage: got {cfg.training.stage!r}; cannot start it from a later stage's "
+                          "checkpoint "
                           f"(stage {ckpt['stage']!r}; allowed: {order})")
     if stage.check_start: stage.check_start(cfg, ckpt, start)

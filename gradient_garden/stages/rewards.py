@@ -22,23 +22,28 @@ def load_reward_function(path: str, where: str) -> Callable:
     mod, _, name = path.partition(":")
     if not mod or not name: raise ConfigError(f"{where}: got {path!r}; expected 'module:function'")
     try: module = importlib.import_module(mod)
-    except ImportError as e: raise ConfigError(f"{where}: cannot import module {mod!r} of reward function {path!r} ({e})") from None
+    except ImportError as e: raise ConfigError(f"{where}: cannot import module {mod!r} of reward function {path!r} "
+                                               f"({e})") from None
     fn = getattr(module, name, None)
-    if not callable(fn): raise ConfigError(f"{where}: module {mod!r} has no function {name!r} (reward function {path!r})")
+    if not callable(fn): raise ConfigError(f"{where}: module {mod!r} has no function {name!r} (reward function "
+                                           f"{path!r})")
     return fn
 
 def call_reward(fn: Callable, path: str, ex: Problem, completion: str) -> float:
     "`fn(prompt=, completion=, **fields)` checked to be a finite number; one line naming `path` otherwise."
     try: r = fn(prompt=ex.prompt, completion=completion, **ex.fields)
     except Exception as e:
-        raise ConfigError(f"rl.reward_functions: {path} raised {type(e).__name__}: {e} (prompt {ex.prompt[:60]!r})") from None
+        raise ConfigError(f"rl.reward_functions: {path} raised {type(e).__name__}: {e} "
+                          f"(prompt {ex.prompt[:60]!r})") from None
     if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r):
-        raise ConfigError(f"rl.reward_functions: {path} returned {r!r} for prompt {ex.prompt[:60]!r}; a reward must be a finite number")
+        raise ConfigError(f"rl.reward_functions: {path} returned {r!r} for prompt {ex.prompt[:60]!r}; a reward must be "
+                          "a finite number")
     return float(r)
 
 # %% ../../nbs/45_rewards.ipynb #45e54c92
 class Rewarder:
-    "Sum of correctness (weight `correct`), form (weight `format_reward`) and user functions, with each part's mean kept."
+    ("Sum of correctness (weight `correct`), form (weight `format_reward`) and user functions, with each part's mean "
+     "kept.")
     def __init__(self, format_weight: float = 0.0, functions: tuple = (), correct_weight: float = 1.0):
         self.format_weight, self.correct_weight = format_weight, correct_weight
         self.functions = [(p, load_reward_function(p, f"rl.reward_functions[{i}]")) for i, p in enumerate(functions)]
@@ -53,22 +58,26 @@ class Rewarder:
 
 # %% ../../nbs/45_rewards.ipynb #2bb3981a
 RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob"},
-                  "gsm8k": {"type", "path", "name", "split", "val_split", "max_examples", "max_val_examples", "revision"}}
+                  "gsm8k": {"type", "path", "name", "split", "val_split", "max_examples", "max_val_examples",
+                            "revision"}}
 DEFAULT_RL_SOURCES = [{"type": "verifiable", "train": 4000, "seed": 2}]
 
 def check_source(src, where: str) -> dict:
     "A prompt source of a known type with only that type's keys (and a path for GSM8K), or one line naming the problem."
     if not isinstance(src, dict) or src.get("type") not in RL_SOURCE_KEYS:
-        raise ConfigError(f"{where}.type: got {src.get('type') if isinstance(src, dict) else src!r}; allowed for the rl stage: {', '.join(RL_SOURCE_KEYS)}")
+        raise ConfigError(f"{where}.type: got {src.get('type') if isinstance(src, dict) else src!r}; allowed for the "
+                          f"rl stage: {', '.join(RL_SOURCE_KEYS)}")
     unknown = sorted(set(src) - RL_SOURCE_KEYS[src["type"]])
-    if unknown: raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys for type {src['type']!r}: {', '.join(sorted(RL_SOURCE_KEYS[src['type']]))}")
+    if unknown: raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed keys for type {src['type']!r}: "
+                                  f"{', '.join(sorted(RL_SOURCE_KEYS[src['type']]))}")
     if src["type"] == "gsm8k" and not src.get("path"):
         raise ConfigError(f"{where}.path: required for type 'gsm8k' (a hub id such as openai/gsm8k, or a local .jsonl)")
     return src
 
 # %% ../../nbs/45_rewards.ipynb #14162586
 def load_prompts(sources: Optional[list], split: str = "train") -> list[Problem]:
-    "The examples of every source for `split` (train; val: GSM8K `val_split` rows, the embedded held-out set is the stage's)."
+    ("The examples of every source for `split` (train; val: GSM8K `val_split` rows, the embedded held-out set is the "
+     "stage's).")
     srcs = sources or DEFAULT_RL_SOURCES
     if not isinstance(srcs, list): raise ConfigError(f"data.sources: got {type(srcs).__name__}; expected a list")
     out = []
@@ -76,5 +85,6 @@ def load_prompts(sources: Optional[list], split: str = "train") -> list[Problem]
         where = f"data.sources[{i}]"
         if check_source(src, where)["type"] == "gsm8k": out += gsm8k_examples(src, split, where)
         elif split == "train":
-            out += [from_verifiable(e) for e in sample_examples(src.get("train", 4000), "train", src.get("tasks"), src.get("seed", 2))]
+            out += [from_verifiable(e)
+                    for e in sample_examples(src.get("train", 4000), "train", src.get("tasks"), src.get("seed", 2))]
     return out

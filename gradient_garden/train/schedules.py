@@ -27,7 +27,8 @@ def _warmup(step: int, max_lr: float, warmup_steps: int) -> float:
 def _decay(step: int, start: int, max_steps: int, max_lr: float, min_lr: float, shape: str) -> float:
     "Decay from `max_lr` (before `start`) to `min_lr` (at step `max_steps - 1` and after) with `shape`."
     if shape not in DECAY_SHAPES:
-        raise ConfigError(f"optimizers.wsd_decay_shape: got {shape!r}; expected one of {', '.join(map(repr, DECAY_SHAPES))}")
+        raise ConfigError(f"optimizers.wsd_decay_shape: got {shape!r}; expected one of "
+                          f"{', '.join(map(repr, DECAY_SHAPES))}")
     t = min(1.0, (step + 1 - start) / max(1, max_steps - start))
     return min_lr + (max_lr - min_lr) * DECAY_SHAPES[shape](t)
 
