@@ -34,7 +34,7 @@ def debug_tokenizer(work: Path):
 
 def debug_model(mc: ModelConfig):
     "The debug Tendril (ModelConfig defaults) with seeded random weights."
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     torch.manual_seed(0)
     return build_model(mc).eval()
 
@@ -104,7 +104,7 @@ def main():
           f"requests); {a.repeats} repeats", file=sys.stderr)
     figures, load_before = {}, os.getloadavg()
     print(f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", file=sys.stderr)
-    for name in B.TASKS:
+    for name in B.BENCHMARKS:
         exs = B.load_examples(name)
         exs = [exs[i] for i in B.sample_indices(len(exs), a.examples, 0)]
         ref = modes[REF](exs)

@@ -17,23 +17,27 @@ LLAMA3_MODEL = Path(sys.prefix)/"lib"/f"python{sys.version_info.major}.{sys.vers
 
 def _train_bpe(vocab_size=600):
     from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders
-    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.BENCHMARKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    tok.train_from_iterator(texts,
+                            trainers.BpeTrainer(vocab_size=vocab_size,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"]))
     return tok
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_object=_train_bpe(), bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    return PreTrainedTokenizerFast(tokenizer_object=_train_bpe(), bos_token="<|begin_of_text|>",
+                                   eos_token="<|end_of_text|>")
 
 def _tiny_llama(vocab_size, seed=0, max_pos=256):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=max_pos)
     return E.HFCausalLM(LlamaForCausalLM(cfg)).eval()
 
@@ -55,11 +59,11 @@ def slow_loglikelihood(model, encode, context, continuation, max_len=None):
     T = len(full) - 1
     return sum(logp[T - len(cont) + k, t].item() for k, t in enumerate(cont))
 
-def _edge_task():
-    "A task whose contexts end in whitespace (or are empty) and whose answers are single tokens."
+def _edge_benchmark():
+    "A benchmark whose contexts end in whitespace (or are empty) and whose answers are single tokens."
     def to_example(doc):
         return D.choices_example(doc["q"], doc["choices"], doc["gold"], delimiter="")
-    return D.MCTask("edge_cases", "local/edge", None, "test", ("q", "choices", "gold"), to_example)
+    return D.Benchmark("edge_cases", "local/edge", None, "test", ("q", "choices", "gold"), to_example)
 
 EDGE_ROWS = [
     {"q": "Question: Which planet is closest to the Sun?\nAnswer: ", "choices": ["the", "a", "Mercury"], "gold": 2},
@@ -70,8 +74,8 @@ EDGE_ROWS = [
 ]
 
 def _edge_examples():
-    task = _edge_task()
-    return [task.to_example(r) for r in EDGE_ROWS]
+    bench = _edge_benchmark()
+    return [bench.to_example(r) for r in EDGE_ROWS]
 
 # -- the split -----------------------------------------------------------------------------------------------------
 
@@ -158,21 +162,28 @@ def test_metrics_are_lm_eval_definitions():
 def test_fixtures_follow_the_hub_schemas():
     hs = D.read_jsonl(D.FIXTURES_DIR/"hellaswag.jsonl")
     assert all(isinstance(r["label"], str) and isinstance(r["ind"], int) and len(r["endings"]) == 4 for r in hs)
-    assert set(hs[0]) == {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type", "label"}
+    assert set(hs[0]) == {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split",
+                          "split_type", "label"}
     wg = D.read_jsonl(D.FIXTURES_DIR/"winogrande.jsonl")
-    assert all(set(r) == {"sentence", "option1", "option2", "answer"} and r["answer"] in ("1", "2") and r["sentence"].count("_") == 1
+    assert all(set(r) == {"sentence", "option1", "option2", "answer"} and r["answer"] in ("1", "2")
+               and r["sentence"].count("_") == 1
                for r in wg)
     arc = D.read_jsonl(D.FIXTURES_DIR/"arc_challenge.jsonl")
-    assert all(set(r) == {"id", "question", "choices", "answerKey"} and set(r["choices"]) == {"text", "label"} for r in arc)
+    assert all(set(r) == {"id", "question", "choices", "answerKey"} and set(r["choices"]) == {"text", "label"}
+               for r in arc)
     for n in ("hellaswag", "winogrande", "arc_challenge"): assert 30 <= len(D.load_examples(n)) <= 60
 
 def test_bad_input_is_named(tmp_path):
-    (tmp_path/"arc_challenge.jsonl").write_text('{"id": "1", "question": "Q?", "choices": {"text": ["a"], "label": ["A"]}, "answerKey": "B"}\n')
-    with pytest.raises(ConfigError, match=r"arc_challenge.jsonl:1: not a valid arc_challenge row"): D.load_examples("arc_challenge", tmp_path)
+    (tmp_path/"arc_challenge.jsonl").write_text('{"id": "1", "question": "Q?", "choices": {"text": ["a"], "label": '
+                                                '["A"]}, "answerKey": "B"}\n')
+    with pytest.raises(ConfigError,
+                       match=r"arc_challenge.jsonl:1: not a valid arc_challenge row"): D.load_examples("arc_challenge",
+                                                                                                       tmp_path)
     (tmp_path/"hellaswag.jsonl").write_text("{not json\n")
     with pytest.raises(ConfigError, match=r"hellaswag.jsonl:1: not valid JSON"): D.load_examples("hellaswag", tmp_path)
     with pytest.raises(ConfigError, match="gg prepare --winogrande"): D.load_examples("winogrande", tmp_path)
-    with pytest.raises(ConfigError, match="expected one of hellaswag, winogrande, arc_challenge"): D.get_task("mmlu")
+    with pytest.raises(ConfigError,
+                       match="expected one of hellaswag, winogrande, arc_challenge"): D.get_benchmark("mmlu")
 
 def test_prepare_offline_and_hub_path(tmp_path, monkeypatch):
     import datasets
@@ -186,8 +197,10 @@ def test_prepare_offline_and_hub_path(tmp_path, monkeypatch):
     assert D.read_jsonl(tmp_path/"hellaswag.jsonl") == D.read_jsonl(D.FIXTURES_DIR/"hellaswag.jsonl")
     def offline(*a, **k): raise ConnectionError("no network")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(ConfigError, match="cannot load from the hub.*--evals-offline"): D.prepare_evals(["winogrande"], tmp_path)
-    args = CP.add_prepare_eval_args(argparse.ArgumentParser()).parse_args(["--winogrande", "--arc-challenge", "--evals-offline",
+    with pytest.raises(ConfigError, match="cannot load from the hub.*--evals-offline"): D.prepare_evals(["winogrande"],
+                                                                                                        tmp_path)
+    args = CP.add_prepare_eval_args(argparse.ArgumentParser()).parse_args(["--winogrande", "--arc-challenge",
+                                                                           "--evals-offline",
                                                                          "--evals-dir", str(tmp_path)])
     assert CP.run_prepare_evals(args) == 0
     manifest = json.loads((tmp_path/"manifest.json").read_text())
@@ -199,7 +212,8 @@ def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
     model.model.save_pretrained(tmp_path/"hf"); tok.save_pretrained(tmp_path/"hf")
     D.prepare_evals(["hellaswag", "winogrande", "arc_challenge"], tmp_path/"evals", from_hub=False)
     argv = ["--hf-checkpoint", str(tmp_path/"hf"), "--hellaswag", "--hellaswag-examples", "10", "--winogrande",
-            "--winogrande-examples", "10", "--arc-challenge", "--arc-challenge-examples", "0", "--evals-dir", str(tmp_path/"evals"),
+            "--winogrande-examples", "10", "--arc-challenge", "--arc-challenge-examples", "0", "--evals-dir",
+            str(tmp_path/"evals"),
             "--batch-size", "4", "--device", "cpu", "--seed", "3", "--output-file-name", str(tmp_path/"res.json")]
     assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     res = json.loads((tmp_path/"res.json").read_text())
@@ -207,22 +221,23 @@ def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
     for m in res["tasks"].values():
         assert set(m) >= {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n", "source"} and 0 <= m["acc"] <= 1
     # the same numbers straight from the library, on the same seeded subset
-    direct = E.evaluate_tasks(model, tok, ["hellaswag"], 10, 4, data_dir=tmp_path/"evals", seed=3)["hellaswag"]
+    direct = E.evaluate_benchmarks(model, tok, ["hellaswag"], 10, 4, data_dir=tmp_path/"evals", seed=3)["hellaswag"]
     assert direct["acc"] == res["tasks"]["hellaswag"]["acc"] and direct["acc_norm"] == res["tasks"]["hellaswag"]["acc_norm"]
     with pytest.raises(ConfigError, match="--validation needs --checkpoint"):
-        CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--validation"]))
+        CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x",
+                                                                                    "--validation"]))
 
-def test_a_new_task_plugs_in(tmp_path, model, tok):
-    task = D.register_task(_edge_task())
+def test_a_new_benchmark_plugs_in(tmp_path, model, tok):
+    bench = D.register_benchmark(_edge_benchmark())
     try:
         with open(tmp_path/"edge_cases.jsonl", "w") as f:
             for r in EDGE_ROWS: f.write(json.dumps(r) + "\n")
-        res = E.evaluate_tasks(model, tok, ["edge-cases"], None, 2, data_dir=tmp_path)
+        res = E.evaluate_benchmarks(model, tok, ["edge-cases"], None, 2, data_dir=tmp_path)
         assert res["edge_cases"]["n"] == len(EDGE_ROWS) and res["edge_cases"]["source"] == "local"
         args = CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x", "--edge-cases",
                                                                           "--edge-cases-examples", "3"])
-        assert CP.selected_tasks(args) == ["edge_cases"] and args.edge_cases_examples == 3
-    finally: D.TASKS.pop(task.name)
+        assert CP.selected_benchmarks(args) == ["edge_cases"] and args.edge_cases_examples == 3
+    finally: D.BENCHMARKS.pop(bench.name)
 
 def test_subsets_are_seeded_random():
     a, b = D.sample_indices(1000, 100, 1), D.sample_indices(1000, 100, 2)
@@ -247,7 +262,7 @@ WORKER = textwrap.dedent('''
     out = {{}}
     for share in (False, True):
         calls.clear()
-        res = E.evaluate_tasks(model, tok, ["arc_challenge", "winogrande"], {{"arc_challenge": 7, "winogrande": 5}},
+        res = E.evaluate_benchmarks(model, tok, ["arc_challenge", "winogrande"], {{"arc_challenge": 7, "winogrande": 5}},
                                batch_size=2, share_context=share)
         out[str(share)] = {{"res": res, "forwards": len(calls)}}
     json.dump(out, open(os.path.join({out!r}, f"rank{{dist.get_rank()}}.json"), "w"))
@@ -261,26 +276,30 @@ def test_two_ranks_fsdp_gather_equals_one_process(tmp_path, model, tok):
     script.write_text(WORKER.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
     torchrun = Path(sys.executable).parent/"torchrun"
     r = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [json.loads((tmp_path/f"rank{i}.json").read_text()) for i in range(2)]
     for share in (False, True):
         got = [rk[str(share)] for rk in ranks]
         # arc: 7 examples -> 4 + 3 per rank -> 2 forwards each; winogrande: 5 -> 3 + 2 -> 2 forwards each
         assert got[0]["forwards"] == got[1]["forwards"] == 4
-        single = E.evaluate_tasks(model, tok, ["arc_challenge", "winogrande"], {"arc_challenge": 7, "winogrande": 5},
+        single = E.evaluate_benchmarks(model, tok, ["arc_challenge", "winogrande"],
+                                       {"arc_challenge": 7, "winogrande": 5},
                                   batch_size=2, share_context=share)
         for g in got:
             for name, m in single.items():
-                assert (g["res"][name]["n"], g["res"][name]["acc"], g["res"][name]["acc_norm"]) == (m["n"], m["acc"], m["acc_norm"])
+                assert (g["res"][name]["n"], g["res"][name]["acc"], g["res"][name]["acc_norm"]) == (m["n"], m["acc"],
+                                                                                                    m["acc_norm"])
 
 # -- the platform's own model --------------------------------------------------------------------------------------
 
 def test_tendril_batched_and_shared_match_reference(tok):
-    tendril = pytest.importorskip("gradient_garden.models.tendril")
+    registry = pytest.importorskip("gradient_garden.models.registry")
     from gradient_garden.config import ModelConfig
     torch.manual_seed(0)
-    m = tendril.build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok), multiple_of=16,
+    m = registry.build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok),
+                                         multiple_of=16,
                                         max_seq_len=256)).eval()
     enc = E.text_encoder(tok)
     for name in ("hellaswag", "winogrande"):
@@ -294,12 +313,13 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
     pytest.importorskip("gradient_garden.models.tendril")
     from gradient_garden.config import GlobalConfig, ModelConfig
     from gradient_garden.checkpoint.checkpoints import save_checkpoint
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.tokenizer import train_bpe, init_tokenizer
-    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.BENCHMARKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     cfg = GlobalConfig()
     cfg.tokenizer.path = str(train_bpe(texts, 600, tmp_path/"tok"))
-    cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, multiple_of=16, max_seq_len=128)
+    cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, multiple_of=16,
+                            max_seq_len=128)
     torch.manual_seed(0)
     model = build_model(cfg.model)
     ckpt = save_checkpoint({"step": 1, "stage": "pretraining", "architecture": "tendril", "config": cfg.to_dict(),
@@ -312,12 +332,14 @@ def test_evaluate_platform_checkpoint_with_validation(tmp_path, monkeypatch):
         return batches
     monkeypatch.setattr(CE, "_validation_batches", fake_batches)
     D.prepare_evals(["arc_challenge"], tmp_path/"evals", from_hub=False)
-    argv = ["--checkpoint", str(ckpt), "--validation", "--validation-steps", "3", "--arc-challenge", "--arc-challenge-examples", "8",
+    argv = ["--checkpoint", str(ckpt), "--validation", "--validation-steps", "3", "--arc-challenge",
+            "--arc-challenge-examples", "8",
             "--evals-dir", str(tmp_path/"evals"), "--device", "cpu", "--output-file-name", str(tmp_path/"res.json")]
     assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     res = json.loads((tmp_path/"res.json").read_text())
     assert seen == {"steps": 3, "identity": init_tokenizer(cfg.tokenizer).identity}
-    with torch.no_grad(): ref = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).item()
+    with torch.no_grad(): ref = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1),
+                                                                  x[:, 1:].flatten()).item()
     assert math.isclose(res["validation"]["loss"], ref, rel_tol=1e-5) and res["validation"]["tokens"] == 32
     assert res["tasks"]["arc_challenge"]["n"] == 8 and res["checkpoint"] == str(ckpt)
 
@@ -344,7 +366,7 @@ def test_with_and_without_logits_to_keep_give_the_reference(model, tok):
 
 def test_default_prefix_follows_the_tokenizer(tmp_path, tok):
     from gradient_garden.tokenizer import train_bpe, init_tokenizer
-    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.BENCHMARKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     platform = init_tokenizer(TokenizerConfig(path=str(train_bpe(texts, 600, tmp_path/"tok"))))
     from transformers import AutoTokenizer
     hf = AutoTokenizer.from_pretrained(tmp_path/"tok")                       # the same folder, as lm-eval loads it
@@ -354,17 +376,21 @@ def test_default_prefix_follows_the_tokenizer(tmp_path, tok):
     ctx, cont = pair("Answer:", " ice")
     assert ctx == hf.encode("Answer:") and ctx + cont == hf.encode("Answer: ice")
     assert pair("", "Ice")[0] == [platform.bos_id]                           # one BOS, not two
-    assert E.pair_encoder(platform, add_bos=False)("Answer:", " ice")[0] == hf.encode("Answer:", add_special_tokens=False)
+    assert E.pair_encoder(platform, add_bos=False)("Answer:", " ice")[0] == hf.encode("Answer:",
+                                                                                      add_special_tokens=False)
     assert E.pair_encoder(tok, add_bos=True)("Answer:", " ice")[0][0] == E.prefix_token_id(tok)
     args = CE.add_evaluate_args(argparse.ArgumentParser())
     assert [args.parse_args(a).add_bos for a in ([], ["--add-bos"], ["--no-add-bos"])] == [None, True, False]
 
 
 def test_evaluate_numbers_out_of_range_are_one_line_errors():
-    parse = lambda *a: CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--checkpoint", "x.pt", "--winogrande", *a])
+    parse = lambda *a: CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--checkpoint", "x.pt",
+                                                                                   "--winogrande", *a])
     for argv, msg in [(["--batch-size", "0"], "gg evaluate --batch-size: got 0; must be >= 1"),
-                      (["--validation", "--validation-steps", "0"], "gg evaluate --validation-steps: got 0; must be >= 1"),
-                      (["--winogrande-examples", "-3"], "gg evaluate --winogrande-examples: got -3; must be >= 0 (0 = all rows)"),
+                      (["--validation", "--validation-steps", "0"],
+                       "gg evaluate --validation-steps: got 0; must be >= 1"),
+                      (["--winogrande-examples", "-3"],
+                       "gg evaluate --winogrande-examples: got -3; must be >= 0 (0 = all rows)"),
                       (["--num-fewshot", "-1"], "gg evaluate --num-fewshot: got -1; must be >= 0")]:
         with pytest.raises(ConfigError) as e: CE.run_evaluate(parse(*argv))
         assert str(e.value) == msg
@@ -374,9 +400,10 @@ def test_evaluate_numbers_out_of_range_are_one_line_errors():
 def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok):
     "The default mode: one row per example, the vocabulary head on the scored positions only, the same numbers."
     from gradient_garden.config import ModelConfig
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     torch.manual_seed(0)
-    m = build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok), multiple_of=16)).eval()
+    m = build_model(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=len(tok),
+                                multiple_of=16)).eval()
     exs = D.load_examples("hellaswag")[:5]
     pair = E.pair_encoder(tok)
     scored = sum(len({p for _, p, _ in E._shared_row([pair(c, k) for c, k in ex.requests], 0).targets}) for ex in exs)
@@ -390,7 +417,8 @@ def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok)
     np.testing.assert_allclose(np.array(sum(shared, [])), np.array(sum(plain, [])), atol=1e-4, rtol=0)
     Instance = pytest.importorskip("lm_eval.api.instance").Instance      # GardenLM: one row per context too
     from gradient_garden.evals.lm_eval import GardenLM
-    class Tok:                                                             # the platform tokenizer surface GardenLM reads
+    # the platform tokenizer surface GardenLM reads
+    class Tok:
         eos_id, bos_id, pad_id, special_ids, markup_tokens, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, {}, "bpe"
         def encode(self, s): return tok.encode(s, add_special_tokens=False)
         def decode(self, ids): return tok.decode(ids)

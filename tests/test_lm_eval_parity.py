@@ -19,11 +19,12 @@ from gradient_garden.cli import evaluate as CE
 from gradient_garden.cli import main as gg
 from gradient_garden.config import GlobalConfig, ModelConfig
 from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint, save_checkpoint
-from gradient_garden.models.tendril import build_model
+from gradient_garden.models.registry import build_model
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 
 # lm-eval's own task definitions of the three benchmarks, pointed at the bundled fixture rows (same hub schemas)
-BUILTIN = {"hellaswag": ("hellaswag/hellaswag.yaml", "validation"), "winogrande": ("winogrande/default.yaml", "validation"),
+BUILTIN = {"hellaswag": ("hellaswag/hellaswag.yaml", "validation"),
+           "winogrande": ("winogrande/default.yaml", "validation"),
            "arc_challenge": ("arc/arc_challenge.yaml", "test")}
 
 
@@ -41,7 +42,8 @@ def _checkpoint(folder: Path, cfg: GlobalConfig, seed=0, prepare=None) -> Path:
     torch.manual_seed(seed)
     model = build_model(cfg.model)
     if prepare: prepare(model)
-    return save_checkpoint({"step": 1, "stage": "pretraining", "architecture": cfg.model.architecture, "config": cfg.to_dict(),
+    return save_checkpoint({"step": 1, "stage": "pretraining", "architecture": cfg.model.architecture,
+                            "config": cfg.to_dict(),
                             "model": model.state_dict()}, folder/"step_0000001.pt"), model
 
 
@@ -49,10 +51,11 @@ def _checkpoint(folder: Path, cfg: GlobalConfig, seed=0, prepare=None) -> Path:
 def setup(tmp_path_factory):
     "A tiny Tendril checkpoint with the platform's Llama 3-style BPE, its `gg export` folder, lm-eval's HF model on it."
     d = tmp_path_factory.mktemp("parity")
-    texts = [s for n in D.TASKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
+    texts = [s for n in D.BENCHMARKS for ex in D.load_examples(n) for pair in ex.requests for s in pair]
     cfg = GlobalConfig()
     cfg.tokenizer.path = str(train_bpe(texts, 600, d/"tok"))
-    cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, multiple_of=16, max_seq_len=256)
+    cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600, multiple_of=16,
+                            max_seq_len=256)
     ckpt, _ = _checkpoint(d, cfg)
     assert gg(["export", "--checkpoint", str(ckpt), "--out", str(d/"hf")]) == 0
     root = Path(lm_eval_tasks.__file__).parent
@@ -87,14 +90,16 @@ def lm_eval_runs(setup):
 
 def _theirs(runs, name):
     "lm-eval's per-choice log-likelihoods and per-sample acc/acc_norm, by doc_id."
-    return {s["doc_id"]: ([ll for ll, _ in s["filtered_resps"]], s["acc"], s.get("acc_norm")) for s in runs["samples"][f"fx_{name}"]}
+    return {s["doc_id"]: ([ll for ll, _ in s["filtered_resps"]], s["acc"], s.get("acc_norm"))
+            for s in runs["samples"][f"fx_{name}"]}
 
 
 @pytest.mark.parametrize("name", list(BUILTIN))
 @pytest.mark.parametrize("share", [False, True])
 def test_per_choice_loglikelihoods_and_scores_equal_lm_eval(name, share, setup, lm_eval_runs):
     samples = {}
-    ours = E.evaluate_tasks(setup["model"], setup["tok"], [name], None, 8, data_dir=setup["d"]/"evals", share_context=share,
+    ours = E.evaluate_benchmarks(setup["model"], setup["tok"], [name], None, 8, data_dir=setup["d"]/"evals",
+                                 share_context=share,
                             samples=samples)[name]
     theirs = _theirs(lm_eval_runs, name)
     assert sorted(theirs) == [r["doc_id"] for r in samples[name]]
@@ -128,13 +133,15 @@ def test_gg_evaluate_equals_lm_eval_on_the_bundled_fixtures(setup, lm_eval_runs,
             rows.append(f"| {name} | {metric} | {got[0]:.4f} | {got[1]:.4f} | {'-' if ref is None else f'{ref:.4f}'} |")
             if ref is not None: assert got == [ref, ref], (name, metric, got, ref)
     with capsys.disabled():
-        print("\n| task | metric | gg evaluate --checkpoint | gg evaluate --hf-checkpoint (export) | lm-eval hf (export) |")
+        print("\n| task | metric | gg evaluate --checkpoint | gg evaluate --hf-checkpoint (export) | lm-eval hf "
+              "(export) |")
         print("|---|---|---|---|---|"); print("\n".join(rows))
 
 
 def test_special_token_choices_follow_lm_eval(setup):
     "Empty contexts score after one BOS; --no-add-bos equals lm-eval's add_bos_token=False."
-    exs = [D.choices_example("", ["The river froze.", "Ice"], 0), D.choices_example("Question: What melts?\nAnswer:", ["ice"], 0)]
+    exs = [D.choices_example("", ["The river froze.", "Ice"], 0),
+           D.choices_example("Question: What melts?\nAnswer:", ["ice"], 0)]
     reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(r for ex in exs for r in ex.requests)]
     ours = sum(E.score_examples(setup["model"], setup["tok"], exs, batch_size=4), [])
     np.testing.assert_allclose(ours, [ll for ll, _ in setup["hf"].loglikelihood(reqs)], atol=1e-4, rtol=0)
@@ -147,7 +154,8 @@ def test_special_token_choices_follow_lm_eval(setup):
 
 def test_log_samples_can_be_diffed_with_lm_eval(setup, lm_eval_runs):
     res_file = setup["d"]/"logged"/"res.json"
-    argv = ["--checkpoint", str(setup["ckpt"]), "--winogrande", "--winogrande-examples", "0", "--evals-dir", str(setup["d"]/"evals"),
+    argv = ["--checkpoint", str(setup["ckpt"]), "--winogrande", "--winogrande-examples", "0", "--evals-dir",
+            str(setup["d"]/"evals"),
             "--device", "cpu", "--log-samples", "--output-file-name", str(res_file)]
     assert CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     logged = D.read_jsonl(setup["d"]/"logged"/"res_samples_winogrande.jsonl")
@@ -174,11 +182,13 @@ def test_gg_evaluate_errors_are_one_line(setup, capsys):
 
 
 def test_lora_and_moe_checkpoints_through_lm_eval(setup, tmp_path):
-    "GardenLM on a LoRA checkpoint (merged on load) and on a mixture-of-experts one equals the trained model's own forward."
+    ("GardenLM on a LoRA checkpoint (merged on load) and on a mixture-of-experts one equals the trained model's own "
+     "forward.")
     from gradient_garden.config import from_plain
     from gradient_garden.evals.lm_eval import GardenLM
     from gradient_garden.models.lora import apply_lora
-    reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate([("Question: What melts?\nAnswer:", " ice"), ("", "Rain.")])]
+    reqs = [Instance("loglikelihood", {}, r, i)
+            for i, r in enumerate([("Question: What melts?\nAnswer:", " ice"), ("", "Rain.")])]
     pair = E.pair_encoder(setup["tok"])
     def with_adapters(m):
         apply_lora(m, cfg.lora)
@@ -199,7 +209,8 @@ def test_lora_and_moe_checkpoints_through_lm_eval(setup, tmp_path):
         np.testing.assert_allclose([ll for ll, _ in got], ref, atol=1e-4, rtol=0, err_msg=arch)
 
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
+              "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.mark.slow
@@ -224,12 +235,14 @@ TURN = "<|start_header_id|>user<|end_header_id|>\\n\\n{{question}}<|eot_id|><|st
 
 @pytest.fixture(scope="module")
 def chat_tasks(setup):
-    "A multiple-choice and a generation task in plain text (`c_arc`, `c_qa`), and the same with chat markup in the prompt."
+    ("A multiple-choice and a generation task in plain text (`c_arc`, `c_qa`), and the same with chat markup in the "
+     "prompt.")
     d = setup["d"]/"chat_tasks"
     d.mkdir()
     arc = D.read_jsonl(D.FIXTURES_DIR/"arc_challenge.jsonl")[:10]
     (d/"arc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in arc))
-    (d/"qa.jsonl").write_text("".join(json.dumps({"question": r["question"], "answer": r["choices"]["text"][0]}) + "\n" for r in arc))
+    (d/"qa.jsonl").write_text("".join(json.dumps({"question": r["question"], "answer": r["choices"]["text"][0]}) + "\n"
+                                      for r in arc))
     common = lambda f: f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d/f}\ntest_split: test\n"
     (d/"c_arc.yaml").write_text("task: c_arc\n" + common("arc.jsonl") + textwrap.dedent("""\
         output_type: multiple_choice
@@ -256,8 +269,10 @@ CHAT_RUNS = {"markup": (["m_arc", "m_qa"], {}),
 
 @pytest.fixture(scope="module")
 def hf_chat_runs(setup, chat_tasks):
-    "lm-eval's HF model on the export: the markup tasks, and the plain ones through the chat template with two shots as turns."
-    return {how: lm_eval.simple_evaluate(model=setup["hf"], tasks=tasks, task_manager=chat_tasks[1], log_samples=True, **kw)
+    ("lm-eval's HF model on the export: the markup tasks, and the plain ones through the chat template with two shots "
+     "as turns.")
+    return {how: lm_eval.simple_evaluate(model=setup["hf"], tasks=tasks, task_manager=chat_tasks[1], log_samples=True,
+                                         **kw)
             for how, (tasks, kw) in CHAT_RUNS.items()}
 
 
@@ -267,14 +282,17 @@ def _by_doc(run, task, field):
 
 @pytest.mark.parametrize("how", list(CHAT_RUNS))
 def test_chat_format_equals_lm_eval_hf(how, setup, chat_tasks, hf_chat_runs):
-    "Markup in prompts and apply_chat_template: same prompts, same ids, log-likelihoods within 1e-4, identical greedy answers."
+    ("Markup in prompts and apply_chat_template: same prompts, same ids, log-likelihoods within 1e-4, identical greedy "
+     "answers.")
     from gradient_garden.evals.lm_eval import GardenLM
     (arc, qa), kw = CHAT_RUNS[how]
     lm = GardenLM(setup["model"], setup["tok"], batch_size=8)
-    ours, theirs = lm_eval.simple_evaluate(model=lm, tasks=[arc, qa], task_manager=chat_tasks[1], log_samples=True, **kw), hf_chat_runs[how]
+    ours, theirs = lm_eval.simple_evaluate(model=lm, tasks=[arc, qa], task_manager=chat_tasks[1], log_samples=True,
+                                           **kw), hf_chat_runs[how]
     for task in (arc, qa): assert _by_doc(ours, task, "arguments") == _by_doc(theirs, task, "arguments"), task
     prompt = _by_doc(ours, qa, "arguments")[0][0][0]
-    assert prompt.count("<|eot_id|>") == (5 if how == "template" else 1)                  # 2 shots x 2 turns + the question
+    # 2 shots x 2 turns + the question
+    assert prompt.count("<|eot_id|>") == (5 if how == "template" else 1)
     assert lm.tok_encode(prompt) == setup["hf"].tok_encode(prompt) and setup["tok"].eot_id in lm.tok_encode(prompt)
     ll = lambda run: [l for r in _by_doc(run, arc, "resps") for (l, _), in r]
     np.testing.assert_allclose(ll(ours), ll(theirs), atol=1e-4, rtol=0)
@@ -286,9 +304,12 @@ def test_chat_format_equals_lm_eval_hf(how, setup, chat_tasks, hf_chat_runs):
 def test_gg_evaluate_apply_chat_template(setup, chat_tasks, hf_chat_runs):
     "gg evaluate --apply-chat-template --fewshot-as-multiturn scores what lm-eval's HF model scores on the export."
     res_file = setup["d"]/"chat_res.json"
-    assert gg(["evaluate", "--checkpoint", str(setup["ckpt"]), "--lm-eval-tasks", "c_arc,c_qa", "--lm-eval-include", str(chat_tasks[0]),
-               "--apply-chat-template", "--fewshot-as-multiturn", "--num-fewshot", "2", "--device", "cpu", "--batch-size", "8",
+    assert gg(["evaluate", "--checkpoint", str(setup["ckpt"]), "--lm-eval-tasks", "c_arc,c_qa", "--lm-eval-include",
+               str(chat_tasks[0]),
+               "--apply-chat-template", "--fewshot-as-multiturn", "--num-fewshot", "2", "--device", "cpu",
+               "--batch-size", "8",
                "--output-file-name", str(res_file)]) == 0
     res, ref = json.loads(res_file.read_text()), hf_chat_runs["template"]["results"]
     assert res["chat_template"] is True
-    assert res["tasks"]["c_arc"]["acc"] == ref["c_arc"]["acc,none"] and res["tasks"]["c_qa"]["exact_match"] == ref["c_qa"]["exact_match,none"]
+    assert (res["tasks"]["c_arc"]["acc"] == ref["c_arc"]["acc,none"]
+            and res["tasks"]["c_qa"]["exact_match"] == ref["c_qa"]["exact_match,none"])

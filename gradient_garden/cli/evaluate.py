@@ -13,11 +13,12 @@ from ..config import ConfigError, GlobalConfig, RuntimeConfig
 from ..runtime import DTYPES, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
 from ..data.loaders import PretrainLoader
-from ..evals.benchmarks import TASKS, eval_file
-from ..evals.multiple_choice import HFCausalLM, default_prefix, evaluate_tasks, validation_loss
+from ..evals.benchmarks import BENCHMARKS, eval_file
+from ..evals.multiple_choice import HFCausalLM, default_prefix, evaluate_benchmarks, validation_loss
 from ..checkpoint.checkpoints import load_model_from_checkpoint
+from ..stages.registry import get_stage
 from ..parallel.distributed import destroy_distributed, init_distributed
-from .prepare import selected_tasks
+from .prepare import selected_benchmarks
 
 # %% auto #0
 __all__ = ['add_evaluate_args', 'add_generative_args', 'generative_sets', 'generative_exact_match', 'check_evaluate_args',
@@ -33,10 +34,10 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     src.add_argument("--hf-checkpoint", help="a local Hugging Face model folder (AutoModelForCausalLM + AutoTokenizer)")
     parser.add_argument("--validation", action="store_true", help="report validation loss on the pretraining shards")
     parser.add_argument("--validation-steps", type=int, default=None, help="validation batches (default: validation.steps)")
-    for t in TASKS.values():
-        parser.add_argument(f"--{t.flag}", action="store_true", help=f"evaluate {t.name}")
-        parser.add_argument(f"--{t.flag}-examples", type=int, default=None,
-                            help=f"random {t.name} examples (default: evals.{t.name}_examples or 100; 0 = all)")
+    for b in BENCHMARKS.values():
+        parser.add_argument(f"--{b.flag}", action="store_true", help=f"evaluate {b.name}")
+        parser.add_argument(f"--{b.flag}-examples", type=int, default=None,
+                            help=f"random {b.name} examples (default: evals.{b.name}_examples or 100; 0 = all)")
     parser.add_argument("--evals-dir", default=None, help="folder of prepared eval files (default: paths.evals)")
     parser.add_argument("--batch-size", type=int, default=None, help="examples per forward pass (default: evals.batch_size)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
@@ -66,27 +67,31 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 from ..evals.generative import GENERATIVE_SETS, evaluate_generative
 
 def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k)."
+    "`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k): one per registered set, and the sampling."
     g = parser.add_argument_group("generative exact match")
-    g.add_argument("--exact-match", action="store_true", help="the embedded verifiable tasks' held-out problems")
-    g.add_argument("--gsm8k", default=None, metavar="FILE", help="a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n')")
+    for s in GENERATIVE_SETS.values():
+        if s.metavar: g.add_argument(f"--{s.flag}", default=None, metavar=s.metavar, help=s.help or f"score {s.name}")
+        else: g.add_argument(f"--{s.flag}", action="store_true", help=s.help or f"score {s.name}")
+    budgets = ", ".join(f"{s.max_new_tokens} with --{s.flag}" for s in GENERATIVE_SETS.values())
     g.add_argument("--pass-k", type=int, default=4, help="sampled answers per prompt for pass@k (0: greedy only)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="answer budget (default: 24; 256 with --gsm8k)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help=f"answer budget (default: the set's own; {budgets})")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@k")
     return parser
 
 # %% ../../nbs/73_cli_evaluate.ipynb #a6df3543
 def generative_sets(args) -> list[str]:
-    "The generative exact-match sets `args` asks for."
-    return (["exact_match"] if getattr(args, "exact_match", False) else []) + (["gsm8k"] if getattr(args, "gsm8k", None) else [])
+    "The registered generative sets whose flags are set on `args`, in registration order."
+    return [n for n in GENERATIVE_SETS if getattr(args, n, None)]
 
 # %% ../../nbs/73_cli_evaluate.ipynb #2ef9ac97
 def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
     "Greedy exact match and pass@k of each asked set, split over ranks; the checkpoint's chat format unless it is a pretraining one."
     sets, out = generative_sets(args), {}
-    if sets and args.hf_checkpoint: raise ConfigError("--exact-match/--gsm8k need --checkpoint (the prompts use the checkpoint's chat format)")
+    if sets and args.hf_checkpoint:
+        flags = "/".join(f"--{GENERATIVE_SETS[n].flag}" for n in sets)
+        raise ConfigError(f"{flags}: need --checkpoint (the prompts use the checkpoint's chat format)")
     if args.pass_k < 0: raise ConfigError(f"gg evaluate --pass-k: got {args.pass_k}; must be >= 0")
-    plain = cfg.training.stage == "pretraining"
+    plain = not get_stage(cfg.training.stage).chat
     for name in sets:
         s = GENERATIVE_SETS[name]
         r = evaluate_generative(model, tokenizer, s.load(getattr(args, name)), args.pass_k, args.max_new_tokens or s.max_new_tokens,
@@ -100,7 +105,7 @@ def check_evaluate_args(args) -> None:
     for flag, v, low in [("--batch-size", args.batch_size, 1), ("--validation-steps", args.validation_steps, 1),
                          ("--lm-eval-limit", getattr(args, "lm_eval_limit", None), 1),
                          ("--num-fewshot", getattr(args, "num_fewshot", None), 0)] + [
-                        (f"--{t.flag}-examples", getattr(args, f"{t.name}_examples", None), 0) for t in TASKS.values()]:
+                        (f"--{b.flag}-examples", getattr(args, f"{b.name}_examples", None), 0) for b in BENCHMARKS.values()]:
         if v is not None and v < low:
             hint = " (0 = all rows)" if flag.endswith("-examples") else ""
             raise ConfigError(f"gg evaluate {flag}: got {v}; must be >= {low}{hint}")
@@ -110,11 +115,11 @@ def evaluation_plan(args) -> tuple[list[str], list[str]]:
     "(benchmark names, lm-eval task names) that `args` asks for, after every check that needs no model."
     if not (args.checkpoint or args.hf_checkpoint):
         raise ConfigError("gg evaluate: --checkpoint FILE or --hf-checkpoint DIR is required")
-    names = selected_tasks(args)
+    names = selected_benchmarks(args)
     lm_tasks = [t.strip() for t in (getattr(args, "lm_eval_tasks", None) or "").split(",") if t.strip()]
     if not names and not args.validation and not lm_tasks and not generative_sets(args):
         raise ConfigError("gg evaluate: nothing to evaluate; add --validation, --lm-eval-tasks and/or " +
-                          " ".join(f"--{t.flag}" for t in TASKS.values()))
+                          " ".join(f"--{x.flag}" for x in [*BENCHMARKS.values(), *GENERATIVE_SETS.values()]))
     check_evaluate_args(args)
     if args.validation and args.hf_checkpoint:
         raise ConfigError("--validation needs --checkpoint: the validation shards are tokenized with the run's tokenizer")
@@ -177,7 +182,7 @@ def context_prefix_name(tokenizer, add_bos: Optional[bool]) -> str:
 
 # %% ../../nbs/73_cli_evaluate.ipynb #dd1f419b
 def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> tuple[dict, Optional[dict]]:
-    "(results, per-task sample records or None) of everything `args` asks for, on this rank's share."
+    "(results, per-benchmark / per-task sample records or None) of everything `args` asks for, on this rank's share."
     t0 = time.time()
     model, tokenizer, cfg = load_evaluation_model(args, device, parse_dtype(args.dtype or "fp32", "--dtype"))
     ev, data_dir = cfg.evals, args.evals_dir or cfg.paths.evals
@@ -198,10 +203,10 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
     for name in names:
         k = getattr(args, f"{name}_examples")
         k = getattr(ev, f"{name}_examples", 100) if k is None else k
-        tasks.update(evaluate_tasks(model, tokenizer, [name], k, batch_size, device, data_dir=data_dir, seed=seed,
-                                    share_context=args.share_context, add_bos=args.add_bos,
-                                    max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=sys.stderr.isatty(),
-                                    samples=samples))
+        tasks.update(evaluate_benchmarks(model, tokenizer, [name], k, batch_size, device, data_dir=data_dir, seed=seed,
+                                         share_context=args.share_context, add_bos=args.add_bos,
+                                         max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=sys.stderr.isatty(),
+                                         samples=samples))
     if lm_tasks:
         tasks.update(lm.run_lm_eval_tasks(model, tokenizer, lm_tasks, batch_size=batch_size, add_bos=args.add_bos,
                                           include_path=args.lm_eval_include, limit=args.lm_eval_limit,
@@ -261,7 +266,7 @@ def write_evaluation(results: dict, samples: Optional[dict], results_file) -> Pa
     return out
 
 def run_evaluate(args) -> int:
-    "`gg evaluate`: validation loss and/or multiple-choice tasks of a checkpoint, written as one JSON file."
+    "`gg evaluate`: validation loss, benchmarks, lm-eval tasks and generative sets of a checkpoint, written as one JSON file."
     names, lm_tasks = evaluation_plan(args)
     started_dist = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not torch.distributed.is_initialized()
     env, device = evaluation_env(args.device)

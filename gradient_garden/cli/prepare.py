@@ -7,40 +7,41 @@ flags, config resolution, the choice of data section, and the lines it prints.""
 from __future__ import annotations
 import argparse, contextlib, fcntl, os, resource, socket, sys
 from pathlib import Path
-from ..config import ConfigError, GlobalConfig, apply_overrides, load_config
+from ..config import ConfigError, GlobalConfig
+from ..recipes import apply_overrides, load_config
 from ..tokenizer import ensure_tokenizer
 from ..data.prepare import (DEFAULT_PRETRAINING_DATA, load_mix_file, parse_mix_file_data,
                                           parse_pretraining_data, prepare_pretraining, tokenizer_texts)
-from ..evals.benchmarks import TASKS, eval_source, prepare_evals
+from ..evals.benchmarks import BENCHMARKS, eval_source, prepare_evals
 from ..stages.base import Stage
 from ..stages.registry import STAGES, check_stage
 from ..train.plan import estimate_workload   # no trainer: the plan's arithmetic adds ~0.1 s to start-up
 
 # %% auto #0
-__all__ = ['add_prepare_eval_args', 'selected_tasks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config', 'stage_data',
-           'stage_dir_line', 'run_stage_prepare', 'prepare_other_stage', 'estimate_token_target', 'report_prepared',
-           'prepare_lock', 'prepare_pretraining_stage', 'run_prepare']
+__all__ = ['add_prepare_eval_args', 'selected_benchmarks', 'run_prepare_evals', 'add_prepare_args', 'prepare_config',
+           'stage_data', 'stage_dir_line', 'run_stage_prepare', 'prepare_other_stage', 'estimate_token_target',
+           'report_prepared', 'prepare_lock', 'prepare_pretraining_stage', 'run_prepare']
 
 # %% ../../nbs/71_cli_prepare.ipynb #3b7a6eba
 def add_prepare_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`gg prepare` flags: one per registered eval task, `--evals-offline` and `--evals-dir`."
+    "`gg prepare` flags: one per registered benchmark, `--evals-offline` and `--evals-dir`."
     g = parser.add_argument_group("evals")
-    for t in TASKS.values():
-        g.add_argument(f"--{t.flag}", action="store_true", help=f"store {t.hub_path} ({t.split}) in paths.evals")
+    for b in BENCHMARKS.values():
+        g.add_argument(f"--{b.flag}", action="store_true", help=f"store {b.hub_path} ({b.split}) in paths.evals")
     g.add_argument("--evals-offline", action="store_true", help="install the bundled fixture files, no hub access")
     g.add_argument("--evals-dir", default=None, help="where to store them (default: paths.evals)")
     return parser
 
 # %% ../../nbs/71_cli_prepare.ipynb #742730f0
-def selected_tasks(args) -> list[str]:
-    "The eval tasks whose flags are set on `args`."
-    return [t.name for t in TASKS.values() if getattr(args, t.name, False)]
+def selected_benchmarks(args) -> list[str]:
+    "The benchmarks whose flags are set on `args`."
+    return [b.name for b in BENCHMARKS.values() if getattr(args, b.name, False)]
 
 # %% ../../nbs/71_cli_prepare.ipynb #64b5b69e
 def run_prepare_evals(args, default_dir=None) -> int:
-    "Prepare the selected eval tasks; print where each went."
+    "Prepare the selected benchmarks; print where each went."
     out = args.evals_dir or default_dir or GlobalConfig().paths.evals
-    for name, p in prepare_evals(selected_tasks(args), out, from_hub=not args.evals_offline).items():
+    for name, p in prepare_evals(selected_benchmarks(args), out, from_hub=not args.evals_offline).items():
         print(f"{name}: {p} ({eval_source(name, out)})")
     return 0
 
@@ -154,7 +155,7 @@ def prepare_pretraining_stage(args, cfg: GlobalConfig, data: dict | None, data_o
 def run_prepare(args: argparse.Namespace) -> int:
     "Run `gg prepare`: resolve config and data section, make sure the tokenizer exists, write the shards."
     cfg, recipe, data_overrides = prepare_config(args)
-    if selected_tasks(args):
+    if selected_benchmarks(args):
         run_prepare_evals(args, default_dir=cfg.paths.evals)
         if not (args.recipe or args.config or args.stage or args.mix_file): return 0
     if getattr(args, "estimate_token_target", False): data_overrides = data_overrides + [estimate_token_target(cfg)]

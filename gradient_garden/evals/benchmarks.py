@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 # %% auto #0
-__all__ = ['FIXTURES_DIR', 'TASKS', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example', 'MCTask', 'register_task',
-           'get_task', 'hellaswag_preprocess', 'hellaswag_example', 'winogrande_example', 'arc_example', 'eval_file',
-           'load_examples', 'sample_indices', 'load_hub_rows', 'prepare_evals', 'eval_source']
+__all__ = ['FIXTURES_DIR', 'BENCHMARKS', 'read_jsonl', 'MCExample', 'choices_example', 'contexts_example', 'Benchmark',
+           'register_benchmark', 'get_benchmark', 'hellaswag_preprocess', 'hellaswag_example', 'winogrande_example',
+           'arc_example', 'eval_file', 'load_examples', 'sample_indices', 'load_hub_rows', 'prepare_evals',
+           'eval_source']
 
 # %% ../../nbs/31_benchmarks.ipynb #5d0a7e14
 import gradient_garden
@@ -54,8 +55,8 @@ def contexts_example(contexts: Sequence[str], continuation: str, gold: int, deli
 
 # %% ../../nbs/31_benchmarks.ipynb #76985afe
 @dataclass(frozen=True)
-class MCTask:
-    "A multiple-choice benchmark: where its rows live and how a row becomes an `MCExample`."
+class Benchmark:
+    "A multiple-choice eval set: where its rows live and how a row becomes an `MCExample`."
     name: str
     hub_path: str
     hub_name: Optional[str]
@@ -66,18 +67,18 @@ class MCTask:
     @property
     def flag(self) -> str: return self.name.replace("_", "-")
 
-TASKS: dict[str, MCTask] = {}
+BENCHMARKS: dict[str, Benchmark] = {}
 
-def register_task(task: MCTask) -> MCTask:
-    "Add `task` to the registry under its name."
-    TASKS[task.name] = task
-    return task
+def register_benchmark(bench: Benchmark) -> Benchmark:
+    "Add `bench` to `BENCHMARKS` under its name."
+    BENCHMARKS[bench.name] = bench
+    return bench
 
-def get_task(name: str) -> MCTask:
-    "The registered task called `name` (dashes or underscores)."
+def get_benchmark(name: str) -> Benchmark:
+    "The registered benchmark called `name` (dashes or underscores)."
     key = name.replace("-", "_")
-    if key not in TASKS: raise ConfigError(f"eval task: got {name!r}; expected one of {', '.join(TASKS)}")
-    return TASKS[key]
+    if key not in BENCHMARKS: raise ConfigError(f"benchmark: got {name!r}; expected one of {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[key]
 
 # %% ../../nbs/31_benchmarks.ipynb #68754662
 def hellaswag_preprocess(text: str) -> str:
@@ -93,7 +94,7 @@ def hellaswag_example(doc: dict) -> MCExample:
     return choices_example(hellaswag_preprocess(doc["activity_label"] + ": " + ctx),
                            [hellaswag_preprocess(e) for e in doc["endings"]], int(doc["label"]))
 
-register_task(MCTask("hellaswag", "Rowan/hellaswag", None, "validation",
+register_benchmark(Benchmark("hellaswag", "Rowan/hellaswag", None, "validation",
                      ("activity_label", "ctx_a", "ctx_b", "endings", "label"), hellaswag_example))
 
 # %% ../../nbs/31_benchmarks.ipynb #bdbe928c
@@ -103,7 +104,7 @@ def winogrande_example(doc: dict) -> MCExample:
     contexts = [doc["sentence"][:i] + opt for opt in (doc["option1"], doc["option2"])]
     return contexts_example(contexts, doc["sentence"][i + 1:].strip(), {"1": 0, "2": 1}[doc["answer"]])
 
-register_task(MCTask("winogrande", "allenai/winogrande", "winogrande_xl", "validation",
+register_benchmark(Benchmark("winogrande", "allenai/winogrande", "winogrande_xl", "validation",
                      ("sentence", "option1", "option2", "answer"), winogrande_example))
 
 # %% ../../nbs/31_benchmarks.ipynb #ed92c49e
@@ -113,31 +114,31 @@ def arc_example(doc: dict) -> MCExample:
     return choices_example(f"Question: {doc['question']}\nAnswer:", choices["text"],
                            choices["label"].index(doc["answerKey"]))
 
-register_task(MCTask("arc_challenge", "allenai/ai2_arc", "ARC-Challenge", "test",
+register_benchmark(Benchmark("arc_challenge", "allenai/ai2_arc", "ARC-Challenge", "test",
                      ("question", "choices", "answerKey"), arc_example))
 
 # %% ../../nbs/31_benchmarks.ipynb #5e03a277
 def eval_file(name: str, data_dir=None) -> Path:
-    "The local JSON-lines file of task `name`: in `data_dir`, or the bundled fixture when `data_dir` is None."
-    task = get_task(name)
-    p = (Path(data_dir) if data_dir is not None else FIXTURES_DIR)/f"{task.name}.jsonl"
+    "The local JSON-lines file of benchmark `name`: in `data_dir`, or the bundled fixture when `data_dir` is None."
+    bench = get_benchmark(name)
+    p = (Path(data_dir) if data_dir is not None else FIXTURES_DIR)/f"{bench.name}.jsonl"
     if not p.is_file():
-        raise ConfigError(f"{p}: not found; run `gg prepare --{task.flag}` (add --evals-offline for the bundled "
-                          f"fixture) or point --evals-dir / paths.evals at a folder holding {task.name}.jsonl")
+        raise ConfigError(f"{p}: not found; run `gg prepare --{bench.flag}` (add --evals-offline for the bundled "
+                          f"fixture) or point --evals-dir / paths.evals at a folder holding {bench.name}.jsonl")
     return p
 
 # %% ../../nbs/31_benchmarks.ipynb #09033da6
 def load_examples(name: str, data_dir=None) -> list[MCExample]:
-    "Every row of task `name` as an `MCExample`, checked against the task's schema."
-    task, path = get_task(name), eval_file(name, data_dir)
+    "Every row of benchmark `name` as an `MCExample`, checked against the benchmark's schema."
+    bench, path = get_benchmark(name), eval_file(name, data_dir)
     out = []
     for i, row in enumerate(read_jsonl(path), 1):
-        missing = [f for f in task.fields if f not in row]
+        missing = [f for f in bench.fields if f not in row]
         if missing:
-            raise ConfigError(f"{path}:{i}: missing field {missing[0]!r}; a {task.name} row needs {', '.join(task.fields)}")
-        try: out.append(task.to_example(row))
+            raise ConfigError(f"{path}:{i}: missing field {missing[0]!r}; a {bench.name} row needs {', '.join(bench.fields)}")
+        try: out.append(bench.to_example(row))
         except (KeyError, ValueError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{path}:{i}: not a valid {task.name} row ({type(e).__name__}: {e})") from None
+            raise ConfigError(f"{path}:{i}: not a valid {bench.name} row ({type(e).__name__}: {e})") from None
     return out
 
 # %% ../../nbs/31_benchmarks.ipynb #9f5dedc2
@@ -149,39 +150,39 @@ def sample_indices(n: int, k: Optional[int], seed: int) -> list[int]:
 
 # %% ../../nbs/31_benchmarks.ipynb #7b458c32
 def load_hub_rows(name: str) -> list[dict]:
-    "The rows of task `name` from the Hugging Face Hub (network, or the local `datasets` cache)."
+    "The rows of benchmark `name` from the Hugging Face Hub (network, or the local `datasets` cache)."
     import datasets  # lazy: about 1 s of import (measured), only when a source is read
-    task = get_task(name)
-    try: ds = datasets.load_dataset(task.hub_path, task.hub_name, split=task.split)
+    bench = get_benchmark(name)
+    try: ds = datasets.load_dataset(bench.hub_path, bench.hub_name, split=bench.split)
     except Exception as e:
-        raise ConfigError(f"{task.hub_path} ({task.hub_name or 'default'}, {task.split}): cannot load from the hub "
+        raise ConfigError(f"{bench.hub_path} ({bench.hub_name or 'default'}, {bench.split}): cannot load from the hub "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                           f"use --evals-offline for the bundled fixture") from None
     return [dict(r) for r in ds]
 
 # %% ../../nbs/31_benchmarks.ipynb #1403d94a
 def prepare_evals(names: Sequence[str], out_dir, from_hub: bool = True) -> dict[str, Path]:
-    "Store each task's rows as `<out_dir>/<name>.jsonl` (from the hub, or the bundled fixture); return the paths."
+    "Store each benchmark's rows as `<out_dir>/<name>.jsonl` (from the hub, or the bundled fixture); return the paths."
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out/"manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     paths = {}
     for name in names:
-        task = get_task(name)
-        rows = load_hub_rows(task.name) if from_hub else read_jsonl(eval_file(task.name))
-        path = out/f"{task.name}.jsonl"
+        bench = get_benchmark(name)
+        rows = load_hub_rows(bench.name) if from_hub else read_jsonl(eval_file(bench.name))
+        path = out/f"{bench.name}.jsonl"
         write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        load_examples(task.name, out)
-        manifest[task.name] = {"source": f"hub:{task.hub_path}/{task.hub_name or 'default'}/{task.split}"
-                               if from_hub else "fixture", "rows": len(rows)}
-        paths[task.name] = path
+        load_examples(bench.name, out)
+        manifest[bench.name] = {"source": f"hub:{bench.hub_path}/{bench.hub_name or 'default'}/{bench.split}"
+                                if from_hub else "fixture", "rows": len(rows)}
+        paths[bench.name] = path
     write_text_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return paths
 
 def eval_source(name: str, data_dir=None) -> str:
-    "Where a task's local file came from: `fixture`, `hub:...`, or `local` when no manifest says."
+    "Where a benchmark's local file came from: `fixture`, `hub:...`, or `local` when no manifest says."
     if data_dir is None: return "fixture"
     m = Path(data_dir)/"manifest.json"
-    entry = json.loads(m.read_text()).get(get_task(name).name) if m.is_file() else None
+    entry = json.loads(m.read_text()).get(get_benchmark(name).name) if m.is_file() else None
     return entry["source"] if entry else "local"

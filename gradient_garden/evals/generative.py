@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 import torch
 from ..config import ConfigError
-from ..runtime import all_gather_objects
+from ..parallel.collectives import all_gather_objects
 from ..data.verifiable import heldout_examples
 from ..generation import group_rollouts, plain_module
 from .verifiers import Problem, VERIFIERS, correctness, from_verifiable, gsm8k_final
@@ -122,10 +122,15 @@ def evaluate_generative(model, tokenizer, examples: list[Problem], k: int = 4, m
 # %% ../../nbs/34_generative.ipynb #ddf91224
 @dataclass(frozen=True)
 class GenerativeSet:
-    "A named set of problems scored by generation: `load(arg)` its problems (`arg`: the flag's value, e.g. a file) and the answer budget."
+    "A named set of problems scored by generation: `load(arg)` its problems (`arg`: its flag's value), the answer budget, the flag's help."
     name: str
     load: Callable[[object], list[Problem]]
     max_new_tokens: int = 24
+    help: str = ""
+    metavar: Optional[str] = None      # the flag takes a value (e.g. FILE); None: the flag is a switch
+
+    @property
+    def flag(self) -> str: return self.name.replace("_", "-")
 
 GENERATIVE_SETS: dict[str, GenerativeSet] = {}
 
@@ -144,5 +149,6 @@ def gsm8k_file(path) -> list[Problem]:
     "Every row of a JSON/JSONL file in GSM8K's schema."
     return gsm8k_examples({"type": "gsm8k", "path": path}, "train", "--gsm8k")
 
-register_generative_set(GenerativeSet("exact_match", embedded_heldout, max_new_tokens=24))
-register_generative_set(GenerativeSet("gsm8k", gsm8k_file, max_new_tokens=256))
+register_generative_set(GenerativeSet("exact_match", embedded_heldout, 24, "the embedded verifiable tasks' held-out problems"))
+register_generative_set(GenerativeSet("gsm8k", gsm8k_file, 256, "a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n')",
+                                      metavar="FILE"))

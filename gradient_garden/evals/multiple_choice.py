@@ -15,14 +15,14 @@ import torch.nn.functional as F
 # %% auto #0
 __all__ = ['HEAD_CHUNK', 'SPLIT_RATIO', 'text_encoder', 'prefix_token_id', 'default_prefix', 'encode_pair', 'HFCausalLM',
            'model_max_len', 'pair_encoder', 'score_examples', 'mean_stderr', 'mc_metrics', 'sample_record',
-           'evaluate_tasks', 'evaluate_from_config', 'validation_loss']
+           'evaluate_benchmarks', 'evaluate_from_config', 'validation_loss']
 
 # %% ../../nbs/32_multiple_choice.ipynb #b2ed9ebb
 from tqdm.auto import tqdm
 from ..config import ConfigError, GlobalConfig
 from collections import defaultdict
 from contextlib import contextmanager
-from .benchmarks import TASKS, MCExample, get_task, load_examples, sample_indices, eval_source
+from .benchmarks import BENCHMARKS, MCExample, get_benchmark, load_examples, sample_indices, eval_source
 
 # %% ../../nbs/32_multiple_choice.ipynb #b50a64bc
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
@@ -365,17 +365,17 @@ def _dist_info(rank, world_size) -> tuple[int, int, bool]:
     if world_size is None: world_size = torch.distributed.get_world_size() if on else 1
     return rank, world_size, on and world_size > 1
 
-def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, dict, None] = 100,
-                   batch_size: int = 16, device="cpu", rank: Optional[int] = None, world_size: Optional[int] = None,
-                   data_dir=None, seed: int = 1234, *, share_context: bool = True, add_bos: Optional[bool] = None,
-                   max_len: Optional[int] = None, progress: bool = False, samples: Optional[dict] = None) -> dict[str, dict]:
-    "Metrics per task on a seeded subset (`examples`: int, {task: int}, None/0: all), split across ranks."
+def evaluate_benchmarks(model, tokenizer, names: Sequence[str], examples: Union[int, dict, None] = 100,
+                        batch_size: int = 16, device="cpu", rank: Optional[int] = None, world_size: Optional[int] = None,
+                        data_dir=None, seed: int = 1234, *, share_context: bool = True, add_bos: Optional[bool] = None,
+                        max_len: Optional[int] = None, progress: bool = False, samples: Optional[dict] = None) -> dict[str, dict]:
+    "Metrics per benchmark on a seeded subset (`examples`: int, {name: int}, None/0: all), split across ranks."
     rank, world_size, gather = _dist_info(rank, world_size)
     results = {}
     for name in names:
-        task = get_task(name)
-        k = examples.get(task.name, examples.get(task.flag)) if isinstance(examples, dict) else examples
-        exs = load_examples(task.name, data_dir)
+        bench = get_benchmark(name)
+        k = examples.get(bench.name, examples.get(bench.flag)) if isinstance(examples, dict) else examples
+        exs = load_examples(bench.name, data_dir)
         idx = sample_indices(len(exs), k, seed)
         mine = idx[rank::world_size]
         n_batches = math.ceil(math.ceil(len(idx) / world_size) / batch_size)
@@ -387,11 +387,11 @@ def evaluate_tasks(model, tokenizer, names: Sequence[str], examples: Union[int, 
             torch.distributed.all_gather_object(parts, scored)
             scored = {i: ll for part in parts for i, ll in part.items()}
         keep = [i for i in idx if i in scored]
-        results[task.name] = {**mc_metrics([scored[i] for i in keep], [exs[i] for i in keep]),
-                              "source": eval_source(task.name, data_dir)}
+        results[bench.name] = {**mc_metrics([scored[i] for i in keep], [exs[i] for i in keep]),
+                              "source": eval_source(bench.name, data_dir)}
         if samples is not None:
             pair = pair_encoder(tokenizer, add_bos)
-            samples[task.name] = [sample_record(i, exs[i], scored[i], [pair(c, k) for c, k in exs[i].requests]) for i in keep]
+            samples[bench.name] = [sample_record(i, exs[i], scored[i], [pair(c, k) for c, k in exs[i].requests]) for i in keep]
     return results
 
 # %% ../../nbs/32_multiple_choice.ipynb #bc47cd0a
@@ -403,14 +403,14 @@ def evaluate_from_config(model, tokenizer, cfg: GlobalConfig, env=None) -> dict[
     ev, results = cfg.evals, {}
     rank, world_size = (env.rank, env.world_size) if env is not None else (None, None)
     device = env.device if env is not None else next(model.parameters()).device
-    for name in [n for n in TASKS if getattr(ev, n, False)]:
+    for name in [n for n in BENCHMARKS if getattr(ev, n, False)]:
         data_dir = cfg.paths.evals if (Path(cfg.paths.evals)/f"{name}.jsonl").is_file() else None
         if data_dir is None and name not in _warned and (rank or 0) == 0:
             _warned.add(name)
             print(f"warning: {Path(cfg.paths.evals)/(name + '.jsonl')} not found; evaluating {name} on the bundled "
-                  f"fixture (run `gg prepare --{get_task(name).flag}` for the real benchmark)", file=sys.stderr)
-        results.update(evaluate_tasks(model, tokenizer, [name], getattr(ev, f"{name}_examples", 100), ev.batch_size,
-                                      device, rank, world_size, data_dir, ev.seed, max_len=cfg.model.max_seq_len))
+                  f"fixture (run `gg prepare --{get_benchmark(name).flag}` for the real benchmark)", file=sys.stderr)
+        results.update(evaluate_benchmarks(model, tokenizer, [name], getattr(ev, f"{name}_examples", 100), ev.batch_size,
+                                           device, rank, world_size, data_dir, ev.seed, max_len=cfg.model.max_seq_len))
     return results
 
 # %% ../../nbs/32_multiple_choice.ipynb #3aa6f511
