@@ -73,7 +73,8 @@ def release_memory():
     except OSError: pass
 
 def worker(args):
-    from gradient_garden.config import RuntimeConfig, load_config
+    from gradient_garden.config import RuntimeConfig
+    from gradient_garden.recipes import load_config
     from gradient_garden.parallel.distributed import init_distributed, parallelize, barrier, all_gather_objects, destroy_distributed
     from gradient_garden.train.optim import build_optimizers
     from gradient_garden.checkpoint.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,

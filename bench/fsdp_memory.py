@@ -70,7 +70,8 @@ def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
 
 def worker(args):
     "One rank: measure every (wrapper, optimizer) pair; rank 0 prints all ranks' figures as JSON."
-    from gradient_garden.config import RuntimeConfig, load_config
+    from gradient_garden.config import RuntimeConfig
+    from gradient_garden.recipes import load_config
     from gradient_garden.parallel.distributed import init_distributed, all_gather_objects, destroy_distributed
     from gradient_garden.models.tendril import build_model, count_parameters
     env = init_distributed(RuntimeConfig(device=args.device))

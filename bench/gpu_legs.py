@@ -30,7 +30,7 @@ def dtype(): return torch.float32 if SMOKE else torch.bfloat16
 
 def config(recipe: str, extra=()):
     "The recipe's config, shrunk to the smoke shapes on CPU."
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     over = [f"runtime.device={device().type}"] + ([*TINY, "runtime.compile=false", "runtime.precision=fp32"] if SMOKE else [])
     return load_config(recipe=str(ROOT/recipe), overrides=over + list(extra))[0]
 
@@ -106,7 +106,7 @@ def leg_train(recipe: str, out_dir: Path) -> dict:
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     if r.returncode != 0: raise RuntimeError(f"gg train failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     cfg, _ = load_config(recipe=str(ROOT/recipe), overrides=sets)
     rows = [json.loads(l) for l in (cfg.run_dir/"metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2]   # after compilation and warm-up

@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from gradient_garden.config import RuntimeConfig, load_recipe
+from gradient_garden.config import RuntimeConfig
+from gradient_garden.recipes import load_recipe
 from common import add_smoke, apply_smoke, results_path
 
 SIZES = {  # overrides of the 124M recipe's model

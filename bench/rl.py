@@ -36,7 +36,8 @@ def parse():
 def smoke_checkpoint(tmp: Path) -> str:
     "A randomly initialised chat checkpoint of the debug recipe shrunk to dim 64, 2 layers, with a 1k BPE on verifiable chats."
     from gradient_garden.checkpoint.checkpoints import save_checkpoint
-    from gradient_garden.config import TokenizerConfig, load_config, to_plain
+    from gradient_garden.config import TokenizerConfig, to_plain
+    from gradient_garden.recipes import load_config
     from gradient_garden.data.verifiable import WORDS, sample_conversations
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tokenizer import train_bpe

@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     res["hf_max_abs_logit_diff"] = hf_logits_match(step_checkpoint(ckpt_dir, STEPS), work/"hf")
     res["export_s"] = time.perf_counter() - t0
     sys.path.insert(0, str(ROOT))
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     from gradient_garden.train.plan import memory_plan
     cfg, _ = load_config(recipe=ROOT/RECIPE, overrides=sets(work/"full"), world_size=2)
     res["plan_per_rank_mib"] = memory_plan(cfg, "fsdp2", 2, device_type="cpu")["total"]["selective"] / 2**20

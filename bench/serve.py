@@ -67,7 +67,8 @@ def default_checkpoints() -> dict[str, str]:
 def random_debug_checkpoint(tmp: Path) -> str:
     "A randomly initialised checkpoint of the debug recipe's model, with a 4k BPE trained on the standard library."
     import torch
-    from gradient_garden.config import TokenizerConfig, load_config, to_plain
+    from gradient_garden.config import TokenizerConfig, to_plain
+    from gradient_garden.recipes import load_config
     from gradient_garden.checkpoint.checkpoints import save_checkpoint
     from gradient_garden.models.tendril import build_model
     from gradient_garden.tokenizer import train_bpe

@@ -21,7 +21,7 @@ import argparse, json, os, statistics, time
 from pathlib import Path
 import torch
 from common import add_smoke, apply_smoke, smoke_dir, synthetic_pretraining_data
-from gradient_garden.config import load_config
+from gradient_garden.recipes import load_config
 from gradient_garden.parallel.distributed import DistEnv, resolve_device
 from gradient_garden.train.optim import build_optimizers
 from gradient_garden.train.trainer import Trainer

@@ -3,7 +3,8 @@ refusing a run that does not fit before it builds the model."""
 from pathlib import Path
 import pytest
 from conftest import ROOT, run_gg
-from gradient_garden.config import ConfigError, load_recipe
+from gradient_garden.config import ConfigError
+from gradient_garden.recipes import load_recipe
 from gradient_garden.train.plan import plan, format_plan, fit_message
 
 RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT/"recipes").rglob("*.yaml"))

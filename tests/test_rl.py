@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gradient_garden.config import ConfigError, GlobalConfig, RLConfig, from_plain, validate
+from gradient_garden.config import ConfigError, GlobalConfig, RLConfig, from_plain
+from gradient_garden.checks import validate
 from gradient_garden.evals.verifiers import Problem
 from gradient_garden.stages.grpo import RL_LOSSES, group_advantages, loss_parts, token_losses
 from gradient_garden.stages.rewards import Rewarder, call_reward, load_prompts, load_reward_function
@@ -241,7 +242,7 @@ def test_gsm8k_schema_rows_from_a_local_file(tmp_path):
 def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
     "The real-scale recipe validates, and its prompts prepare from local files in GSM8K's exact schema (no hub)."
     import json
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     from gradient_garden.evals.generative import heldout_examples_for
     from gradient_garden.evals.verifiers import numeric_match
     cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)

@@ -18,7 +18,7 @@ RECIPE = str(ROOT/"recipes"/"rl"/"debug.yaml")
 @pytest.fixture(scope="module")
 def rl_inputs(tmp_path_factory):
     "A 768-token BPE and the RL prompts (train and held-out) prepared with it; returns the overrides that point at them."
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     from gradient_garden.data.verifiable import WORDS, sample_conversations
     from gradient_garden.stages.rl import prepare_rl, rl_dir
     from gradient_garden.tokenizer import train_bpe
@@ -47,7 +47,7 @@ def small(rl_inputs, out: Path, **extra) -> list[str]:
 
 
 def train(overrides, checkpoint=None, world: int = 1):
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     from gradient_garden.train.run import run_training
     cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
     return run_training(cfg, checkpoint=checkpoint)

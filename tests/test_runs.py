@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_gg
 from gradient_garden.cli import main
-from gradient_garden.config import load_config
+from gradient_garden.recipes import load_config
 
 RECIPE = "recipes/pretraining/debug.yaml"
 

@@ -114,7 +114,7 @@ def test_ultrafeedback_schema_prepares(hub_like):
     assert [json.loads((d/s/"meta.json").read_text())["n_pairs"] for s in ("train", "val")] == [40, 8]
 
 def test_tendril_block_compiles_without_graph_breaks():
-    from gradient_garden.config import load_recipe
+    from gradient_garden.recipes import load_recipe
     from gradient_garden.models.tendril import build_model
     cfg = load_recipe(ROOT/"recipes/pretraining/tendril-124m.yaml").config.model
     cfg.n_layers = 1

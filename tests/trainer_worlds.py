@@ -40,7 +40,7 @@ def post_training_inputs(prepared, base: Path) -> dict:
     random Llama teacher with the same vocabulary; returns the overrides that point the post-training runs at them."""
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     from gradient_garden.stages.dpo import prepare_dpo
     from gradient_garden.stages.sft import prepare_instruct
     cfg, _ = load_config(recipe=RECIPE, overrides=sets(prepared, base/"unused"))
@@ -55,7 +55,7 @@ def post_training_inputs(prepared, base: Path) -> dict:
 
 def train(overrides: list[str], checkpoint=None, world: int = 1):
     "One run of the trainer in this process (or on this rank of a spawned world)."
-    from gradient_garden.config import load_config
+    from gradient_garden.recipes import load_config
     from gradient_garden.train.run import run_training
     cfg, _ = load_config(recipe=RECIPE, overrides=overrides, world_size=world)
     return run_training(cfg, checkpoint=checkpoint)

@@ -10,7 +10,8 @@ from pathlib import Path
 from importlib import resources
 import psutil
 from . import tell_torchrun
-from ..config import ConfigError, load_config
+from ..config import ConfigError
+from ..recipes import load_config
 from ..stages.registry import STAGES, check_stage
 from ..checkpoint.checkpoints import list_checkpoints
 from ..parallel.distributed import destroy_distributed

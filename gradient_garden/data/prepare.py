@@ -22,8 +22,7 @@ __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED',
            'prepare_pretraining', 'tokenizer_texts']
 
 # %% ../../nbs/03_data.ipynb #5104e893
-from ..config import (ConfigError, GlobalConfig, TokenizerConfig, apply_overrides, from_plain,
-                                    load_config, read_data_file, to_plain)
+from ..config import ConfigError, GlobalConfig, TokenizerConfig, from_plain, read_data_file, to_plain
 from ..runtime import write_json_atomic
 from ..tokenizer import Tokenizer, ensure_tokenizer
 from fastcore.basics import patch

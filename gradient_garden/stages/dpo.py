@@ -19,7 +19,8 @@ __all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'STAGE', 'dp
 
 # %% ../../nbs/43_dpo.ipynb #9a890c46
 from tqdm.auto import tqdm
-from ..config import ConfigError, DPOConfig, GlobalConfig, check_dpo_section
+from ..config import ConfigError, DPOConfig, GlobalConfig
+from ..checks import check_dpo_section
 from ..runtime import all_reduce, atomic_dir, autocast_context, is_fsdp
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS

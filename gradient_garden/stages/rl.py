@@ -13,7 +13,8 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ..config import ConfigError, GlobalConfig, check_rl_section, grad_accum_steps
+from ..config import ConfigError, GlobalConfig, grad_accum_steps
+from ..checks import check_rl_section
 from ..runtime import all_reduce, autocast_context, is_fsdp
 from ..models.tendril import unwrap_model
 from ..generation import group_rollouts, plain_module

@@ -13,7 +13,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from fastcore.basics import patch
-from ..config import ConfigError, GlobalConfig, validate, save_config, load_dotenv
+from ..config import ConfigError, GlobalConfig
+from ..checks import validate
+from ..recipes import save_config, load_dotenv
 from ..parallel.distributed import (DistEnv, agree, init_distributed, parallelize, barrier, broadcast_object,
                                                 watch_collectives)
 from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops

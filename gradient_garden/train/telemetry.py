@@ -13,7 +13,8 @@ import torch
 from fastcore.basics import patch
 from torch.profiler import profile, schedule, ProfilerActivity
 from tqdm import tqdm   # the terminal bar: never a notebook widget
-from ..config import GlobalConfig, redact
+from ..config import GlobalConfig
+from ..recipes import redact
 from ..parallel.distributed import DistEnv
 
 # %% auto #0
