@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from common import add_smoke, apply_smoke, results_path
 from gradient_garden.recipes import load_recipe
-from gradient_garden.models.tendril import build_model, count_parameters
+from gradient_garden.models.tendril import count_parameters
+from gradient_garden.models.registry import build_model
 from gradient_garden.parallel.activation_checkpointing import apply_activation_checkpointing, activation_peak, checkpoint_module
 
 MODES = ("none", "selective", "full", "block2")

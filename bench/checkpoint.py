@@ -80,7 +80,8 @@ def worker(args):
     from gradient_garden.checkpoint.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,
                                                     load_sharded_state)
     from gradient_garden.train.trainer import full_state, load_full_state
-    from gradient_garden.models.tendril import build_model, count_parameters
+    from gradient_garden.models.tendril import count_parameters
+    from gradient_garden.models.registry import build_model
     torch.set_num_threads(1)
     env = init_distributed(RuntimeConfig(device="cpu"))
     cfg, _ = load_config(recipe=str(ROOT/"recipes"/"pretraining"/"debug.yaml"), overrides=MODEL + args.overrides)

@@ -20,7 +20,7 @@ from common import apply_smoke, bench_parser, setup, sync
 from gradient_garden.config import ModelConfig
 from gradient_garden.models import attention
 from gradient_garden.models.attention import attention_mask, document_block_mask, flex_gqa, sdpa_gqa
-from gradient_garden.models.tendril import build_model
+from gradient_garden.models.registry import build_model
 
 
 def parse_args(argv=None):

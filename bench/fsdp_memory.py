@@ -45,7 +45,7 @@ def parse_args(argv=None):
 def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
     "Footprint (bytes) of one wrapped model (`ddp`, `fsdp2` or `hsdp`) before its second optimizer step."
     from gradient_garden.config import RuntimeConfig
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.parallel.distributed import parallelize, grad_sync, memory_footprint
     from gradient_garden.train.optim import build_optimizers
     cfg.optimizers.muon.enabled = muon
@@ -73,7 +73,8 @@ def worker(args):
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.recipes import load_config
     from gradient_garden.parallel.distributed import init_distributed, all_gather_objects, destroy_distributed
-    from gradient_garden.models.tendril import build_model, count_parameters
+    from gradient_garden.models.tendril import count_parameters
+    from gradient_garden.models.registry import build_model
     env = init_distributed(RuntimeConfig(device=args.device))
     cfg, _ = load_config(recipe=args.recipe, overrides=args.overrides)
     wrappers = ("ddp", "fsdp2") + (("hsdp",) if env.world_size >= 4 and env.world_size % args.replicate == 0 else ())

@@ -31,7 +31,8 @@ from common import add_smoke, apply_smoke, matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig
 from gradient_garden.generation import generate
-from gradient_garden.models.tendril import Tendril, flops_per_token
+from gradient_garden.models.tendril import Tendril
+from gradient_garden.models.registry import flops_per_token
 from gradient_garden.checkpoint.hf import to_hf_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -51,7 +51,8 @@ def leg_step(recipe: str, micro: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from gradient_garden.parallel.distributed import apply_fsdp, grad_sync
     from gradient_garden.train.optim import build_optimizers
-    from gradient_garden.models.tendril import build_model, count_parameters, flops_per_token
+    from gradient_garden.models.tendril import count_parameters
+    from gradient_garden.models.registry import build_model, flops_per_token
     cfg = config(recipe, [] if SMOKE else ["runtime.compile=true"])
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     fsdp = "LOCAL_RANK" in os.environ   # started by torchrun: FSDP2 over every rank, even one (NCCL all-gathers for real)
@@ -91,7 +92,7 @@ def leg_step(recipe: str, micro: int) -> dict:
 
 def leg_train(recipe: str, out_dir: Path) -> dict:
     "A short `gg train` of RECIPE on synthetic shards: loader, accumulation, clipping, logging, validation, a checkpoint."
-    from gradient_garden.models.tendril import flops_per_token
+    from gradient_garden.models.registry import flops_per_token
     steps = 6 if SMOKE else 30
     from common import synthetic_pretraining_data
     data = synthetic_pretraining_data(out_dir/"synthetic", 1024, 200_000 if SMOKE else 40_000_000)
@@ -118,7 +119,7 @@ def leg_train(recipe: str, out_dir: Path) -> dict:
 
 def leg_decode() -> dict:
     "Greedy decoding with the KV cache after a 128-token prompt (124M shape, bf16): tokens/s at batch 1 and 32."
-    from gradient_garden.models.tendril import build_model, flops_per_token
+    from gradient_garden.models.registry import build_model, flops_per_token
     cfg = config("recipes/pretraining/tendril-124m.yaml")
     model = build_model(cfg.model).to(device(), dtype()).eval()
     prompt_len, new = (16, 8) if SMOKE else (128, 256)
@@ -167,7 +168,7 @@ def leg_rl() -> dict:
     `tokens_per_s` / `flops_per_token` are the update's (its MFU); rollouts are reported apart, as the stage logs them."""
     from types import SimpleNamespace
     from gradient_garden.config import RLConfig
-    from gradient_garden.models.tendril import build_model, flops_per_token
+    from gradient_garden.models.registry import build_model, flops_per_token
     from gradient_garden.runtime import autocast_context
     from gradient_garden.evals.verifiers import Problem
     from gradient_garden.stages.rl import RLTask, RolloutLoader

@@ -34,7 +34,8 @@ from common import apply_smoke, bench_parser, matmul_peak_flops, setup, sync
 import torch.nn.functional as F
 
 from gradient_garden.config import ModelConfig
-from gradient_garden.models.tendril import Tendril, count_parameters, ffn_hidden_dim, flops_per_token
+from gradient_garden.models.tendril import Tendril, count_parameters, ffn_hidden_dim
+from gradient_garden.models.registry import flops_per_token
 from gradient_garden.checkpoint.hf import to_hf_model
 import gradient_garden.models.attention as attention
 BLOCK_BYTES = attention.BLOCK_ATTENTION_MAX_BYTES

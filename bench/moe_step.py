@@ -17,7 +17,8 @@ import torch
 from common import apply_smoke, bench_parser, setup, sync
 
 from gradient_garden.config import ModelConfig
-from gradient_garden.models.tendril import build_model, count_parameters, ffn_hidden_dim, flops_per_token
+from gradient_garden.models.tendril import count_parameters, ffn_hidden_dim
+from gradient_garden.models.registry import build_model, flops_per_token
 from gradient_garden.models.moe import moe_active_matmul_params
 
 

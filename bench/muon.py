@@ -47,7 +47,7 @@ def count_ns_flops(counts: list):
 def build(args, layout: str, world: int):
     "The model wrapped for `layout`, after one backward; its hidden matrices."
     from gradient_garden.config import ModelConfig
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.train.optim import classify_parameters
     from gradient_garden.parallel.distributed import apply_fsdp
     from torch.distributed.device_mesh import init_device_mesh

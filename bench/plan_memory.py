@@ -53,7 +53,7 @@ def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
     "Peak bytes of the second of two training steps on this rank (MemTracker, or FSDPMemTracker under FSDP2)."
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.parallel.distributed import DistEnv, parallelize, grad_sync
     from gradient_garden.train.optim import build_optimizers
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ def smoke_checkpoint(tmp: Path) -> str:
     from gradient_garden.config import TokenizerConfig, to_plain
     from gradient_garden.recipes import load_config
     from gradient_garden.data.verifiable import WORDS, sample_conversations
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.tokenizer import train_bpe
     root = Path(__file__).resolve().parent.parent
     cfg, _ = load_config(recipe=str(root/"recipes/pretraining/debug.yaml"),
@@ -54,7 +54,7 @@ def smoke_checkpoint(tmp: Path) -> str:
 def setup(args):
     from gradient_garden.checkpoint.checkpoints import load_checkpoint, base_weights
     from gradient_garden.config import GlobalConfig, from_plain
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.tokenizer import init_tokenizer
     from gradient_garden.data.verifiable import sample_examples
     ck = load_checkpoint(args.checkpoint)

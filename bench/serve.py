@@ -70,7 +70,7 @@ def random_debug_checkpoint(tmp: Path) -> str:
     from gradient_garden.config import TokenizerConfig, to_plain
     from gradient_garden.recipes import load_config
     from gradient_garden.checkpoint.checkpoints import save_checkpoint
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.tokenizer import train_bpe
     import argparse as a, asyncio as b, dataclasses as c, json.decoder as d, pathlib as e, typing as f
     texts = [Path(m.__file__).read_text() for m in (a, b.base_events, c, d, e, f)]

@@ -21,7 +21,8 @@ from common import apply_smoke, bench_parser, setup, sync
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig
 from gradient_garden.data.verifiable import WORDS, sample_conversations
-from gradient_garden.models.tendril import build_model, count_parameters
+from gradient_garden.models.tendril import count_parameters
+from gradient_garden.models.registry import build_model
 from gradient_garden.stages.sft import SFTLoader, SFTTask, prepare_instruct
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 

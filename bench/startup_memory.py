@@ -33,7 +33,7 @@ def _rank(rank, world, init, mode, out, smoke=False):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.recipes import load_recipe
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.parallel.distributed import DistEnv, parallelize
     cfg = load_recipe(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml").config
     if smoke:

@@ -25,7 +25,7 @@ from gradient_garden.recipes import load_config
 from gradient_garden.parallel.distributed import DistEnv, resolve_device
 from gradient_garden.train.optim import build_optimizers
 from gradient_garden.train.trainer import Trainer
-from gradient_garden.models.tendril import build_model
+from gradient_garden.models.registry import build_model
 from gradient_garden.stages.pretraining import CausalLMTask
 from gradient_garden.data.loaders import pretraining_loaders
 

@@ -6,15 +6,17 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.checkpoint.dcp_files`: Reading a `torch.distributed.checkpoint` directory without unpickling code, checking its shard files before dcp
 - `gradient_garden.checkpoint.hf`: Write a Tendril as a Hugging Face Llama folder (`config.json`, safetensors weights, tokenizer files) that
 - `gradient_garden.checkpoint.state_dict`: One adapter between a model's own state dict (q/k/v stored as one `wqkv`, gate/up as one `w13`), the layout
+- `gradient_garden.checks`: The values that parse but cannot be right: ranges (NaN and infinity included) and combinations of keys, each
 - `gradient_garden.cli`: One console script with a verb per job: `prepare`, `train`, `notebook`, `evaluate`, `generate`, `export`, `serve`,
 - `gradient_garden.cli.__main__`: The package's `__main__`: `python -m gradient_garden.cli ARGS` runs `gg ARGS` (the tests and `torchrun` use it).
+- `gradient_garden.cli.common`: What every `gg` verb shares: the note a failing worker leaves for torchrun.
 - `gradient_garden.cli.evaluate`: Validation loss, the multiple-choice benchmarks and any lm-evaluation-harness task of a checkpoint (or a Hugging
 - `gradient_garden.cli.generate`: Two verbs that start from a checkpoint: complete prompts with it, or write it as a Hugging Face Llama folder.
 - `gradient_garden.cli.launch`: torchrun's launcher, run by `gg` itself: the same flags and workers, and a last line of ours when the launcher is
 - `gradient_garden.cli.prepare`: The command that tokenizes a stage's data into `<paths.datasets>/<stage>` and stores the eval sets in `paths.evals`:
 - `gradient_garden.cli.serve`: The verb: its flags, the checks made before anything loads (an API key off loopback, the port), the decoder's place
 - `gradient_garden.cli.train`: The verbs that take a recipe: train it, train it through the papermill report notebook, or plan it (memory,
-- `gradient_garden.config`: One nested, typed `GlobalConfig` for every run; recipes that bundle it with a data mix; dotted overrides; and
+- `gradient_garden.config`: One nested, typed `GlobalConfig` for every run, built strictly from plain data, with errors that name the key path,
 - `gradient_garden.data.loaders`: Memory-mapped token shards served as (input, label) windows: shuffled by a seed, disjoint across ranks, resumable
 - `gradient_garden.data.prepare`: Sources, weighted mixes and a streaming tokenizer that writes train/val token shards: resumable, memory-bounded,
 - `gradient_garden.data.verifiable`: Small tasks with known answers — arithmetic, spelling, reversal, string edits — generated on the spot, with a
@@ -29,9 +31,11 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.models.hf`: Translate a Tendril config to the `transformers` `LlamaConfig` of the same model and back, and refuse what has no
 - `gradient_garden.models.lora`: Train a few million adapter weights instead of the whole model: `apply_lora`, `merge_lora` / `unmerge_lora`,
 - `gradient_garden.models.moe`: A Tendril whose feed-forward is a set of SwiGLU experts picked per token by a learned top-k router, with the
+- `gradient_garden.models.registry`: One table from a model's `architecture` name to its class and its FLOP count: the built-in Tendril and
 - `gradient_garden.models.tendril`: RMSNorm, the SwiGLU feed-forward, the training loss computed without materialising the logits, pre-norm blocks,
 - `gradient_garden.parallel.activation_checkpointing`: Recompute each block's activations in the backward pass instead of keeping them: `none`, `full` (every block) or
 - `gradient_garden.parallel.distributed`: Start from the torchrun environment (or fall back to one process), pick the device and backend, and apply data
+- `gradient_garden.recipes`: Recipes that bundle a `GlobalConfig` with a data mix; dotted `--set` overrides; the resolved config every run keeps;
 - `gradient_garden.runtime`: The names of dtypes, the choice of device, the autocast context of mixed precision, and files written so that a
 - `gradient_garden.serve.api`: The OpenAI request bodies as strict pydantic models, OpenAI-style errors, and a request turned into the prompts
 - `gradient_garden.serve.app`: A request run on the event loop with one wake-up per decoding step, streams coalesced by a stream interval, SSE

@@ -5,7 +5,7 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 from gradient_garden.config import ConfigError, GlobalConfig, LoraConfig, ModelConfig, RuntimeConfig, from_plain
-from gradient_garden.models.tendril import build_model
+from gradient_garden.models.registry import build_model
 from gradient_garden.parallel.activation_checkpointing import apply_activation_checkpointing
 from gradient_garden.parallel.distributed import DistEnv, parallelize
 

@@ -44,3 +44,14 @@ def test_the_index_lists_every_notebook_in_reading_order():
     for name, link, module, summary in rows:
         assert link == name and summary.strip(), name
         assert module == f"gradient_garden.{exported_module(ROOT/'nbs'/f'{name}.ipynb')}", (name, module)
+
+def test_an_import_by_a_literal_name_is_an_edge(tmp_path):
+    lib = tmp_path/"lib"/"pkg"; lib.mkdir(parents=True)
+    (lib/"low.py").write_text("import importlib\ndef load(): return importlib.import_module('gradient_garden.high')\n")
+    (lib/"high.py").write_text("y = 2\n")
+    nbs = tmp_path/"nbs"; nbs.mkdir()
+    for name, module in (("00_low", "low"), ("01_high", "high")):
+        (nbs/f"{name}.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code",
+                                                                "source": [f"#| default_exp {module}"]}]}))
+    import check_order
+    assert check_order.inversions(nbs, lib) == ["00_low (low) imports high, built later in 01_high"]

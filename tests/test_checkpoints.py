@@ -94,11 +94,11 @@ def test_rng_round_trip_through_a_file(tmp_path):
 
 
 def test_load_model_from_checkpoint_with_real_builder(tmp_path):
-    tendril = pytest.importorskip("gradient_garden.models.tendril")
+    registry = pytest.importorskip("gradient_garden.models.registry")
     cfg = GlobalConfig()
     cfg.model = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16)
     torch.manual_seed(0)
-    model = tendril.build_model(cfg.model).eval()
+    model = registry.build_model(cfg.model).eval()
     p = save_checkpoint(dict(_state(), config=cfg.to_dict(), architecture=cfg.model.architecture,
                              model=model.state_dict()), tmp_path / "step_0000005.pt")
     loaded, lcfg = load_model_from_checkpoint(p)

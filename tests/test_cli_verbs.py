@@ -3,11 +3,11 @@ import json
 from pathlib import Path
 import pytest
 from conftest import run_gg
-from gradient_garden.cli import _verbs, main
+from gradient_garden.cli import VERBS, main
 
 RECIPE = "recipes/pretraining/debug.yaml"
 
-@pytest.mark.parametrize("verb", sorted(_verbs()))
+@pytest.mark.parametrize("verb", sorted(VERBS))
 def test_every_verb_has_help(verb, capsys):
     with pytest.raises(SystemExit) as e: main([verb, "--help"])
     assert e.value.code == 0

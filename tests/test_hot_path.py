@@ -146,7 +146,7 @@ def causal_batches(n=4, packed=False, seed=0):
 
 def make_parts(kind: str, n_layers: int = 2, **training):
     "Config, model, task and loaders for `kind` in dense | moe | sft | dpo | distillation, on CPU, in memory."
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.stages.pretraining import CausalLMTask
     cfg = tiny_cfg("tendril_moe" if kind == "moe" else "tendril", n_layers, **training)
     torch.manual_seed(0)
@@ -192,7 +192,7 @@ def _fsdp_reduce_scatters(rank, world, out_dir, mode):
     import torch.distributed as dist
     from gradient_garden.parallel.distributed import DistEnv, apply_fsdp
     from gradient_garden.train.trainer import Trainer
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.stages.pretraining import CausalLMTask
     cfg = tiny_cfg(total_batch_size=2 * 2 * T * world)            # micro-batches of 2 x 16, 2 per rank per step
     cfg.runtime.fsdp_accumulation = mode
@@ -404,7 +404,7 @@ def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
     "`model.attention_backend: flex`: the BlockMask goes through compiled blocks, and the logits equal SDPA's dense mask."
     from gradient_garden.config import ModelConfig
     from gradient_garden.models import attention
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32, multiple_of=16)
     torch.manual_seed(0)
     sdpa = build_model(ModelConfig(**shape, attention_backend="sdpa"))

@@ -8,7 +8,8 @@ import torch
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig, to_plain
 from gradient_garden.generation import generate
-from gradient_garden.models.tendril import Tendril, build_model, count_parameters
+from gradient_garden.models.tendril import Tendril, count_parameters
+from gradient_garden.models.registry import build_model
 
 def _corpus() -> list[str]:
     "Some text that is on every machine: the standard library's own sources."

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradient_garden.config import ConfigError, GlobalConfig, LoraConfig, ModelConfig
 from gradient_garden.models.moe import (TendrilMoE, load_balancing_loss, moe_dispatch, reference_moe, route,
                                         router_z_loss, upcycle)
-from gradient_garden.models.tendril import Tendril, build_model, flops_per_token
+from gradient_garden.models.tendril import Tendril
+from gradient_garden.models.registry import build_model, flops_per_token
 
 CFG = ModelConfig(architecture="tendril_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
                   multiple_of=16, max_seq_len=32, n_experts=4, n_experts_per_token=2)

@@ -178,13 +178,13 @@ def test_fused_adamw_steps_on_cpu():
 
 
 def test_real_tendril_groups_and_lora():
-    tendril = pytest.importorskip("gradient_garden.models.tendril")
+    registry = pytest.importorskip("gradient_garden.models.registry")
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.lora import apply_lora
     cfg = GlobalConfig()
     cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64)
     cfg.optimizers.muon.enabled = True
-    model = tendril.build_model(cfg.model)
+    model = registry.build_model(cfg.model)
     groups = classify_parameters(model)
     assert {g: len(v) for g, v in groups.items()} == {"embeddings": 1, "output": 1, "matrices": 8, "vectors": 5, "adapters": 0}  # per block: wqkv, wo, w13, w2
     assert sum(p.numel() for v in groups.values() for _, p in v) == sum(p.numel() for p in model.parameters())

@@ -14,7 +14,7 @@ from gradient_garden.config import (ConfigError, DPOConfig, DistillationConfig, 
 from gradient_garden.data.verifiable import (TASKS, WORDS, heldout_examples, sample_conversations,
                                              sample_preference_pairs, split_of)
 from gradient_garden.models.lora import apply_lora, lora_state_dict, merge_lora, unmerge_lora, merge_and_unload
-from gradient_garden.models.tendril import build_model
+from gradient_garden.models.registry import build_model
 from gradient_garden.stages.distillation import DistillationTask, check_vocab, distillation_kl, load_teacher
 from gradient_garden.stages.dpo import (DPOLoader, DPOTask, ModelReference, PairDataset, PrecomputedReference, dpo_loss,
                                        prepare_dpo, preference_accuracy, sequence_logps)

@@ -127,7 +127,7 @@ def test_logps_at_the_sampling_temperature_equal_trl(temperature):
     "completion_logps scores each label (and the entropy) under the logits / rl.temperature, as TRL's `selective_log_softmax_and_entropy`."
     from trl.trainer.utils import selective_log_softmax_and_entropy
     from gradient_garden.config import ModelConfig
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.stages.base import IGNORE_INDEX
     from gradient_garden.stages.grpo import collate_rollouts, completion_logps
     torch.manual_seed(0)
@@ -260,7 +260,7 @@ def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
 def _fixed_loader(rank, world, seed=0):
     "A rollout loader over 8 prompts (G 4, 32 rows per step) whose completions and rewards are fixed functions of the prompt."
     from gradient_garden.config import ModelConfig
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.stages.rl import RolloutLoader
     torch.manual_seed(seed)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))

@@ -115,7 +115,7 @@ def test_ultrafeedback_schema_prepares(hub_like):
 
 def test_tendril_block_compiles_without_graph_breaks():
     from gradient_garden.recipes import load_recipe
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     cfg = load_recipe(ROOT/"recipes/pretraining/tendril-124m.yaml").config.model
     cfg.n_layers = 1
     model = build_model(cfg)

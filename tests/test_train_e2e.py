@@ -93,7 +93,7 @@ def _exact_match_worker(rank, world, tok_dir, out_dir):
     from gradient_garden.config import ModelConfig, TokenizerConfig
     from gradient_garden.data.verifiable import heldout_examples
     from gradient_garden.parallel.distributed import apply_fsdp
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.stages.sft import evaluate_exact_match
     from gradient_garden.tokenizer import init_tokenizer
     tok = init_tokenizer(TokenizerConfig(path=tok_dir))
@@ -116,7 +116,7 @@ def test_sft_exact_match_under_fsdp2_is_lockstep_with_uneven_shards(prepared, tm
     assert r.returncode == 0, r.stderr[-3000:]
     from gradient_garden.config import ModelConfig, TokenizerConfig
     from gradient_garden.data.verifiable import heldout_examples
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     from gradient_garden.stages.sft import evaluate_exact_match
     from gradient_garden.tokenizer import init_tokenizer
     torch.manual_seed(0)

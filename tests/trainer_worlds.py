@@ -65,7 +65,7 @@ def probe_mesh(out: Path):
     import torch, torch.distributed as dist
     from gradient_garden.config import ModelConfig, RuntimeConfig
     from gradient_garden.parallel.distributed import init_distributed, parallelize
-    from gradient_garden.models.tendril import build_model
+    from gradient_garden.models.registry import build_model
     runtime = RuntimeConfig(device="cpu", fsdp=True, replicate=2, shard=2)
     env = init_distributed(runtime)
     m = parallelize(build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)), runtime, env)

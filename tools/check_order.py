@@ -6,6 +6,7 @@ import ast, json, sys
 from pathlib import Path
 
 PACKAGE = "gradient_garden"
+NAME_IMPORTS = ("import_module", "__import__")
 
 
 def exported_module(nb_path):
@@ -19,7 +20,7 @@ def exported_module(nb_path):
 
 
 def package_imports(py_path, module):
-    "Modules of the package that `module` (in file `py_path`) imports, at any depth of the file."
+    "Modules of the package that `module` (in file `py_path`) imports, at any depth of the file (statements and names)."
     tree = ast.parse(py_path.read_text())
     is_package = py_path.name == "__init__.py"
     parts = module.split(".") if is_package else module.split(".")[:-1]
@@ -38,6 +39,11 @@ def package_imports(py_path, module):
             else:
                 continue
             found |= set(names)
+        elif isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in NAME_IMPORTS:
+            # an import by a name in a string is an edge too, where the string names a module of the package
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith(PACKAGE + "."):
+                found.add(arg.value.removeprefix(PACKAGE + "."))
     return found
 
 

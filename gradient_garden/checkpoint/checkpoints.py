@@ -523,7 +523,7 @@ def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = N
     ckpt = load_checkpoint(path, optimizers=False)  # a sharded checkpoint: the model's shards only
     try: cfg = from_plain(GlobalConfig, ckpt["config"])
     except ConfigError as e: raise ConfigError(f"{resolve_checkpoint(path)}: stored config is invalid ({e})") from None
-    if build_model is None: from gradient_garden.models.tendril import build_model
+    if build_model is None: from gradient_garden.models.registry import build_model
     model = build_model(cfg.model)
     has_adapters = any(k.endswith((".lora_A", ".lora_B")) for k in ckpt["model"])
     if has_adapters and not merge_lora:

@@ -43,14 +43,13 @@ def add_launch_args(p: argparse.ArgumentParser):
     p.set_defaults(_help=p.format_help)
 
 # %% ../../nbs/75_cli_launch.ipynb #903fba46
-def run_launch(args) -> int:
+def run_launch(args, verbs) -> int:
     "`gg launch`: run the workers with torchrun's launcher; one line of ours at the end when it is signalled or a worker fails."
     from torch.distributed.run import get_args_parser, run   # lazy: the launcher's imports are for this verb only
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from gradient_garden.cli import _verbs
     if not args.argv or args.argv[0] in ("-h", "--help"): print(args._help()); raise SystemExit(0)   # as argparse's --help
-    launcher = get_args_parser().parse_args(torchrun_argv(list(args.argv), set(_verbs())))
+    launcher = get_args_parser().parse_args(torchrun_argv(list(args.argv), set(verbs)))
     try: run(launcher); return 0
     except SignalException as e: rc, line = signal_line(e.sigval)
     except ChildFailedError as e:

@@ -9,7 +9,7 @@ import argparse, contextlib, os, signal, subprocess, sys, threading, time
 from pathlib import Path
 from importlib import resources
 import psutil
-from . import tell_torchrun
+from .common import tell_torchrun
 from ..config import ConfigError
 from ..recipes import load_config
 from ..stages.registry import STAGES, check_stage

@@ -6,7 +6,7 @@ expert, an optional capacity limit, and the router statistics a run reports."""
 
 # %% ../../nbs/12_moe.ipynb #bf29ff59
 from __future__ import annotations
-import dataclasses, math
+import math
 from functools import partial
 from fastcore.basics import patch
 import torch
@@ -22,7 +22,7 @@ __all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balanc
 # %% ../../nbs/12_moe.ipynb #1c54333d
 from ..config import ConfigError, ModelConfig
 from .tendril import (FeedForward, Tendril, TrainableModel, TransformerBlock, ffn_hidden_dim,
-                                            flops_per_token, register_model)
+                                            tendril_flops_per_token)
 
 # %% ../../nbs/12_moe.ipynb #9c4c40fb
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -374,11 +374,9 @@ def moe_active_matmul_params(cfg: ModelConfig) -> int:
 # %% ../../nbs/12_moe.ipynb #efeb8ab1
 def moe_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     "Training FLOPs per token of `tendril_moe`: the dense count with the feed-forward replaced by the active experts."
-    dense = flops_per_token(dataclasses.replace(cfg, architecture="tendril"), seq_len)
+    dense = tendril_flops_per_token(cfg, seq_len)
     dense_ffn = 3 * cfg.dim * ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier)
     return dense + 6 * cfg.n_layers * (moe_active_matmul_params(cfg) - dense_ffn)
-
-register_model("tendril_moe", flops_per_token=moe_flops_per_token)(TendrilMoE);
 
 # %% ../../nbs/12_moe.ipynb #4016f8ba
 def upcycle(dense: Tendril, cfg: ModelConfig) -> TendrilMoE:

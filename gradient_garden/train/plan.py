@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config import ConfigError, GlobalConfig, ModelConfig, grad_accum_steps
 from ..hardware import gpu_datasheet_flops, measure_matmul_peak
-from ..models.tendril import build_model, count_parameters, LOSS_CHUNK_ELEMENTS, flops_per_token
+from ..models.tendril import count_parameters, LOSS_CHUNK_ELEMENTS
+from ..models.registry import build_model, flops_per_token
 from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declared_splits
 from ..models.lora import apply_lora
 from ..parallel.activation_checkpointing import SAVE_OPS

@@ -25,7 +25,8 @@ from .trainer import Trainer, seed_everything
 from .plan import check_fit, estimate_workload
 from ..checkpoint.checkpoints import base_weights, check_compatible, list_checkpoints, load_checkpoint, resolve_checkpoint
 from ..models.lora import apply_lora
-from ..models.tendril import build_model, unwrap_model
+from ..models.tendril import unwrap_model
+from ..models.registry import build_model
 from ..tokenizer import init_tokenizer
 from ..stages.base import StageParts
 from ..stages.registry import check_stage, check_start, get_stage

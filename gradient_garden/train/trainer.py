@@ -27,7 +27,8 @@ from ..checkpoint.state_dict import StateDictAdapter
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
 from ..generation import default_test_prompts, encode_prompts, generate
-from ..models.tendril import trainable, unwrap_model, flops_per_token
+from ..models.tendril import trainable, unwrap_model
+from ..models.registry import flops_per_token
 from .optim import build_optimizers, set_learning_rates
 from ..data.loaders import prefetching
 from ..evals.multiple_choice import evaluate_from_config
