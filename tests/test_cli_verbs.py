@@ -59,3 +59,14 @@ def test_generate_bf16_on_cpu_decodes_fp32_weights_under_autocast(checkpoint, tm
         ref = generate_text(model, init_tokenizer(cfg.tokenizer), PRETRAINING_TEST_PROMPTS, instruct=False, max_new_tokens=6,
                             temperature=0.0, top_p=0.9, top_k=None, repetition_penalty=1.0, use_kv_cache=True, batch_size=4, seed=42)
     assert [r["completion"] for r in json.loads(out.read_text())["results"]] == ref
+
+@pytest.mark.parametrize("verb, modules", [("prepare", ["prepare"]), ("plan", ["train"]), ("generate", ["generate"]),
+                                           ("evaluate", ["evaluate", "prepare"]), ("serve", ["serve"]),
+                                           ("launch", ["launch"])])
+def test_a_verb_imports_its_own_module_alone(verb, modules):
+    "`gg VERB` starts fast: the verb table imports that verb's module (and what it imports), no other verb's."
+    import subprocess, sys
+    probe = (f"import sys; from gradient_garden.cli import build_parser; build_parser({verb!r}); "
+             "print(' '.join(sorted(m for m in sys.modules if m.startswith('gradient_garden.cli.'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == sorted(["gradient_garden.cli.common"] + [f"gradient_garden.cli.{m}" for m in modules]), loaded
