@@ -75,7 +75,8 @@ def release_memory():
 def worker(args):
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.recipes import load_config
-    from gradient_garden.parallel.distributed import init_distributed, parallelize, barrier, all_gather_objects, destroy_distributed
+    from gradient_garden.parallel.collectives import all_gather_objects, barrier
+    from gradient_garden.parallel.distributed import init_distributed, parallelize, destroy_distributed
     from gradient_garden.train.optim import build_optimizers
     from gradient_garden.checkpoint.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,
                                                     load_sharded_state)

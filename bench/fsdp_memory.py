@@ -72,7 +72,8 @@ def worker(args):
     "One rank: measure every (wrapper, optimizer) pair; rank 0 prints all ranks' figures as JSON."
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.recipes import load_config
-    from gradient_garden.parallel.distributed import init_distributed, all_gather_objects, destroy_distributed
+    from gradient_garden.parallel.collectives import all_gather_objects
+    from gradient_garden.parallel.distributed import init_distributed, destroy_distributed
     from gradient_garden.models.tendril import count_parameters
     from gradient_garden.models.registry import build_model
     env = init_distributed(RuntimeConfig(device=args.device))

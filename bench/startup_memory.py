@@ -2,7 +2,7 @@
 
 `whole`: every rank builds and initialises the whole fp32 model on its CPU, then FSDP2 shards it (the start before
 the meta device). `meta`: every rank builds the model on the meta device, FSDP2 shards it there, and
-`materialize` gives the rank storage for its own shards only and initialises them block by block (`21_distributed`).
+`materialize` gives the rank storage for its own shards only and initialises them block by block (`22_distributed`).
 Each mode runs in fresh processes; a rank measures its resident set (`VmRSS`) after imports and the process group,
 resets the kernel's high-water mark (`/proc/self/clear_refs`), builds, and reports `VmHWM` minus that baseline: the
 host memory the start itself took (tracemalloc would see none of it: torch allocates outside Python's allocator).

@@ -34,6 +34,7 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.models.registry`: One table from a model's `architecture` name to its class and its FLOP count: the built-in Tendril and
 - `gradient_garden.models.tendril`: RMSNorm, the SwiGLU feed-forward, the training loss computed without materialising the logits, pre-norm blocks,
 - `gradient_garden.parallel.activation_checkpointing`: Recompute each block's activations in the backward pass instead of keeping them: `none`, `full` (every block) or
+- `gradient_garden.parallel.collectives`: The collectives that the layers above use (`all_reduce`, `barrier`, `broadcast_object`, `all_gather_objects`),
 - `gradient_garden.parallel.distributed`: Start from the torchrun environment (or fall back to one process), pick the device and backend, and apply data
 - `gradient_garden.recipes`: Recipes that bundle a `GlobalConfig` with a data mix; dotted `--set` overrides; the resolved config every run keeps;
 - `gradient_garden.runtime`: The names of dtypes, the choice of device, the autocast context of mixed precision, and files written so that a
@@ -41,7 +42,7 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.serve.app`: A request run on the event loop with one wake-up per decoding step, streams coalesced by a stream interval, SSE
 - `gradient_garden.serve.decoder`: `BatchDecoder`: continuous batching. One KV cache for every running request, new requests prefilled together and
 - `gradient_garden.serve.process`: A checkpoint loaded into a `BatchDecoder`, and that decoder in a process of its own, spoken to over two pipes
-- `gradient_garden.serve.streams`: Token ids in, text out one piece at a time: whole characters only, and stop strings cut exactly, even across tokens.
+- `gradient_garden.serve.streams`: Token ids in, text out one piece at a time: whole characters only, and stop strings cut exactly, even across
 - `gradient_garden.stages.base`: `Stage`: everything the platform knows of a training stage, in one spec; `StageParts`: the task, the loaders and the
 - `gradient_garden.stages.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled by $T^2$) mixed with cross-entropy,
 - `gradient_garden.stages.dpo`: Preference pairs (prompt, chosen, rejected), a frozen reference, the sigmoid / IPO / conservative DPO losses,

@@ -42,8 +42,8 @@ class RuntimeConfig:
     num_workers: int = 0        # background threads that prepare (and pin) the next batches
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 20_activation_checkpointing
-    fsdp_accumulation: Literal["reduce_scatter", "no_sync"] = "reduce_scatter"  # FSDP2 micro-steps; see 21_distributed
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 21_activation_checkpointing
+    fsdp_accumulation: Literal["reduce_scatter", "no_sync"] = "reduce_scatter"  # FSDP2 micro-steps; see 22_distributed
     collective_timeout_s: float = 120.0        # a rank waiting longer in a collective ends the run (training steps)
     long_collective_timeout_s: float = 1800.0  # the same for start-up, the first step, validation, evals, checkpoints
     flight_recorder: int = 2000                # NCCL flight-recorder entries per rank, dumped on a timeout (0: off)

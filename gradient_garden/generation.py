@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from contextlib import contextmanager, nullcontext
 from .config import ConfigError
-from .runtime import is_fsdp
+from .parallel.collectives import is_fsdp
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
 from .models.attention import (Attention, KVCache, additive_mask, apply_rope, attention_mask,

@@ -9,13 +9,11 @@ import contextlib, json, os, shutil
 from pathlib import Path
 import torch
 from .config import ConfigError
-import torch.distributed as dist
-from torch import nn
 
 # %% auto #0
-__all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'reduce_device',
-           'all_reduce', 'barrier', 'broadcast_object', 'all_gather_objects', 'is_fsdp', 'fsync_dir', 'atomic_file',
-           'write_bytes_atomic', 'write_text_atomic', 'write_json_atomic', 'torch_save_atomic', 'atomic_dir']
+__all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'fsync_dir',
+           'atomic_file', 'write_bytes_atomic', 'write_text_atomic', 'write_json_atomic', 'torch_save_atomic',
+           'atomic_dir']
 
 # %% ../nbs/01_runtime.ipynb #6a146fc2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,49 +62,6 @@ def autocast_context(device: torch.device, precision: str):
     precision = resolve_precision(device, precision)[0]
     if precision == "fp32": return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=parse_dtype(precision, "runtime.precision"))
-
-# %% ../nbs/01_runtime.ipynb #3b309ed8
-def reduce_device(device: torch.device, backend: str) -> torch.device:
-    "Where a tensor on `device` can be all-reduced by `backend`: NCCL alone has no CPU collectives, so host tensors go to the current GPU."
-    if device.type == "cpu" and backend == "nccl": return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    "All-reduce `t` in place across ranks (`sum`, `max` or `mean`); identity without a process group."
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        x = t.to(reduce_device(t.device, dist.get_backend()))   # the same tensor unless it must move
-        if op == "mean":
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
-            x /= dist.get_world_size()
-        else: dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-        if x is not t: t.copy_(x)
-    return t
-
-# %% ../nbs/01_runtime.ipynb #1a28e08b
-def barrier():
-    "Wait for every rank (no-op alone)."
-    if dist.is_initialized() and dist.get_world_size() > 1: dist.barrier()
-
-def broadcast_object(obj, src: int = 0):
-    "Send a picklable object from rank `src` to every rank."
-    if not (dist.is_initialized() and dist.get_world_size() > 1): return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-# %% ../nbs/01_runtime.ipynb #db455bf8
-def all_gather_objects(obj) -> list:
-    "Gather one picklable object from every rank, in rank order."
-    if not (dist.is_initialized() and dist.get_world_size() > 1): return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-# %% ../nbs/01_runtime.ipynb #c1796e9b
-def is_fsdp(model: nn.Module) -> bool:
-    "True when `fully_shard` has been applied to `model` (itself, or the module `torch.compile` wraps)."
-    from torch.distributed.fsdp import FSDPModule  # lazy: about 0.5 s of import (measured); runtime is imported by every command
-    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
 
 # %% ../nbs/01_runtime.ipynb #41fac994
 def fsync_dir(d: Path):

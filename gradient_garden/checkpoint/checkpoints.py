@@ -18,7 +18,8 @@ from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
-from ..parallel.distributed import DistEnv, agree, barrier, is_fsdp
+from ..parallel.collectives import barrier, is_fsdp
+from ..parallel.distributed import DistEnv, agree
 from ..models.tendril import unwrap_model
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException

@@ -21,7 +21,8 @@ __all__ = ['DPO_LOSSES', 'PAIR_SOURCE_KEYS', 'DEFAULT_DPO_SOURCES', 'STAGE', 'dp
 from tqdm.auto import tqdm
 from ..config import ConfigError, DPOConfig, GlobalConfig
 from ..checks import check_dpo_section
-from ..runtime import all_reduce, atomic_dir, autocast_context, is_fsdp
+from ..parallel.collectives import all_reduce, is_fsdp
+from ..runtime import atomic_dir, autocast_context
 from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 

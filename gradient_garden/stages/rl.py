@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from ..config import ConfigError, GlobalConfig, grad_accum_steps
 from ..checks import check_rl_section
-from ..runtime import all_reduce, autocast_context, is_fsdp
+from ..parallel.collectives import all_reduce, is_fsdp
+from ..runtime import autocast_context
 from ..models.tendril import unwrap_model
 from ..generation import group_rollouts, plain_module
 from ..evals.verifiers import Problem

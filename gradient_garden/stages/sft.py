@@ -20,7 +20,8 @@ __all__ = ['DEFAULT_INSTRUCT_SOURCES', 'STAGE', 'turn_cuts', 'tokenize_chat', 'w
 
 # %% ../../nbs/42_sft.ipynb #5352b234
 from ..config import ConfigError, GlobalConfig
-from ..runtime import all_gather_objects, atomic_dir
+from ..parallel.collectives import all_gather_objects
+from ..runtime import atomic_dir
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
                                              SPLITS)
 from ..tokenizer import init_tokenizer

@@ -16,8 +16,8 @@ from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig
 from ..checks import validate
 from ..recipes import save_config, load_dotenv
-from ..parallel.distributed import (DistEnv, agree, init_distributed, parallelize, barrier, broadcast_object,
-                                                watch_collectives)
+from ..parallel.collectives import barrier, broadcast_object
+from ..parallel.distributed import DistEnv, agree, init_distributed, parallelize, watch_collectives
 from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops
 from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot

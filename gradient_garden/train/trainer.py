@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ..config import GlobalConfig, grad_accum_steps
 from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precision
 from ..hardware import peak_flops
-from ..parallel.distributed import (DistEnv, all_reduce, grad_sync, is_fsdp, barrier, broadcast_object, set_collective_timeout,
-                                                clip_grad_norm_, all_gather_objects)
+from ..parallel.collectives import all_gather_objects, all_reduce, barrier, broadcast_object, is_fsdp
+from ..parallel.distributed import DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_
 from ..checkpoint.checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                 load_sharded_state, CheckpointWriteError, write_failure_line)
 from ..checkpoint.state_dict import StateDictAdapter
