@@ -94,18 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         else: time.sleep(1.0)  # torchrun ends the other workers once one exits: let rank 0 say it first
         return 2
     except RuntimeError as e:
-        if type(e).__name__ == "CollectiveTimeout":   # a rank stopped answering: one line, by the rank that saw it first
+        if type(e).__name__ == "CollectiveTimeout":   # a rank stopped answering: one line, by the first rank to see it
             if e.first: print(f"error: {e}", file=sys.stderr)
-            tell_torchrun(1, "exit status 1: a collective timed out; the 'error:' line above names the rank that stopped answering")
+            tell_torchrun(1, "exit status 1: a collective timed out; "
+                             "the 'error:' line above names the rank that stopped answering")
             sys.stdout.flush(); sys.stderr.flush(); os._exit(1)   # no teardown: it would wait for the missing rank
         if type(e).__name__ != "CheckpointWriteError": raise
         if rank == 0: print(f"error: {e}", file=sys.stderr)  # rank 0's reason, raised on every rank
-        tell_torchrun(1, "exit status 1: a checkpoint was not written; the 'error:' line above says why and names the last intact one")
+        tell_torchrun(1, "exit status 1: a checkpoint was not written; "
+                         "the 'error:' line above says why and names the last intact one")
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    if rc > 128: tell_torchrun(rc, f"exit status {rc}: stopped by a signal; the 'stopped by' line above names the checkpoint to resume from")
+    if rc > 128: tell_torchrun(rc, f"exit status {rc}: stopped by a signal; "
+                                   "the 'stopped by' line above names the checkpoint to resume from")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # under torchrun the work is done and written: skip interpreter teardown, where gloo's threads can abort
         sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)
