@@ -6,8 +6,7 @@ CPU; groups of samples per prompt with the prompt prefilled once (what RL and pa
 
 # %% ../nbs/30_generation.ipynb #0720ffb2
 from __future__ import annotations
-import inspect, json, warnings
-from pathlib import Path
+import inspect, warnings
 import torch
 import torch.nn as nn
 from contextlib import contextmanager, nullcontext
@@ -54,16 +53,20 @@ def _held(m: nn.Module) -> torch.Tensor | None:
     return m.__dict__.get("_held_weight")
 
 def decode_step_applies(model: nn.Module) -> bool:
-    "True when `decode_step` reproduces `model.forward`: a plain dense Tendril (under autocast holding its decoding weights), no hooks."
-    if not isinstance(model, Tendril) or type(model).forward is not Tendril.forward or "forward" in model.__dict__: return False
+    ("True when `decode_step` reproduces `model.forward`: a plain dense Tendril (under autocast holding its decoding "
+     "weights), no hooks.")
+    if not isinstance(model, Tendril) or type(model).forward is not Tendril.forward: return False
+    if "forward" in model.__dict__: return False
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks: return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()): return False
     if type(model.tok_embeddings) is not nn.Embedding or type(model.norm) is not RMSNorm: return False
     dev = model.rope_cos.device.type
-    low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None   # autocast: every matmul weight held in it
+    # autocast: every matmul weight held in it
+    low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     for b in model.layers:
-        parts_plain = (type(b) is TransformerBlock and type(b.attention) is Attention and type(b.feed_forward) is FeedForward
-                       and type(b.attention_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm)
+        parts_plain = (type(b) is TransformerBlock and type(b.attention) is Attention
+                       and type(b.feed_forward) is FeedForward and type(b.attention_norm) is RMSNorm
+                       and type(b.ffn_norm) is RMSNorm)
         lins = (b.attention.wqkv, b.attention.wo, b.feed_forward.w13, b.feed_forward.w2) if parts_plain else ()
         if not parts_plain or not all(plain_linear(m) for m in lins): return False
         if low is not None and any(_held(m) is None or _held(m).dtype != low for m in lins): return False
@@ -81,7 +84,8 @@ def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
 
 # %% ../nbs/30_generation.ipynb #6a1d0c37
 def _rope_and_bias(model: Tendril, start_pos: int, T: int, pad_mask, positions, attn_bias, dtype) -> tuple:
-    "RoPE angles of each row's `T` new tokens and the additive attention bias (None where causal order is all there is)."
+    ("RoPE angles of each row's `T` new tokens and the additive attention bias (None where causal order is all there "
+     "is).")
     if pad_mask is not None and T > 1: raise ValueError("decode_step: pad_mask is for one new token per row; "
                                                         "for more, pass positions and attn_bias")
     if positions is None and pad_mask is not None: positions = pad_mask.sum(-1, keepdim=True) - 1   # real tokens only
@@ -95,14 +99,16 @@ def _rope_and_bias(model: Tendril, start_pos: int, T: int, pad_mask, positions, 
 def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
                 pad_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attn_bias: torch.Tensor | None = None) -> torch.Tensor:
-    "Logits `[B, vocab]` of the last of `tokens` `[B, T]` written at `start_pos`; padding as `pad_mask` (T = 1) or `positions` + `attn_bias`."
+    ("Logits `[B, vocab]` of the last of `tokens` `[B, T]` written at `start_pos`; padding as `pad_mask` (T = 1) or "
+     "`positions` + `attn_bias`.")
     B, T = tokens.shape
     h = F.embedding(tokens, model.tok_embeddings.weight)          # the residual stream stays in the weights' dtype
     cos, sin, mask = _rope_and_bias(model, start_pos, T, pad_mask, positions, attn_bias, h.dtype)
     for layer in model.layers:
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
-        qkv = _linear(rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps), att.wqkv).view(B, T, H + 2 * KV, d)
+        x = rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps)
+        qkv = _linear(x, att.wqkv).view(B, T, H + 2 * KV, d)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
         k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
         out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)
@@ -120,7 +126,8 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 def _no_grad_mode(model: nn.Module):
-    "`inference_mode`, or `no_grad` for FSDP2 (DTensor) parameters, whose lazily made buffers training must update later."
+    ("`inference_mode`, or `no_grad` for FSDP2 (DTensor) parameters, whose lazily made buffers training must update "
+     "later.")
     DTensor = getattr(getattr(torch.distributed, "tensor", None), "DTensor", None)
     sharded = DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters())
     return torch.no_grad() if sharded else torch.inference_mode()
@@ -130,12 +137,14 @@ def _matmul_modules(model: Tendril) -> list[nn.Module]:
     "The plain linears decoding multiplies by (`wqkv`, `wo`, `w13`, `w2`, the head)."
     names = (("attention", "wqkv"), ("attention", "wo"), ("feed_forward", "w13"), ("feed_forward", "w2"))
     lins = [getattr(getattr(b, part, None), name, None) for b in model.layers for part, name in names]
-    return [m for m in lins if m is not None and plain_linear(m)] + ([model.output] if plain_linear(model.output) else [])
+    head = [model.output] if plain_linear(model.output) else []
+    return [m for m in lins if m is not None and plain_linear(m)] + head
 
 
 # %% ../nbs/30_generation.ipynb #5b2bb22d
 @contextmanager
-def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES, pack_bytes: int | None = PACK_MAX_BYTES):
+def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES,
+                        pack_bytes: int | None = PACK_MAX_BYTES):
     "On CPU, hold every matmul weight prepacked for oneDNN; under autocast in its dtype (copies up to `max_bytes`)."
     dev = _model_device(model).type
     if dev != "cpu" or not isinstance(model, Tendril): yield model; return
@@ -163,6 +172,12 @@ def _left_padded(prompts: list[list[int]], total: int, pad_id: int, device) -> t
         real[i, L - len(p):L] = True
     return tokens.to(device), real.to(device)
 
+# %% ../nbs/30_generation.ipynb #50887723
+def _cached_step(model: nn.Module, tokens: torch.Tensor, cache, pos: int, mask, fast: bool) -> torch.Tensor:
+    "Logits `[B, vocab]` after the token at `pos - 1`, the cache holding those before it: `decode_step` if `fast`."
+    if fast: return decode_step(model, tokens[:, pos - 1:pos], cache, pos - 1, mask)
+    return model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)[:, -1]
+
 # %% ../nbs/30_generation.ipynb #462d219f
 def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, top_k, repetition_penalty, stop_ids,
                     use_kv_cache, pad_id, generator) -> list[list[int]]:
@@ -185,8 +200,7 @@ def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, top_k, r
         mask = real[:, :pos] if padded else None
         if cache is None: logits = model(tokens[:, :pos], attn_mask=mask, **last)[:, -1]
         elif pos == L: logits = model(tokens[:, :L], attn_mask=mask, kv_cache=cache, **last)[:, -1]
-        elif fast: logits = decode_step(model, tokens[:, pos - 1:pos], cache, pos - 1, mask)
-        else: logits = model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)[:, -1]
+        else: logits = _cached_step(model, tokens, cache, pos, mask, fast)
         logits = logits.float()
         if seen is not None: logits = apply_repetition_penalty(logits, seen, repetition_penalty)
         nxt = sample_next(logits, temperature, top_p, top_k, generator)
@@ -285,7 +299,8 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
                    top_p: float = 1.0, top_k: int | None = None, stop_ids=(), pad_id: int = 0,
                    generator: torch.Generator | None = None, lockstep: bool = False,
                    entropies: torch.Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
-    "`group_size` completions per prompt (prompt i's at rows i*G..i*G+G-1), each with its stop token, and which stopped."
+    ("`group_size` completions per prompt (prompt i's at rows i*G..i*G+G-1), each with its stop token, and which "
+     "stopped.")
     device, P, L = next(model.parameters()).device, len(prompts), max(len(p) for p in prompts)
     budget = min(max_new_tokens, model.cfg.max_seq_len - L)
     total = L + budget
@@ -295,27 +310,27 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
     cpu = device.type == "cpu"
     with _no_grad_mode(model), hold_decode_weights(model) if cpu else nullcontext():
         cache = model.new_kv_cache(P, total)
-        logits = model(tokens[:, :L], attn_mask=real[:, :L] if padded else None, kv_cache=cache, logits_to_keep=1)[:, -1]
+        logits = model(tokens[:, :L], attn_mask=real[:, :L] if padded else None, kv_cache=cache,
+                       logits_to_keep=1)[:, -1]
         cache, logits, tokens, real = expand_groups(cache, logits, tokens, real, group_size)
         fast, N = decode_step_applies(model), P * group_size
         out = torch.full((N, budget), pad_id, dtype=torch.long, device=device)
         rows = torch.arange(N, device=device)                  # the row of `out` each row still decoding writes to
         done = torch.zeros(N, dtype=torch.bool, device=device)
         for step, pos in enumerate(range(L, total)):
-            if pos > L:
-                mask = real[:, :pos] if padded else None
-                if fast: logits = decode_step(model, tokens[:, pos - 1:pos], cache, pos - 1, mask)
-                else: logits = model(tokens[:, pos - 1:pos], attn_mask=mask, kv_cache=cache, start_pos=pos - 1)[:, -1]
+            if pos > L: logits = _cached_step(model, tokens, cache, pos, real[:, :pos] if padded else None, fast)
             nxt = sample_next(logits.float(), temperature, top_p, top_k, generator)
-            if entropies is not None: entropies.index_add_(0, rows, token_entropy(logits, temperature).masked_fill(done, 0))
+            if entropies is not None:
+                entropies.index_add_(0, rows, token_entropy(logits, temperature).masked_fill(done, 0))
             tokens[:, pos] = nxt
             if padded: real[:, pos] = True
             out[rows, step] = torch.where(done, pad_id, nxt)
             done |= torch.isin(nxt, stop)
             going = int((~done).sum())
-            if going == 0 and not lockstep: break          # lockstep ranks run every step (FSDP gathers in each forward)
+            if going == 0 and not lockstep: break   # lockstep ranks run every step (FSDP gathers in each forward)
             if 0 < going <= len(rows) * 3 // 4:
-                cache, tokens, real, rows, done = keep_rows(cache, (~done).nonzero().squeeze(1), tokens, real, rows, done)
+                keep = (~done).nonzero().squeeze(1)
+                cache, tokens, real, rows, done = keep_rows(cache, keep, tokens, real, rows, done)
     return cut_at_stop(out[:, :step + 1].tolist(), set(stop.tolist()))
 
 # %% ../nbs/30_generation.ipynb #fddf5fe7
@@ -324,7 +339,8 @@ def encode_prompts(tokenizer, prompts: list, instruct: bool = False) -> list[lis
     out = []
     for p in prompts:
         if not instruct:
-            if not isinstance(p, str): raise ConfigError(f"prompt {p!r}: plain prompts must be strings (use --instruct for messages)")
+            if not isinstance(p, str):
+                raise ConfigError(f"prompt {p!r}: plain prompts must be strings (use --instruct for messages)")
             out.append(tokenizer.encode(p, bos=True))
         else:
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
@@ -338,7 +354,8 @@ def special_token_ids(tokenizer) -> frozenset[int]:
 
 def generate_text(model: nn.Module, tokenizer, prompts: list, instruct: bool = False, skip_special_tokens: bool = True,
                   **kwargs) -> list[str]:
-    "Completions (text) of text prompts, special tokens left out unless `skip_special_tokens=False`; `kwargs` go to `generate`."
+    ("Completions (text) of text prompts, special tokens left out unless `skip_special_tokens=False`; `kwargs` go to "
+     "`generate`.")
     outs = generate(model, tokenizer, encode_prompts(tokenizer, prompts, instruct), **kwargs)
     hidden = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
     return [tokenizer.decode([t for t in o if t not in hidden]) for o in outs]
