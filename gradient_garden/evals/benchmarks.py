@@ -135,7 +135,8 @@ def load_examples(name: str, data_dir=None) -> list[MCExample]:
     for i, row in enumerate(read_jsonl(path), 1):
         missing = [f for f in bench.fields if f not in row]
         if missing:
-            raise ConfigError(f"{path}:{i}: missing field {missing[0]!r}; a {bench.name} row needs {', '.join(bench.fields)}")
+            raise ConfigError(f"{path}:{i}: missing field {missing[0]!r}; a {bench.name} row needs "
+                              f"{', '.join(bench.fields)}")
         try: out.append(bench.to_example(row))
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise ConfigError(f"{path}:{i}: not a valid {bench.name} row ({type(e).__name__}: {e})") from None

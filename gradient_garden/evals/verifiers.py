@@ -17,7 +17,8 @@ __all__ = ['GSM8K_ANSWER', 'NUMBER', 'VERIFIERS', 'Problem', 'from_verifiable', 
 # %% ../../nbs/33_verifiers.ipynb #1e8d0816
 @dataclass(frozen=True)
 class Problem:
-    "A prompt and what its verifier needs: `kind` (verifiable, gsm8k, ...), the task, the answer and the row's other fields."
+    ("A prompt and what its verifier needs: `kind` (verifiable, gsm8k, ...), the task, the answer and the row's other "
+     "fields.")
     kind: str
     task: str
     prompt: str
