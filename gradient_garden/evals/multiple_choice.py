@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from ..config import ConfigError, GlobalConfig
 from collections import defaultdict
 from contextlib import contextmanager
-from .benchmarks import BENCHMARKS, MCExample, get_benchmark, load_examples, sample_indices, eval_source
+from .benchmarks import (BENCHMARKS, MCExample, get_benchmark, load_examples, sample_indices,
+                                              eval_source)
 
 # %% ../../nbs/32_multiple_choice.ipynb #b50a64bc
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
@@ -49,14 +50,16 @@ def default_prefix(tokenizer) -> list[int]:
     if isinstance(getattr(tokenizer, "adds_bos", None), bool):                          # gradient_garden Tokenizer
         return [tokenizer.bos_id] if tokenizer.adds_bos else []
     names = {c.__name__ for c in type(tokenizer).__mro__}
-    if "PreTrainedTokenizerBase" in names: full, plain = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
+    if "PreTrainedTokenizerBase" in names:
+        full, plain = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
     elif type(tokenizer).__module__.startswith("tokenizers"):
         full, plain = tokenizer.encode("a").ids, tokenizer.encode("a", add_special_tokens=False).ids
     else: return []                                                   # tiktoken.Encoding, plain callables: no specials
     full, plain = list(full), list(plain)
     if full[len(full) - len(plain):] != plain:
-        raise ConfigError(f"{type(tokenizer).__name__}: its default special tokens go after the text ({full} vs {plain}); "
-                          "pass add_bos=True/False (--add-bos / --no-add-bos) to choose the prefix")
+        raise ConfigError(f"{type(tokenizer).__name__}: its default special tokens go after the text "
+                          f"({full} vs {plain}); pass add_bos=True/False (--add-bos / --no-add-bos) "
+                          "to choose the prefix")
     return full[:len(full) - len(plain)]
 
 # %% ../../nbs/32_multiple_choice.ipynb #41a42b43
@@ -84,7 +87,8 @@ class _Row:
     "One sequence of a batch; `targets` are (request, position, token) whose log-prob is summed."
     tokens: list[int]
     targets: list[tuple[int, int, int]]
-    ends: Optional[list[int]] = None           # a token tree: token j is seen by the tokens before ends[j] (default: all)
+    # a token tree: token j is seen by the tokens before ends[j] (default: all)
+    ends: Optional[list[int]] = None
     positions: Optional[list[int]] = None      # its position ids (default: 0, 1, 2, ...)
 
 # %% ../../nbs/32_multiple_choice.ipynb #c17f8245
@@ -125,7 +129,8 @@ def _shared_row(pairs: list[tuple[list[int], list[int]]], first_req: int) -> _Ro
         ends[index[n]] = max([ends[index[c]] for c in children[n]], default=index[n] + 1)
     for n in order:
         for c in children[n]: depth[index[c]] = depth[index[n]] + 1
-    targets = [(first_req + r, index[path[j - 1]], s[j]) for r, ((ctx, _), s, path) in enumerate(zip(pairs, seqs, paths))
+    targets = [(first_req + r, index[path[j - 1]], s[j])
+               for r, ((ctx, _), s, path) in enumerate(zip(pairs, seqs, paths))
                for j in range(len(ctx), len(s))]
     return _Row([tok[n - 1] for n in order], targets, ends, depth)
 
@@ -165,7 +170,7 @@ def _keeps_logits(model) -> bool:
 # %% ../../nbs/32_multiple_choice.ipynb #6367fa99
 def _batch_inputs(rows: list[_Row], pad_id: int, device) -> tuple[torch.Tensor, dict]:
     "Right-padded token ids `[B, T]` and, when a row is a tree, its attention mask and position ids for the forward."
-    B, T = len(rows), max(len(r.tokens) for r in rows)
+    T = max(len(r.tokens) for r in rows)
     pad = lambda xs, v: list(xs) + [v] * (T - len(xs))
     tokens = torch.tensor([pad(r.tokens, pad_id) for r in rows])
     if all(r.ends is None for r in rows): return tokens.to(device), {}
@@ -185,7 +190,8 @@ def _norm_and_head(model) -> Optional[tuple[torch.nn.Module, Callable]]:
     inner = getattr(m, "model", None)                                                   # HFCausalLM(LlamaForCausalLM)
     if isinstance(getattr(getattr(inner, "model", None), "norm", None), torch.nn.Module) and hasattr(inner, "lm_head"):
         return inner.model.norm, inner.lm_head
-    if isinstance(getattr(m, "norm", None), torch.nn.Module) and callable(getattr(m, "head", None)) and hasattr(m, "layers"):
+    if (isinstance(getattr(m, "norm", None), torch.nn.Module) and callable(getattr(m, "head", None))
+            and hasattr(m, "layers")):
         return m.norm, m.head
     return None
 
@@ -225,7 +231,8 @@ def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int 
     "One forward pass over `rows`: summed target log-probs per request (float64, CPU) [and `is_greedy` flags]."
     tokens, kw = _batch_inputs(rows, pad_id, device)
     T = tokens.shape[1]
-    req, b_idx, p_idx, tgt = (torch.tensor(v) for v in zip(*[(q, i, p, t) for i, r in enumerate(rows) for q, p, t in r.targets]))
+    req, b_idx, p_idx, tgt = (torch.tensor(v)
+                              for v in zip(*[(q, i, p, t) for i, r in enumerate(rows) for q, p, t in r.targets]))
     scored, where = torch.unique(b_idx * T + p_idx, return_inverse=True)      # positions read, once each
     found = _norm_and_head(model)
     if found is not None:                      # the head and the log-softmax at the scored positions only
@@ -246,8 +253,10 @@ def _forward_rows(model, rows: list[_Row], n_requests: int, device, pad_id: int 
 def model_max_len(model) -> Optional[int]:
     "The model's context length if it advertises one (`cfg.max_seq_len` or HF `config.max_position_embeddings`)."
     m = getattr(model, "module", model)
-    for holder, attr in ((getattr(m, "cfg", None), "max_seq_len"), (getattr(m, "config", None), "max_position_embeddings"),
-                         (getattr(getattr(m, "model", None), "config", None), "max_position_embeddings"), (m, "max_seq_len")):
+    for holder, attr in ((getattr(m, "cfg", None), "max_seq_len"),
+                         (getattr(m, "config", None), "max_position_embeddings"),
+                         (getattr(getattr(m, "model", None), "config", None), "max_position_embeddings"),
+                         (m, "max_seq_len")):
         v = getattr(holder, attr, None) if holder is not None else None
         if isinstance(v, int) and v > 0: return v
     return None
@@ -285,7 +294,8 @@ def _group_rows(encoded, members: list[int], share_context: bool, max_len: Optio
 
 # %% ../../nbs/32_multiple_choice.ipynb #6a2ae084
 def _length_batches(lengths: Sequence[int], per: int, split: float = 0.0) -> list[list[int]]:
-    "Indices longest first, `per` at most per batch; with `split` > 0 also a new batch where a length < split x the first's."
+    ("Indices longest first, `per` at most per batch; with `split` > 0 also a new batch where a length < split x the "
+     "first's.")
     out: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if out and len(out[-1]) < per and lengths[i] >= split * lengths[out[-1][0]]: out[-1].append(i)
@@ -306,7 +316,8 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
         same = defaultdict(list)
         for i, pairs in enumerate(encoded): same[_prefix_key(pairs)].append(i)
         groups = [_group_rows(encoded, members, True, max_len) for members in same.values()]
-    else: groups = [[u] for i in range(len(encoded)) for u in _group_rows(encoded, [i], False, max_len)]   # ... or choices
+    else:                                 # ... or choices
+        groups = [[u] for i in range(len(encoded)) for u in _group_rows(encoded, [i], False, max_len)]
     per = batch_size if share_context else batch_size * max((len(ex.requests) for ex in examples), default=1)
     lengths = [max(len(row.tokens) for _, row in g) for g in groups]
     batches = _length_batches(lengths, per, SPLIT_RATIO if n_batches is None else 0.0)   # ranks: a fixed count
@@ -320,7 +331,8 @@ def score_examples(model, tokenizer, examples: Sequence[MCExample], batch_size: 
                 continue
             rows, slots = [], []                          # slots[r]: the (example, choice) of request r
             for unit_slots, row in (u for g in batches[bi] for u in groups[g]):
-                rows.append(_Row(row.tokens, [(q + len(slots), p, t) for q, p, t in row.targets], row.ends, row.positions))
+                rows.append(_Row(row.tokens, [(q + len(slots), p, t) for q, p, t in row.targets], row.ends,
+                                 row.positions))
                 slots += unit_slots
             for (i, j), ll in zip(slots, _forward_rows(model, rows, len(slots), device).tolist()): out[i][j] = ll
     finally:
@@ -344,13 +356,15 @@ def mean_stderr(xs: Sequence[float]) -> Optional[float]:
 def mc_metrics(lls: Sequence[Sequence[float]], examples: Sequence[MCExample]) -> dict:
     "acc, acc_norm, their standard errors and n, from per-choice log-likelihoods."
     acc = [float(_argmax(ll) == ex.gold) for ll, ex in zip(lls, examples)]
-    norm = [float(_argmax([l / max(n, 1.0) for l, n in zip(ll, ex.lengths)]) == ex.gold) for ll, ex in zip(lls, examples)]
+    norm = [float(_argmax([l / max(n, 1.0) for l, n in zip(ll, ex.lengths)]) == ex.gold)
+            for ll, ex in zip(lls, examples)]
     mean = lambda xs: sum(xs) / len(xs) if xs else None
     return {"acc": mean(acc), "acc_stderr": mean_stderr(acc), "acc_norm": mean(norm),
             "acc_norm_stderr": mean_stderr(norm), "n": len(acc)}
 
 # %% ../../nbs/32_multiple_choice.ipynb #9e0f1410
-def sample_record(doc_id: int, ex: MCExample, lls: Sequence[float], pairs: Sequence[tuple[list[int], list[int]]]) -> dict:
+def sample_record(doc_id: int, ex: MCExample, lls: Sequence[float],
+                  pairs: Sequence[tuple[list[int], list[int]]]) -> dict:
     "One scored example as `--log-samples` writes it."
     pred, pred_norm = _argmax(lls), _argmax([l / max(n, 1.0) for l, n in zip(lls, ex.lengths)])
     return {"doc_id": doc_id, "arguments": [list(r) for r in ex.requests], "loglikelihoods": [float(l) for l in lls],
@@ -366,9 +380,10 @@ def _dist_info(rank, world_size) -> tuple[int, int, bool]:
     return rank, world_size, on and world_size > 1
 
 def evaluate_benchmarks(model, tokenizer, names: Sequence[str], examples: Union[int, dict, None] = 100,
-                        batch_size: int = 16, device="cpu", rank: Optional[int] = None, world_size: Optional[int] = None,
-                        data_dir=None, seed: int = 1234, *, share_context: bool = True, add_bos: Optional[bool] = None,
-                        max_len: Optional[int] = None, progress: bool = False, samples: Optional[dict] = None) -> dict[str, dict]:
+                        batch_size: int = 16, device="cpu", rank: Optional[int] = None,
+                        world_size: Optional[int] = None, data_dir=None, seed: int = 1234, *,
+                        share_context: bool = True, add_bos: Optional[bool] = None, max_len: Optional[int] = None,
+                        progress: bool = False, samples: Optional[dict] = None) -> dict[str, dict]:
     "Metrics per benchmark on a seeded subset (`examples`: int, {name: int}, None/0: all), split across ranks."
     rank, world_size, gather = _dist_info(rank, world_size)
     results = {}
@@ -380,7 +395,8 @@ def evaluate_benchmarks(model, tokenizer, names: Sequence[str], examples: Union[
         mine = idx[rank::world_size]
         n_batches = math.ceil(math.ceil(len(idx) / world_size) / batch_size)
         lls = score_examples(model, tokenizer, [exs[i] for i in mine], batch_size, device, share_context=share_context,
-                             add_bos=add_bos, max_len=max_len, n_batches=n_batches if world_size > 1 else None, progress=progress and rank == 0)
+                             add_bos=add_bos, max_len=max_len, n_batches=n_batches if world_size > 1 else None,
+                             progress=progress and rank == 0)
         scored = dict(zip(mine, lls))
         if gather:
             parts = [None] * world_size
@@ -391,7 +407,8 @@ def evaluate_benchmarks(model, tokenizer, names: Sequence[str], examples: Union[
                               "source": eval_source(bench.name, data_dir)}
         if samples is not None:
             pair = pair_encoder(tokenizer, add_bos)
-            samples[bench.name] = [sample_record(i, exs[i], scored[i], [pair(c, k) for c, k in exs[i].requests]) for i in keep]
+            samples[bench.name] = [sample_record(i, exs[i], scored[i], [pair(c, k) for c, k in exs[i].requests])
+                                   for i in keep]
     return results
 
 # %% ../../nbs/32_multiple_choice.ipynb #bc47cd0a
@@ -409,8 +426,9 @@ def evaluate_from_config(model, tokenizer, cfg: GlobalConfig, env=None) -> dict[
             _warned.add(name)
             print(f"warning: {Path(cfg.paths.evals)/(name + '.jsonl')} not found; evaluating {name} on the bundled "
                   f"fixture (run `gg prepare --{get_benchmark(name).flag}` for the real benchmark)", file=sys.stderr)
-        results.update(evaluate_benchmarks(model, tokenizer, [name], getattr(ev, f"{name}_examples", 100), ev.batch_size,
-                                           device, rank, world_size, data_dir, ev.seed, max_len=cfg.model.max_seq_len))
+        results.update(evaluate_benchmarks(model, tokenizer, [name], getattr(ev, f"{name}_examples", 100),
+                                           ev.batch_size, device, rank, world_size, data_dir, ev.seed,
+                                           max_len=cfg.model.max_seq_len))
     return results
 
 # %% ../../nbs/32_multiple_choice.ipynb #3aa6f511
@@ -423,7 +441,8 @@ def validation_loss(model, batches, device="cpu") -> dict:
     for b in batches:
         x, y = b["input_ids"].to(device), b["labels"].to(device)
         logits = _logits(model, x)
-        total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum").double()
+        total[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                                    reduction="sum").double()
         total[1] += (y != -100).sum()
     if was_training: model.train()
     if torch.distributed.is_available() and torch.distributed.is_initialized(): torch.distributed.all_reduce(total)
