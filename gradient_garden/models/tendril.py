@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..config import ConfigError, ModelConfig
-from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask, compiled_once,
-                                              document_block_mask, fp32_at_least, fused_layout, positions_from_doc_ids,
-                                              positions_from_pad_mask, precompute_rope, plain_linear, plain_ops,
-                                              inference_linear, packed_weight)
+from .attention import (Attention, KVCache, additive_mask, attention_backend, attention_mask,
+                                              compiled_once, document_block_mask, fp32_at_least, fused_layout,
+                                              positions_from_doc_ids, positions_from_pad_mask, precompute_rope,
+                                              plain_linear, plain_ops, inference_linear, packed_weight)
 
 # %% auto #0
 __all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'RESCORE_TOP_K', 'ffn_hidden_dim', 'RMSNormFunction',
@@ -49,7 +49,8 @@ class RMSNormFunction(torch.autograd.Function):
         dot = torch.linalg.vecdot(gw, xhat).unsqueeze(-1).div_(x.shape[-1])
         grad_x = torch.addcmul(gw, xhat, dot, value=-1).mul_(rstd).to(x.dtype)
         grad_w = None
-        if ctx.needs_input_grad[1]: grad_w = (fp32_at_least(grad) * xhat).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (fp32_at_least(grad) * xhat).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
         return grad_x, grad_w, None
 
 
@@ -113,10 +114,12 @@ class FeedForward(nn.Module):
 
 # %% ../../nbs/11_tendril.ipynb #ae77ae28
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "default": 1 << 26}   # logits per chunk, by device type
-LOSS_IMPL = "auto"   # auto | eager | compiled | liger: auto = eager on CPU, Liger-Kernel on CUDA if installed, else compiled
+# auto | eager | compiled | liger: auto = eager on CPU, Liger-Kernel on CUDA if installed, else compiled
+LOSS_IMPL = "auto"
 
 def chunk_loss_and_grad(hc: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int):
-    "Summed loss of one chunk and its logits' gradient `softmax - one_hot` (0 on unlabelled rows), in plain ops to compile."
+    ("Summed loss of one chunk and its logits' gradient `softmax - one_hot` (0 on unlabelled rows), in plain ops to "
+     "compile.")
     keep = labels != ignore_index
     target = torch.where(keep, labels, 0)
     logits = (hc @ weight.T).float()
@@ -136,7 +139,8 @@ def _eager_chunk_loss_and_grad(hc, weight, labels, ignore_index: int):
     grad = logits.sub_(top).exp_()                                      # in place of the logits: one exp pass
     denom = grad.sum(-1, keepdim=True)
     loss = torch.where(keep, (denom.log() - target_logit).squeeze(1), 0).sum()   # log-sum-exp - target logit
-    grad.div_(denom.masked_fill_(~keep[:, None], float("inf")))        # softmax; unlabelled rows become 0, no host check
+    # softmax; unlabelled rows become 0, no host check
+    grad.div_(denom.masked_fill_(~keep[:, None], float("inf")))
     grad.scatter_add_(1, target, -keep[:, None].to(grad.dtype))         # minus the one-hot label
     return loss, grad.to(hc.dtype)
 
@@ -144,7 +148,8 @@ LOSS_COMPILE_BACKEND = "inductor"
 _COMPILED_CHUNK: dict = {}
 
 def compiled_chunk_fn(backend: str | None = None):
-    "`chunk_loss_and_grad` under `torch.compile` (`LOSS_COMPILE_BACKEND` by default; one compiled function per backend)."
+    ("`chunk_loss_and_grad` under `torch.compile` (`LOSS_COMPILE_BACKEND` by default; one compiled function per "
+     "backend).")
     return compiled_once(chunk_loss_and_grad, backend or LOSS_COMPILE_BACKEND, _COMPILED_CHUNK)
 
 
@@ -152,9 +157,11 @@ def compiled_chunk_fn(backend: str | None = None):
 class LinearCrossEntropyFunction(torch.autograd.Function):
     "Summed cross-entropy of `h @ weight.T` against `labels`, chunk by chunk, with the gradients formed in the forward."
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_rows: int, ignore_index: int, chunk_fn: Callable = _eager_chunk_loss_and_grad):
+    def forward(ctx, h, weight, labels, chunk_rows: int, ignore_index: int,
+                chunk_fn: Callable = _eager_chunk_loss_and_grad):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32,
+                             device=weight.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk_rows):
             hc = h[s:s + chunk_rows]
@@ -208,11 +215,13 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 @torch.compiler.disable
 def _chunked_loss(h, weight, labels, rows: int, ignore_index: int, impl: str = "eager") -> torch.Tensor:
-    "Outside any traced graph, autocast off: Liger's kernel, or the fused Function (eager or compiled chunks), or loss only."
+    ("Outside any traced graph, autocast off: Liger's kernel, or the fused Function (eager or compiled chunks), or "
+     "loss only.")
     with torch.autocast(h.device.type, enabled=False):
         wants_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         if impl == "liger":
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # lazy: optional kernel (loss_impl liger), not a dependency
+            # lazy: optional kernel (loss_impl liger), not a dependency
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
             out = liger_fused_linear_cross_entropy(h, weight, labels, ignore_index=ignore_index, reduction="sum")
             return (out[0] if isinstance(out, tuple) else out).float()
         if wants_grad:
@@ -220,7 +229,8 @@ def _chunked_loss(h, weight, labels, rows: int, ignore_index: int, impl: str = "
             return LinearCrossEntropyFunction.apply(h, weight, labels, rows, ignore_index, fn)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], rows):
-            total += F.cross_entropy((h[s:s + rows] @ weight.T).float(), labels[s:s + rows], ignore_index=ignore_index, reduction="sum")
+            total += F.cross_entropy((h[s:s + rows] @ weight.T).float(), labels[s:s + rows], ignore_index=ignore_index,
+                                     reduction="sum")
         return total
 
 
@@ -249,7 +259,8 @@ def check_model_config(cfg: ModelConfig) -> ModelConfig:
     if cfg.dim % cfg.n_heads:
         raise ConfigError(f"model.dim: got {cfg.dim}; must be divisible by model.n_heads = {cfg.n_heads}")
     if cfg.head_dim % 2:
-        raise ConfigError(f"model.n_heads: got {cfg.n_heads}; head_dim = dim / n_heads = {cfg.head_dim} must be even for RoPE")
+        raise ConfigError(f"model.n_heads: got {cfg.n_heads}; head_dim = dim / n_heads = {cfg.head_dim} must be even "
+                          "for RoPE")
     if cfg.n_heads % cfg.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: got {cfg.n_kv_heads}; must divide model.n_heads = {cfg.n_heads}")
     return cfg
@@ -270,7 +281,8 @@ class TrainableModel:
         "Forget the statistics accumulated by eval-mode forwards; nothing to forget by default."
 
     def router_stats(self) -> torch.Tensor | None:
-        "This process's accumulated statistics, sums and counts in one tensor (the trainer sums it over ranks); None by default."
+        ("This process's accumulated statistics, sums and counts in one tensor (the trainer sums it over ranks); None "
+         "by default.")
         return None
 
     def router_metrics(self, stats: torch.Tensor | None = None) -> dict[str, float]:
@@ -288,7 +300,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 _NOTHING_DECLARED = TrainableModel()
 
 def trainable(model: nn.Module) -> TrainableModel:
-    "The one place to ask for optional behaviour: the unwrapped model when it declares `TrainableModel`, else the defaults."
+    ("The one place to ask for optional behaviour: the unwrapped model when it declares `TrainableModel`, else the "
+     "defaults.")
     inner = unwrap_model(model)
     return inner if isinstance(inner, TrainableModel) else _NOTHING_DECLARED
 
@@ -308,7 +321,8 @@ def unfused_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return sorted(items, key=lambda item: (first[parent(item[0])], rank(item[0])))
 
 def _normal_(t: torch.Tensor, std: float):
-    "`nn.init.normal_` drawn as for a tensor of `t`'s shape on its own (a strided view gets a contiguous draw copied in)."
+    ("`nn.init.normal_` drawn as for a tensor of `t`'s shape on its own (a strided view gets a contiguous draw copied "
+     "in).")
     if t.is_contiguous(): nn.init.normal_(t, 0.0, std)
     else: t.copy_(nn.init.normal_(torch.empty(t.shape, dtype=t.dtype, device=t.device), 0.0, std))
 
@@ -338,10 +352,12 @@ class Tendril(TrainableModel, nn.Module):
     def init_weights(self):
         "N(0, init_std) weights, init_std / sqrt(2 n_layers) for `wo` and `w2`, unit norm gains, fresh RoPE tables."
         std = self.cfg.init_std
-        for name, p in unfused_parameters(self):           # fused weights block by block: a seed gives the weights it always gave
+        # fused weights block by block: a seed gives the weights it always gave
+        for name, p in unfused_parameters(self):
             if p.dim() == 1: nn.init.ones_(p)
             else: _normal_(p, std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(_RESIDUAL_OUT) else std)
-        cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                                   device=self.rope_cos.device)
         self.rope_cos.copy_(cos); self.rope_sin.copy_(sin)
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int | None = None) -> KVCache:
@@ -362,7 +378,8 @@ def param_init(self: Tendril, name: str) -> tuple[str, float]:
 @patch
 def init_buffers(self: Tendril):
     "Recompute the RoPE tables in place (after `to_empty` they hold garbage)."
-    cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+    cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                               device=self.rope_cos.device)
     with torch.no_grad(): self.rope_cos.copy_(cos); self.rope_sin.copy_(sin)
 
 # %% ../../nbs/11_tendril.ipynb #fba784cd
@@ -380,15 +397,15 @@ def forward(self: Tendril, tokens: torch.Tensor, *, position_ids: torch.Tensor |
     if attn_mask is not None:
         if attn_mask.dim() == 2: pad_mask = attn_mask.bool()
         elif attn_mask.dim() == 4: full_mask = attn_mask.bool()
-        else: raise ValueError(f"attn_mask: expected [B, S] padding mask or [B, 1, T, S] boolean mask, got shape {tuple(attn_mask.shape)}")
+        else: raise ValueError("attn_mask: expected [B, S] padding mask or [B, 1, T, S] boolean mask, got shape "
+                               f"{tuple(attn_mask.shape)}")
     if position_ids is None:
         if doc_ids is not None: position_ids = positions_from_doc_ids(doc_ids)
         elif pad_mask is not None and T == 1: position_ids = pad_mask.sum(-1, keepdim=True).clamp(min=1) - 1
         elif pad_mask is not None: position_ids = positions_from_pad_mask(pad_mask)[:, start_pos:]
     if position_ids is None: cos, sin = self.rope_cos[start_pos:end, None], self.rope_sin[start_pos:end, None]
     else: cos, sin = self.rope_cos[position_ids].unsqueeze(2), self.rope_sin[position_ids].unsqueeze(2)
-    h = self.tok_embeddings(tokens)
-    mask = full_mask
+    h, mask = self.tok_embeddings(tokens), full_mask
     if mask is None and doc_ids is not None and pad_mask is None and start_pos == 0 \
             and attention_backend(tokens.device.type, self.cfg.attention_backend) == "flex":
         mask = document_block_mask(doc_ids)   # packed documents: block-sparse flex_attention
@@ -416,8 +433,10 @@ def loss_sum(self: Tendril, h: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 RESCORE_TOP_K = 8   # inference under autocast recomputes this many of each row's top logits in fp32
 
-def rescore_top_logits(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int = RESCORE_TOP_K) -> torch.Tensor:
-    "`logits` `[..., V]` in fp32, each row's top `k` recomputed in fp32 from `h` `[..., d]` and the head `weight` `[V, d]`."
+def rescore_top_logits(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                       k: int = RESCORE_TOP_K) -> torch.Tensor:
+    ("`logits` `[..., V]` in fp32, each row's top `k` recomputed in fp32 from `h` `[..., d]` and the head `weight` "
+     "`[V, d]`.")
     with torch.autocast(h.device.type, enabled=False):
         out = logits.to(torch.float32, copy=True)
         idx = out.topk(min(k, out.shape[-1]), dim=-1).indices
@@ -425,10 +444,12 @@ def rescore_top_logits(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tens
 
 @patch
 def head(self: Tendril, h: torch.Tensor) -> torch.Tensor:
-    "The output projection; for a few tokens of inference prepacked or `W @ h.T` on CPU, under autocast re-scored in fp32."
+    ("The output projection; for a few tokens of inference prepacked or `W @ h.T` on CPU, under autocast re-scored in "
+     "fp32.")
     few = h.shape[0] * h.shape[1] <= 32 and not torch.is_grad_enabled() and plain_linear(self.output)
     if few and torch.is_autocast_enabled(h.device.type):       # a low-precision copy held for decoding, if any
-        return rescore_top_logits(inference_linear(h, self.output, self.output.__dict__.get("_held_weight")), h, self.output.weight)
+        return rescore_top_logits(inference_linear(h, self.output, self.output.__dict__.get("_held_weight")), h,
+                                  self.output.weight)
     if few and packed_weight(self.output, h) is not None: return inference_linear(h, self.output)
     if few and h.device.type == "cpu":
         return (self.output.weight @ h.flatten(0, 1).T).T.unflatten(0, h.shape[:2])
