@@ -13,7 +13,7 @@ from ..config import ConfigError
 from ..parallel.collectives import all_gather_objects
 from ..data.verifiable import heldout_examples
 from ..generation import group_rollouts, plain_module
-from .verifiers import Problem, VERIFIERS, correctness, from_verifiable, gsm8k_final
+from .verifiers import Problem, correctness, from_verifiable, gsm8k_final
 
 # %% auto #0
 __all__ = ['GENERATIVE_SETS', 'encode_prompt', 'heldout_hits', 'summarize_hits', 'gsm8k_examples', 'heldout_examples_for',
@@ -34,6 +34,7 @@ def heldout_hits(model, tokenizer, examples: list[Problem], k: int = 4, max_new_
     model = plain_module(model)
     dev = next(model.parameters()).device
     tok, stops = tokenizer, [t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None]
+    pad = tok.pad_id or 0
     ids = [encode_prompt(tok, e.prompt, plain) for e in examples]
     n = len(ids) if n_rows is None else n_rows
     ids = ids + [ids[0] if ids else [tok.bos_id or 0]] * (n - len(ids))
@@ -45,19 +46,22 @@ def heldout_hits(model, tokenizer, examples: list[Problem], k: int = 4, max_new_
         for s in range(0, n, batch_size):
             part = ids[s:s + batch_size]
             if not part: break
-            g, _ = group_rollouts(model, part, 1, max_new_tokens, 0.0, stop_ids=stops, pad_id=tok.pad_id or 0, lockstep=lockstep)
-            smp, _ = (group_rollouts(model, part, k, max_new_tokens, temperature, top_p, None, stops, tok.pad_id or 0, gen, lockstep)
+            g, _ = group_rollouts(model, part, 1, max_new_tokens, 0.0, stop_ids=stops, pad_id=pad, lockstep=lockstep)
+            smp, _ = (group_rollouts(model, part, k, max_new_tokens, temperature, top_p, None, stops, pad, gen,
+                                     lockstep)
                       if k else ([], []))
             greedy += g; sampled += smp
     finally: model.train(was)
     text = lambda o: tok.decode([t for t in o if t not in stops])
     hits = [correctness(e, text(greedy[i])) for i, e in enumerate(examples)]
-    khits = [sum(correctness(e, text(o)) for o in sampled[i * k:(i + 1) * k]) for i, e in enumerate(examples)] if k else [0] * len(examples)
+    khits = ([sum(correctness(e, text(o)) for o in sampled[i * k:(i + 1) * k]) for i, e in enumerate(examples)]
+             if k else [0] * len(examples))
     return hits, khits
 
 # %% ../../nbs/34_generative.ipynb #cb8ff6e9
 def summarize_hits(examples: list[Problem], hits: list, khits: list, k: int) -> dict:
-    "exact_match (greedy), pass@k (one of k samples right) and avg@k (the mean accuracy of k samples), overall and per task."
+    ("exact_match (greedy), pass@k (one of k samples right) and avg@k (the mean accuracy of k samples), overall and "
+     "per task.")
     out, n = {}, max(len(examples), 1)
     out["exact_match"] = sum(hits) / n
     if k: out[f"pass@{k}"], out[f"avg@{k}"] = sum(h > 0 for h in khits) / n, sum(khits) / (n * k)
@@ -65,7 +69,9 @@ def summarize_hits(examples: list[Problem], hits: list, khits: list, k: int) -> 
     for e, h, kh in zip(examples, hits, khits): tasks.setdefault(e.task, []).append((h, kh))
     for t, v in tasks.items():
         out[f"exact_match/{t}"] = sum(h for h, _ in v) / len(v)
-        if k: out[f"pass@{k}/{t}"], out[f"avg@{k}/{t}"] = sum(kh > 0 for _, kh in v) / len(v), sum(kh for _, kh in v) / (len(v) * k)
+        if k:
+            out[f"pass@{k}/{t}"] = sum(kh > 0 for _, kh in v) / len(v)
+            out[f"avg@{k}/{t}"] = sum(kh for _, kh in v) / (len(v) * k)
     return out
 
 # %% ../../nbs/34_generative.ipynb #1066b9da
@@ -76,28 +82,34 @@ def _gsm8k_rows(src: dict, split_key: str, where: str) -> list[dict]:
     if p.suffix in (".json", ".jsonl") or p.exists():
         if not p.exists(): raise ConfigError(f"{where}.path: {p} not found")
         ds = datasets.load_dataset("json", data_files=str(p), split="train")
-    else: ds = datasets.load_dataset(src["path"], src.get("name", "main"), split=src.get(split_key, "train" if split_key == "split" else "test"),
-                                     revision=src.get("revision"))
+    else:
+        split = src.get(split_key, "train" if split_key == "split" else "test")
+        ds = datasets.load_dataset(src["path"], src.get("name", "main"), split=split, revision=src.get("revision"))
     for c in ("question", "answer"):
-        if c not in ds.column_names: raise ConfigError(f"{where}: the rows have no {c!r} column (columns: {', '.join(ds.column_names)}); GSM8K's schema is question, answer ending '#### n'")
+        if c not in ds.column_names:
+            raise ConfigError(f"{where}: the rows have no {c!r} column (columns: {', '.join(ds.column_names)}); "
+                              "GSM8K's schema is question, answer ending '#### n'")
     return list(ds)
 
 # %% ../../nbs/34_generative.ipynb #5ce7182b
 def gsm8k_examples(src: dict, split: str, where: str) -> list[Problem]:
     "GSM8K-schema rows as examples (`val`: the `val_split` file or split); rows without a final `#### n` refused."
     if split == "val" and not src.get("val_split"): return []
-    s = dict(src, path=src["val_split"]) if split == "val" and Path(str(src["val_split"])).suffix in (".json", ".jsonl") else src
+    val_file = split == "val" and Path(str(src["val_split"])).suffix in (".json", ".jsonl")
+    s = dict(src, path=src["val_split"]) if val_file else src
     rows = _gsm8k_rows(s, "val_split" if split == "val" and s is src else "split", where)
     limit = src.get("max_examples" if split == "train" else "max_val_examples")
     out = []
     for i, row in enumerate(rows[:limit] if limit else rows):
-        if gsm8k_final(row["answer"]) is None: raise ConfigError(f"{where}: row {i} answer does not end in '#### <number>': {row['answer'][-60:]!r}")
+        if gsm8k_final(row["answer"]) is None:
+            raise ConfigError(f"{where}: row {i} answer does not end in '#### <number>': {row['answer'][-60:]!r}")
         out.append(Problem("gsm8k", "gsm8k", row["question"], row["answer"], dict(row)))
     return out
 
 # %% ../../nbs/34_generative.ipynb #6da99627
 def heldout_examples_for(sources: Optional[list] = None, n_per_task: int = 20, seed: int = 0) -> list[Problem]:
-    "Held-out problems of prompt sources: the embedded tasks' held-out problems (of a `verifiable` source's tasks) and GSM8K `val_split` rows."
+    ("Held-out problems of prompt sources: the embedded tasks' held-out problems (of a `verifiable` source's tasks) "
+     "and GSM8K `val_split` rows.")
     srcs, out = sources or [{"type": "verifiable"}], []
     for s in srcs:
         if isinstance(s, dict) and s.get("type") == "verifiable":
@@ -112,8 +124,9 @@ def evaluate_generative(model, tokenizer, examples: list[Problem], k: int = 4, m
                         rank: int = 0, world_size: int = 1, lockstep: bool = False, batch_size: int = 64) -> dict:
     "Greedy exact match and sampled pass@k of `examples`, split over ranks and gathered."
     mine = list(range(rank, len(examples), world_size))
-    hits, khits = heldout_hits(model, tokenizer, [examples[i] for i in mine], k, max_new_tokens, temperature, top_p, plain,
-                               seed + rank, batch_size, lockstep, -(-len(examples) // world_size) if lockstep else None)
+    hits, khits = heldout_hits(model, tokenizer, [examples[i] for i in mine], k, max_new_tokens, temperature, top_p,
+                               plain, seed + rank, batch_size, lockstep,
+                               -(-len(examples) // world_size) if lockstep else None)
     got = [None] * len(examples)
     for part in all_gather_objects(list(zip(mine, hits, khits))):
         for i, h, kh in part: got[i] = (h, kh)
@@ -122,7 +135,8 @@ def evaluate_generative(model, tokenizer, examples: list[Problem], k: int = 4, m
 # %% ../../nbs/34_generative.ipynb #ddf91224
 @dataclass(frozen=True)
 class GenerativeSet:
-    "A named set of problems scored by generation: `load(arg)` its problems (`arg`: its flag's value), the answer budget, the flag's help."
+    ("A named set of problems scored by generation: `load(arg)` its problems (`arg`: its flag's value), the answer "
+     "budget, the flag's help.")
     name: str
     load: Callable[[object], list[Problem]]
     max_new_tokens: int = 24
@@ -136,7 +150,8 @@ GENERATIVE_SETS: dict[str, GenerativeSet] = {}
 
 def register_generative_set(s: GenerativeSet) -> GenerativeSet:
     "Add `s` to `GENERATIVE_SETS` under its name; a name already taken is refused."
-    if s.name in GENERATIVE_SETS: raise ConfigError(f"generative set {s.name!r}: already registered; choose another name")
+    if s.name in GENERATIVE_SETS:
+        raise ConfigError(f"generative set {s.name!r}: already registered; choose another name")
     GENERATIVE_SETS[s.name] = s
     return s
 
@@ -149,6 +164,8 @@ def gsm8k_file(path) -> list[Problem]:
     "Every row of a JSON/JSONL file in GSM8K's schema."
     return gsm8k_examples({"type": "gsm8k", "path": path}, "train", "--gsm8k")
 
-register_generative_set(GenerativeSet("exact_match", embedded_heldout, 24, "the embedded verifiable tasks' held-out problems"))
-register_generative_set(GenerativeSet("gsm8k", gsm8k_file, 256, "a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n')",
+register_generative_set(GenerativeSet("exact_match", embedded_heldout, 24,
+                                      "the embedded verifiable tasks' held-out problems"))
+register_generative_set(GenerativeSet("gsm8k", gsm8k_file, 256,
+                                      "a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n')",
                                       metavar="FILE"))
