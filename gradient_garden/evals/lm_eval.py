@@ -5,7 +5,7 @@
 
 # %% ../../nbs/35_lm_eval.ipynb #f5769405
 from __future__ import annotations
-import json, os
+import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -27,7 +27,8 @@ import lm_eval
 # %% ../../nbs/35_lm_eval.ipynb #13401e1e
 from ..config import ConfigError
 from ..runtime import parse_dtype
-from .multiple_choice import _Row, _forward_rows, _length_batches, _plain_row, _shared_row, default_prefix, prefix_token_id
+from .multiple_choice import (_Row, _forward_rows, _length_batches, _plain_row, _shared_row,
+                                                   default_prefix, prefix_token_id)
 from ..generation import generate
 from ..checkpoint.checkpoints import load_model_from_checkpoint
 from ..tokenizer import LLAMA3_CHAT_TEMPLATE, init_tokenizer
@@ -58,7 +59,8 @@ class GardenLM(TemplateLM):
         self.lead = default_prefix(tokenizer) if self.add_bos is None else [prefix_token_id(tokenizer)] * self.add_bos
         self.bos_text = tokenizer.decode([tokenizer.bos_id])
         self.specials = set(tokenizer.markup_tokens.values())
-        if dist.is_available() and dist.is_initialized(): self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        if dist.is_available() and dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     @property
     def eot_token_id(self) -> int: return self.tokenizer.eos_id
@@ -78,7 +80,8 @@ GardenLM.__abstractmethods__ = frozenset()   # the three request methods are add
 # %% ../../nbs/35_lm_eval.ipynb #b78123a1
 @patch
 def tok_encode(self: GardenLM, string: str, add_special_tokens: Optional[bool] = None, **kw) -> list[int]:
-    "Token ids of `string` as `HFLM` encodes it: special-token text read as markup, the default prefix unless it starts with BOS."
+    ("Token ids of `string` as `HFLM` encodes it: special-token text read as markup, the default prefix unless it "
+     "starts with BOS.")
     lead = add_special_tokens if add_special_tokens is not None else not string.startswith(self.bos_text)
     return (self.lead if lead else []) + self.tokenizer.encode_markup(string)
 
@@ -90,15 +93,18 @@ def tok_decode(self: GardenLM, ids) -> str:
 # %% ../../nbs/35_lm_eval.ipynb #ca3f1d7d
 @patch
 @torch.no_grad()
-def _loglikelihood_tokens(self: GardenLM, requests, disable_tqdm: bool = False, override_bs=None) -> list[tuple[float, bool]]:
-    "(log-likelihood, is_greedy) of each `(key, context_ids, continuation_ids)`; one row per context, `batch_size` rows a forward."
+def _loglikelihood_tokens(self: GardenLM, requests, disable_tqdm: bool = False,
+                          override_bs=None) -> list[tuple[float, bool]]:
+    ("(log-likelihood, is_greedy) of each `(key, context_ids, continuation_ids)`; one row per context, `batch_size` "
+     "rows a forward.")
     by_context = defaultdict(list)
     for i, (_, ctx, _) in enumerate(requests): by_context[tuple(ctx)].append(i)
     units = []                                               # (requests, their row with request ids from 0)
     for idx in by_context.values():
         pairs = [(list(requests[i][1]), list(requests[i][2])) for i in idx]
         row = _shared_row(pairs, 0) if len(idx) > 1 else None
-        if row is not None and len(row.tokens) <= self.max_length and all(len(c) + len(k) <= self.max_length + 1 for c, k in pairs):
+        fits = all(len(c) + len(k) <= self.max_length + 1 for c, k in pairs)
+        if row is not None and len(row.tokens) <= self.max_length and fits:
             units.append((idx, row))
         else: units += [([i], _plain_row(*pair, 0, self.max_length)) for i, pair in zip(idx, pairs)]
     out = [None] * len(requests)
@@ -220,23 +226,27 @@ def lm_eval_scores(out: dict) -> dict[str, dict]:
 # %% ../../nbs/35_lm_eval.ipynb #4a8521cd
 def lm_eval_task_manager(tasks: list[str], include_path=None):
     "A `TaskManager` that knows every one of `tasks` (else a one-line error), indexing lm-eval's own only if needed."
-    from lm_eval.tasks import TaskManager  # lazy: lm-eval's task index, about 0.7 s of import (measured), only when tasks are listed or run
+    # lazy: lm-eval's task index, about 0.7 s of import (measured), only when tasks are listed or run
+    from lm_eval.tasks import TaskManager
     if include_path is not None and not Path(include_path).is_dir():
         raise ConfigError(f"--lm-eval-include {include_path}: not a folder of lm-eval task YAMLs")
-    missing = lambda tm: [t for t in tasks if t not in tm.all_subtasks and t not in tm.all_groups and t not in tm.all_tags]
+    missing = lambda tm: [t for t in tasks if t not in tm.all_subtasks and t not in tm.all_groups
+                          and t not in tm.all_tags]
     if include_path is not None:                             # only local tasks asked for: skip indexing lm-eval's own
         tm = TaskManager(include_path=str(include_path), include_defaults=False)
         if not missing(tm): return tm
     tm = TaskManager(include_path=str(include_path) if include_path else None)
     if missing(tm):
-        raise ConfigError(f"--lm-eval-tasks: unknown task {missing(tm)[0]!r} (lm-eval knows {len(tm.all_subtasks)} tasks; "
+        raise ConfigError(f"--lm-eval-tasks: unknown task {missing(tm)[0]!r} "
+                          f"(lm-eval knows {len(tm.all_subtasks)} tasks; "
                           "`lm_eval ls tasks` lists them; add --lm-eval-include DIR for your own YAMLs)")
     return tm
 
 # %% ../../nbs/35_lm_eval.ipynb #696a02fd
 def run_lm_eval_tasks(model, tokenizer, tasks: list[str], *, batch_size: int = 16, add_bos=None, include_path=None,
                       limit: Optional[int] = None, num_fewshot: Optional[int] = None, samples: Optional[dict] = None,
-                      task_manager=None, apply_chat_template: bool = False, fewshot_as_multiturn: bool = False) -> dict[str, dict]:
+                      task_manager=None, apply_chat_template: bool = False,
+                      fewshot_as_multiturn: bool = False) -> dict[str, dict]:
     "Run lm-eval `tasks` on a platform model; scores per task (on rank 0; {} elsewhere)."
     tm = task_manager or lm_eval_task_manager(tasks, include_path)
     lm = GardenLM(model, tokenizer, batch_size=batch_size, add_bos=add_bos)
