@@ -21,8 +21,7 @@ __all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balanc
 
 # %% ../../nbs/12_moe.ipynb #1c54333d
 from ..config import ConfigError, ModelConfig
-from .tendril import (FeedForward, Tendril, TrainableModel, TransformerBlock, ffn_hidden_dim,
-                                            tendril_flops_per_token)
+from .tendril import (FeedForward, Tendril, TransformerBlock, ffn_hidden_dim, tendril_flops_per_token)
 
 # %% ../../nbs/12_moe.ipynb #9c4c40fb
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -37,16 +36,18 @@ def check_moe_config(cfg: ModelConfig) -> ModelConfig:
     if cfg.n_shared_experts < 0: raise ConfigError(f"model.n_shared_experts: got {cfg.n_shared_experts}; must be >= 0")
     if cfg.router not in ROUTERS: raise ConfigError(f"model.router: got {cfg.router!r}; allowed: {', '.join(ROUTERS)}")
     if cfg.router == "topk_softmax" and cfg.n_experts_per_token == 1 and cfg.n_experts > 1:
-        raise ConfigError("model.router: got 'topk_softmax' with model.n_experts_per_token = 1; its gate is always 1 and the "
-                          "router would learn nothing from the loss; use softmax_topk for top-1 routing")
+        raise ConfigError("model.router: got 'topk_softmax' with model.n_experts_per_token = 1; its gate is always 1 "
+                          "and the router would learn nothing from the loss; use softmax_topk for top-1 routing")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
-        raise ConfigError(f"model.capacity_factor: got {cfg.capacity_factor}; must be > 0, or null for no token dropping")
+        raise ConfigError(f"model.capacity_factor: got {cfg.capacity_factor}; must be > 0, or null for no token "
+                          "dropping")
     for p in ("load_balance_coef", "z_loss_coef"):
         if getattr(cfg, p) < 0: raise ConfigError(f"model.{p}: got {getattr(cfg, p)}; must be >= 0")
     return cfg
 
 # %% ../../nbs/12_moe.ipynb #09fa32e3
-def route(logits: torch.Tensor, k: int, router: str = "softmax_topk") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int,
+          router: str = "softmax_topk") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Top-k routing of `logits [N, E]`: `(gates [N, k], experts [N, k], probs [N, E])`, `probs` the full fp32 softmax."
     logits = logits.float()
     probs = logits.softmax(-1)
@@ -59,7 +60,8 @@ def route(logits: torch.Tensor, k: int, router: str = "softmax_topk") -> tuple[t
 
 # %% ../../nbs/12_moe.ipynb #15545d17
 def expert_counts(experts: torch.Tensor, n_experts: int, weight: torch.Tensor | None = None) -> torch.Tensor:
-    "Router assignments per expert `[n_experts]` from `experts [N, k]`; token n counts `weight[n]` (default 1) per choice."
+    ("Router assignments per expert `[n_experts]` from `experts [N, k]`; token n counts `weight[n]` (default 1) per "
+     "choice.")
     w = torch.ones(experts.shape[0], device=experts.device) if weight is None else weight
     w = w[:, None].expand(experts.shape).reshape(-1)
     return torch.zeros(n_experts, dtype=w.dtype, device=experts.device).scatter_add_(0, experts.reshape(-1), w)
@@ -85,7 +87,8 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
 
 # %% ../../nbs/12_moe.ipynb #2e8e1c88
 class StackedLinear(nn.Module):
-    "`n` bias-free linear maps stored as one `weight [n, out_features, in_features]`; `weight[e]` is an `nn.Linear` weight."
+    ("`n` bias-free linear maps stored as one `weight [n, out_features, in_features]`; `weight[e]` is an `nn.Linear` "
+     "weight.")
     def __init__(self, n: int, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -114,7 +117,8 @@ def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
     return F.grouped_mm(a, b, offs=offs)
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    "`F.grouped_mm(a, b, offs=offs)`; kept out of `torch.compile` graphs for dtypes its compiler rules reject (all but bf16)."
+    ("`F.grouped_mm(a, b, offs=offs)`; kept out of `torch.compile` graphs for dtypes its compiler rules reject (all "
+     "but bf16).")
     return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm_eager(a, b, offs)
 
 # %% ../../nbs/12_moe.ipynb #29ef78de
@@ -131,7 +135,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
         "Rows `x [M, dim]` sorted by expert with group ends `offs [E]` (int32), or `x [E, C, dim]` padded per expert."
         dt = _matmul_dtype(x)
-        w13 = self.w13.weight.mT.to(dt)                                 # [E, dim, 2 hidden], a view in the weights' dtype
+        # [E, dim, 2 hidden], a view in the weights' dtype
+        w13 = self.w13.weight.mT.to(dt)
         w2 = self.w2.weight.mT.to(dt).contiguous()                      # [E, hidden, dim]
         mm = torch.bmm if offs is None else partial(grouped_mm, offs=offs)
         gate, up = mm(x.to(dt), w13).chunk(2, dim=-1)
@@ -158,7 +163,8 @@ def from_feed_forwards(cls: GroupedExperts, ffs: list[FeedForward]) -> GroupedEx
 # %% ../../nbs/12_moe.ipynb #bf444a60
 def moe_dispatch(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, grouped: GroupedExperts,
                  capacity: int | None = None) -> torch.Tensor:
-    "`sum_j gates[n, j] * expert_{experts[n, j]}(x[n])` for `x [N, dim]`; assignments beyond `capacity` per expert dropped."
+    ("`sum_j gates[n, j] * expert_{experts[n, j]}(x[n])` for `x [N, dim]`; assignments beyond `capacity` per expert "
+     "dropped.")
     N, k = experts.shape
     E, M, dev = grouped.n_experts, N * k, x.device
     flat = experts.t().reshape(-1)                                   # slot-major: all first choices, then second ...
@@ -172,7 +178,8 @@ def moe_dispatch(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, gr
     else:
         starts = ends - counts
         rank = torch.arange(M, device=dev) - starts[by_expert]      # position of each assignment within its expert
-        src = (starts[:, None] + torch.arange(capacity, device=dev)).clamp(max=M - 1)  # row feeding each [E, capacity] slot
+        # row feeding each [E, capacity] slot
+        src = (starts[:, None] + torch.arange(capacity, device=dev)).clamp(max=M - 1)
         yb = grouped(x[token[src]])                                  # slots past an expert's count hold unused rows
         ys = yb.reshape(E * capacity, -1)[by_expert * capacity + rank.clamp(max=capacity - 1)]
         kept = rank < capacity
@@ -213,7 +220,8 @@ class MoEFeedForward(nn.Module):
         check_moe_config(cfg)
         hidden = ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier)
         self.n_experts, self.k, self.router_kind = cfg.n_experts, cfg.n_experts_per_token, cfg.router
-        self.capacity_factor, self.load_balance_coef, self.z_loss_coef = cfg.capacity_factor, cfg.load_balance_coef, cfg.z_loss_coef
+        self.capacity_factor, self.load_balance_coef = cfg.capacity_factor, cfg.load_balance_coef
+        self.z_loss_coef = cfg.z_loss_coef
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         self.shared_expert = FeedForward(cfg.dim, cfg.n_shared_experts * hidden) if cfg.n_shared_experts else None
@@ -271,15 +279,18 @@ class TendrilMoE(Tendril):
         return [layer.feed_forward for layer in self.layers]
 
     def set_loss_mask(self, mask: torch.Tensor | None):
-        "Supervised tokens `[B, T]` (e.g. `labels != -100`) for the router losses and statistics of the next forward only."
+        ("Supervised tokens `[B, T]` (e.g. `labels != -100`) for the router losses and statistics of the next forward "
+         "only.")
         self._next_loss_mask = mask
 
 # %% ../../nbs/12_moe.ipynb #d0e40d75
 @patch
 def forward(self: TendrilMoE, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-            doc_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, kv_cache=None, start_pos: int = 0,
-            loss_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-    "Logits (or with `labels` the summed loss), as `Tendril.forward`; `loss_mask [B, T]` selects the tokens the router losses see."
+            doc_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, kv_cache=None,
+            start_pos: int = 0, loss_mask: torch.Tensor | None = None,
+            labels: torch.Tensor | None = None) -> torch.Tensor:
+    ("Logits (or with `labels` the summed loss), as `Tendril.forward`; `loss_mask [B, T]` selects the tokens the "
+     "router losses see.")
     mask = loss_mask if loss_mask is not None else self._next_loss_mask
     self._next_loss_mask = None
     if mask is None and attn_mask is not None and attn_mask.dim() == 2:
@@ -339,7 +350,8 @@ def router_metrics_from_load(load: torch.Tensor, per_expert: bool = True) -> dic
     load = load.double()
     entropy = -(load * load.clamp(min=1e-30).log()).sum(-1)
     eff, dead, mx = entropy.exp(), (load == 0).sum(-1), load.max(-1).values
-    out = {"moe/effective_experts": eff.mean().item(), "moe/dead_experts": float(dead.sum()), "moe/max_share": mx.max().item()}
+    out = {"moe/effective_experts": eff.mean().item(), "moe/dead_experts": float(dead.sum()),
+           "moe/max_share": mx.max().item()}
     for i in range(load.shape[0]):
         out |= {f"moe/layer{i}/effective_experts": eff[i].item(), f"moe/layer{i}/dead_experts": float(dead[i]),
                 f"moe/layer{i}/max_share": mx[i].item()}
@@ -348,7 +360,8 @@ def router_metrics_from_load(load: torch.Tensor, per_expert: bool = True) -> dic
 
 # %% ../../nbs/12_moe.ipynb #e6f17eab
 def router_load_from_metrics(metrics: dict) -> torch.Tensor | None:
-    "Rebuild the `[L, E]` load from a `router_metrics` record (e.g. a `metrics.jsonl` row); None without per-expert keys."
+    ("Rebuild the `[L, E]` load from a `router_metrics` record (e.g. a `metrics.jsonl` row); None without per-expert "
+     "keys.")
     keys = [k.split("/") for k in metrics if k.startswith("moe/layer") and "/load/expert" in k]
     if not keys: return None
     L, E = max(int(k[1][5:]) for k in keys) + 1, max(int(k[3][6:]) for k in keys) + 1
@@ -360,7 +373,8 @@ def plot_router_load(load: torch.Tensor, ax=None, title: str | None = None):
     import matplotlib.pyplot as plt  # lazy: only for the figure
     ax = ax or plt.subplots(figsize=(1 + 0.45 * load.shape[1], 0.8 + 0.4 * load.shape[0]))[1]
     im = ax.imshow(load, cmap="viridis", vmin=0, vmax=max(2 / load.shape[1], float(load.max())), aspect="auto")
-    ax.set_xlabel("expert"); ax.set_ylabel("layer"); ax.set_xticks(range(load.shape[1])); ax.set_yticks(range(load.shape[0]))
+    ax.set_xlabel("expert"); ax.set_ylabel("layer")
+    ax.set_xticks(range(load.shape[1])); ax.set_yticks(range(load.shape[0]))
     ax.set_title(title or f"router load (balanced = {1 / load.shape[1]:.3f})", fontsize=9)
     ax.figure.colorbar(im, ax=ax)
     return ax
@@ -385,7 +399,8 @@ def upcycle(dense: Tendril, cfg: ModelConfig) -> TendrilMoE:
     sd = {}
     for name, t in dense.state_dict().items():
         head, sep, tail = name.partition(".feed_forward.")
-        sd[f"{head}.feed_forward.experts.{tail}" if sep else name] = t.unsqueeze(0).expand(cfg.n_experts, *t.shape) if sep else t
+        if sep: sd[f"{head}.feed_forward.experts.{tail}"] = t.unsqueeze(0).expand(cfg.n_experts, *t.shape)
+        else: sd[name] = t
     missing, unexpected = moe.load_state_dict(sd, strict=False)
     if unexpected or any(not (".router." in k or ".shared_expert." in k) for k in missing):
         raise ConfigError(f"model: cannot upcycle, the dense and MoE shapes differ "
