@@ -5,7 +5,7 @@ masking (or padding), a resumable loader, the `instruct` stage, and exact-match 
 
 # %% ../../nbs/42_sft.ipynb #c257b493
 from __future__ import annotations
-import json, os, shutil
+import json
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 import numpy as np
@@ -106,10 +106,12 @@ def iter_source_chats(src: dict, split: str, where: str) -> Iterator[tuple[str, 
         yield f"{src['path']} row {i}", row[col]
 
 # %% ../../nbs/42_sft.ipynb #2d7e4b2d
-def prepare_instruct(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
+def prepare_instruct(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None,
+                     progress: bool = True) -> dict:
     "Tokenise the recipe's chat sources into `out_dir/{train,val}`; returns the two splits' meta."
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
-    srcs = [check_source(s, f"data.sources[{i}]") for i, s in enumerate(stage_sources(recipe_data, DEFAULT_INSTRUCT_SOURCES))]
+    srcs = [check_source(s, f"data.sources[{i}]")
+            for i, s in enumerate(stage_sources(recipe_data, DEFAULT_INSTRUCT_SOURCES))]
     max_len = cfg.model.max_seq_len + 1
     metas = {}
     for split in SPLITS:
@@ -122,10 +124,12 @@ def prepare_instruct(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, to
                     r = tokenize_chat(tokenizer, check_messages(msgs, label), max_len)
                     if r is None: dropped += 1
                     else: chats.append(r)
-        if not chats: raise ConfigError(f"data.sources: no {split} conversation with an assistant turn fits in {max_len} tokens")
+        if not chats:
+            raise ConfigError(f"data.sources: no {split} conversation with an assistant turn fits in {max_len} tokens")
         meta = dict(format="gradient-garden-sft", version=1, stage="instruct", split=split,
-                    tokenizer_identity=tokenizer.identity, tokenizer_name=tokenizer.name, vocab_size=tokenizer.vocab_size,
-                    pad_id=tokenizer.pad_id, eot_id=tokenizer.eot_id, max_len=max_len, dropped=dropped, sources=srcs)
+                    tokenizer_identity=tokenizer.identity, tokenizer_name=tokenizer.name,
+                    vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, eot_id=tokenizer.eot_id, max_len=max_len,
+                    dropped=dropped, sources=srcs)
         metas[split] = write_split(Path(out_dir)/split, chats, meta)
     return metas
 
@@ -136,7 +140,8 @@ def prepared_matches(out_dir, sources: list, tokenizer, max_len: int) -> bool:
         f = Path(out_dir)/split/"meta.json"
         if not f.is_file(): return False
         m = json.loads(f.read_text())
-        if (m.get("sources"), m.get("tokenizer_identity"), m.get("max_len")) != (sources, tokenizer.identity, max_len): return False
+        if (m.get("sources"), m.get("tokenizer_identity"), m.get("max_len")) != (sources, tokenizer.identity, max_len):
+            return False
     return True
 
 def prepare_stage_dir(cfg: GlobalConfig, data: Optional[dict], stage: str, prepare, default_sources: list,
@@ -145,7 +150,8 @@ def prepare_stage_dir(cfg: GlobalConfig, data: Optional[dict], stage: str, prepa
     tokenizer = init_tokenizer(cfg.tokenizer)
     out = Path(cfg.paths.datasets)/stage
     done = dict(path=out, tokenizer=f"{tokenizer.name} [{tokenizer.identity}]")
-    if not overwrite and prepared_matches(out, stage_sources(data, default_sources), tokenizer, cfg.model.max_seq_len + 1):
+    if not overwrite and prepared_matches(out, stage_sources(data, default_sources), tokenizer,
+                                          cfg.model.max_seq_len + 1):
         return done | dict(up_to_date=True)
     metas = prepare(data, cfg, out, tokenizer=tokenizer, progress=progress)
     n = lambda m: m.get("n_conversations", m.get("n_pairs", m.get("n_prompts")))
@@ -207,7 +213,8 @@ class SFTLoader(SplitStream):
         key = (epoch, shuffle)
         if key not in self._cache:
             order = self._order_for(epoch, shuffle)
-            rows = pack_rows(order, self.lengths - 1, self.seq_len, self.pack_window) if self.packing else [[i] for i in order.tolist()]
+            if self.packing: rows = pack_rows(order, self.lengths - 1, self.seq_len, self.pack_window)
+            else: rows = [[i] for i in order.tolist()]
             self._cache = {k: v for k, v in self._cache.items() if k[1] != shuffle} | {key: rows}
         return self._cache[key]
 
@@ -289,11 +296,13 @@ def prompt_ids(tokenizer, ex: VerifiableExample, system: Optional[str] = None) -
 
 def lockstep_generate(model, tokenizer, prompts: list[list[int]], n_per_rank: int, max_new_tokens: int, batch_size: int,
                       longest: int) -> list[list[int]]:
-    "Greedy answers with the same forwards on every rank: `n_per_rank` prompts (padded), the full budget, cut at stop tokens."
+    ("Greedy answers with the same forwards on every rank: `n_per_rank` prompts (padded), the full budget, cut at stop "
+     "tokens.")
     stops = {t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None}
     budget = min(max_new_tokens, model.cfg.max_seq_len - longest)  # the same on every rank: the longest prompt of all
     padded = prompts + [prompts[0] if prompts else [tokenizer.bos_id or 0]] * (n_per_rank - len(prompts))
-    outs = generate(model, tokenizer, padded, max_new_tokens=budget, temperature=0.0, stop_ids=[], batch_size=batch_size)
+    outs = generate(model, tokenizer, padded, max_new_tokens=budget, temperature=0.0, stop_ids=[],
+                    batch_size=batch_size)
     return [o[:next((i for i, t in enumerate(o) if t in stops), len(o))] for o in outs[:len(prompts)]]
 
 # %% ../../nbs/42_sft.ipynb #1a1e5db2
@@ -308,10 +317,12 @@ def evaluate_exact_match(model, tokenizer, examples: Optional[list[VerifiableExa
     was_training = model.training
     model.eval()
     try:
-        if lockstep: outs = lockstep_generate(model, tokenizer, [prompts[i] for i in mine], -(-len(examples) // world_size),
-                                              max_new_tokens, batch_size, max(map(len, prompts), default=1))
-        else: outs = generate(model, tokenizer, [prompts[i] for i in mine], max_new_tokens=max_new_tokens, temperature=0.0,
-                              stop_ids=[tokenizer.eot_id, tokenizer.eos_id], batch_size=batch_size)
+        if lockstep:
+            outs = lockstep_generate(model, tokenizer, [prompts[i] for i in mine], -(-len(examples) // world_size),
+                                     max_new_tokens, batch_size, max(map(len, prompts), default=1))
+        else:
+            outs = generate(model, tokenizer, [prompts[i] for i in mine], max_new_tokens=max_new_tokens,
+                            temperature=0.0, stop_ids=[tokenizer.eot_id, tokenizer.eos_id], batch_size=batch_size)
     finally: model.train(was_training)
     answers = [None] * len(examples)
     for part in all_gather_objects([(i, tokenizer.decode(o)) for i, o in zip(mine, outs)]):
@@ -326,7 +337,8 @@ def evaluate_exact_match(model, tokenizer, examples: Optional[list[VerifiableExa
                 outputs=answers)
 
 # %% ../../nbs/42_sft.ipynb #30bc56e8
-def prepare_instruct_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False, progress: bool = True) -> dict:
+def prepare_instruct_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False,
+                           progress: bool = True) -> dict:
     "`gg prepare` of the instruct stage: the recipe's chats into `paths.datasets/instruct`, unless already up to date."
     return prepare_stage_dir(cfg, data, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES, overwrite, progress)
 
