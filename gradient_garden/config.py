@@ -34,7 +34,8 @@ class RunConfig:
 class RuntimeConfig:
     "Where and how the computation runs."
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"   # auto: bf16 where the device has fast bf16 (train.trainer)
+    # auto: bf16 where the device has fast bf16 (train.trainer)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
     fsdp: bool = False
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
@@ -72,7 +73,8 @@ class ModelConfig:
     capacity_factor: Optional[float] = None
     load_balance_coef: float = 0.01
     z_loss_coef: float = 0.001
-    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"   # auto: flex_attention for document masks on CUDA, SDPA elsewhere
+    # auto: flex_attention for document masks on CUDA, SDPA elsewhere
+    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"
 
     @property
     def head_dim(self) -> int: return self.dim // self.n_heads
@@ -88,7 +90,8 @@ class EarlyStoppingConfig:
 
 @dataclass
 class TrainingConfig:
-    "The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps (`packing`: SFT rows hold several chats)."
+    ("The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps (`packing`: SFT rows hold "
+     "several chats).")
     stage: str = "pretraining"      # a registered stage (40_stages) or a plugin's `module:attr` naming its `Stage`
     seed: int = 1337
     total_batch_size: int = 8192
@@ -183,7 +186,8 @@ class CheckpointingConfig:
     keep_last: int = 2
     keep_best: bool = True
     save_final: bool = True
-    format: Literal["auto", "full", "sharded"] = "auto"  # auto: sharded on several ranks (or async_save), one .pt file on one process
+    # auto: sharded on several ranks (or async_save), one .pt file on one process
+    format: Literal["auto", "full", "sharded"] = "auto"
     async_save: bool = False  # sharded only: write in the background while training continues
 
 # %% ../nbs/00_config.ipynb #6752cb64
@@ -226,37 +230,40 @@ class DPOConfig:
 @dataclass
 class RLConfig:
     "Reinforcement learning with verifiable rewards (GRPO family; TRL's names and defaults where they exist)."
-    group_size: int = 8                      # G completions per prompt
+    group_size: int = 8  # G completions per prompt
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"   # z-score in the group / the batch, or mean only (Dr. GRPO)
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    beta: float = 0.0                        # k3 KL to the starting model
-    entropy_coef: float = 0.0                # entropy bonus: the loss minus this x the mean token entropy (TRL's entropy_coef)
-    use_adaptive_entropy: bool = False       # Skywork-OR1's control: entropy_coef (the start) steps by entropy_coef_delta toward entropy_target
-    entropy_target: float = 0.2              # the bonus applies while the last step's entropy is at or below this (nats)
-    entropy_coef_delta: float = 0.005
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    num_iterations: int = 1                  # optimizer steps per batch of rollouts (mu)
-    sampling_rounds: int = 1                 # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
-    task_focus: float = 0.0                  # 0: every prompt of the stream; > 0: a task's prompts are kept as often as its groups' rewards differ, at least this often
-    off_policy_rows: int = 0                 # of a group's G rows, this many are the prompt's reference answer (LUFFY's off-policy guidance); 0: all sampled
-    off_policy_prompts: Literal["own", "failed"] = "own"   # whose references: the group's own prompt (LUFFY), or prompts whose samples all failed (ReLIFT)
-    off_policy_loss: Literal["shaped", "log_likelihood"] = "shaped"   # reference rows: -A p / (p + gamma) (LUFFY's policy shaping), or -A log p
-    off_policy_shaping: float = 0.1          # gamma of the shaped probability
-    off_policy_weight: float = 1.0           # the reference rows' loss times this (CHORD's weight of the expert term); 1: as LUFFY
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # z-score in the group / batch, or mean only (Dr. GRPO)
+    epsilon_low: float = 0.2; epsilon_high: float = 0.2
+    beta: float = 0.0  # k3 KL to the starting model
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus this x the mean token entropy (TRL's entropy_coef)
+    # Skywork-OR1's control: entropy_coef (the start) steps by entropy_coef_delta toward entropy_target
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2  # the bonus applies while the last step's entropy is at or below this (nats)
+    entropy_coef_delta: float = 0.005; entropy_coef_min: float = 0.0; entropy_coef_max: float = 1.0
+    num_iterations: int = 1  # optimizer steps per batch of rollouts (mu)
+    # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
+    sampling_rounds: int = 1
+    # 0: every prompt; > 0: a task's prompts kept as often as its groups' rewards differ, at least this often
+    task_focus: float = 0.0
+    # of a group's G rows, this many are the prompt's reference answer (LUFFY's off-policy guidance); 0: all sampled
+    off_policy_rows: int = 0
+    # whose references: the group's own prompt (LUFFY), or prompts whose samples all failed (ReLIFT)
+    off_policy_prompts: Literal["own", "failed"] = "own"
+    # reference rows: -A p / (p + gamma) (LUFFY's policy shaping), or -A log p
+    off_policy_loss: Literal["shaped", "log_likelihood"] = "shaped"
+    off_policy_shaping: float = 0.1  # gamma of the shaped probability
+    off_policy_weight: float = 1.0  # the reference rows' loss times this (CHORD's expert-term weight); 1: as LUFFY
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Optional[int] = None
     max_new_tokens: int = 16
-    stop: list[str] = field(default_factory=list)   # stop strings (their first token) besides eot/eos
-    mask_truncated: bool = False             # completions cut at max_new_tokens leave the loss
-    format_reward: float = 0.0               # weight of the well-formed-answer reward
-    reward_functions: list[str] = field(default_factory=list)   # "module:function", called with prompt, completion, fields
-    plain_prompts: bool = False              # BOS + text prompts for a model without a chat format
-    eval_k: int = 4                          # pass@k of the held-out evaluation
-    eval_per_task: int = 20                  # held-out prompts per embedded task
+    stop: list[str] = field(default_factory=list)  # stop strings (their first token) besides eot/eos
+    mask_truncated: bool = False  # completions cut at max_new_tokens leave the loss
+    format_reward: float = 0.0  # weight of the well-formed-answer reward
+    reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
+    plain_prompts: bool = False  # BOS + text prompts for a model without a chat format
+    eval_k: int = 4  # pass@k of the held-out evaluation
+    eval_per_task: int = 20  # held-out prompts per embedded task
 
 # %% ../nbs/00_config.ipynb #ef3da4c6
 @dataclass
@@ -402,8 +409,8 @@ def grad_accum_steps(cfg: GlobalConfig, world_size: int = 1) -> int:
     t = cfg.training
     per_step = t.micro_batch_size * t.seq_len * world_size
     if t.total_batch_size % per_step:
-        raise ConfigError(f"training.total_batch_size: got {t.total_batch_size}; must be divisible by "
-                          f"micro_batch_size x seq_len x world_size = {t.micro_batch_size} x {t.seq_len} x {world_size} = {per_step}")
+        raise ConfigError(f"training.total_batch_size: got {t.total_batch_size}; must be divisible by micro_batch_size "
+                          f"x seq_len x world_size = {t.micro_batch_size} x {t.seq_len} x {world_size} = {per_step}")
     return t.total_batch_size // per_step
 
 # %% ../nbs/00_config.ipynb #6164f929
