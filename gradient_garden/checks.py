@@ -27,7 +27,8 @@ def _nonfinite(obj, path: str = "") -> str | None:
 # %% ../nbs/08_checks.ipynb #7994baf9
 def _in(path: str, value, lo=None, hi=None, lo_open=False, hi_open=False, note: str = ""):
     "Raise unless `lo <= value <= hi` (strict where `*_open`); `None` bounds are unlimited."
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and (value >= hi if hi_open else value > hi))
+    bad = ((lo is not None and (value <= lo if lo_open else value < lo))
+           or (hi is not None and (value >= hi if hi_open else value > hi)))
     if not bad: return
     if hi is None: want = f"{'>' if lo_open else '>='} {lo}"
     elif lo is None: want = f"{'<' if hi_open else '<='} {hi}"
@@ -53,8 +54,9 @@ def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
     if bad := _nonfinite(cfg): raise ConfigError(f"{bad}; must be a finite number")
     name = cfg.run.name
     if not name or name in (".", "..") or "/" in name or "\\" in name:
-        raise ConfigError(f"run.name: got {name!r}; must be a plain directory name (no '/', not empty, not '.' or '..')")
-    m, t, es = cfg.model, cfg.training, cfg.training.early_stopping
+        raise ConfigError(f"run.name: got {name!r}; must be a plain directory name (no '/', not empty, not '.' or "
+                          "'..')")
+    m, t, es, r = cfg.model, cfg.training, cfg.training.early_stopping, cfg.runtime
     for p in ["norm_eps", "rope_theta", "init_std"]: _in(f"model.{p}", getattr(m, p), 0, lo_open=True)
     for p in ["n_experts", "n_experts_per_token"]: _in(f"model.{p}", getattr(m, p), 1)
     for p in ["n_shared_experts", "load_balance_coef", "z_loss_coef"]: _in(f"model.{p}", getattr(m, p), 0)
@@ -62,14 +64,15 @@ def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
         if getattr(m, p) is not None: _in(f"model.{p}", getattr(m, p), 0, lo_open=True, note=" (or null)")
     _in("training.seed", t.seed, 0, 2**32 - 1)
     if t.grad_clip is not None:
-        _in("training.grad_clip", t.grad_clip, 0, note=" (0 or null turns clipping off; a negative clip reverses the gradient)")
+        _in("training.grad_clip", t.grad_clip, 0,
+            note=" (0 or null turns clipping off; a negative clip reverses the gradient)")
     if es.enabled:
         _in("training.early_stopping.patience", es.patience, 1)
         for p in ["min_delta", "skip_steps"]: _in(f"training.early_stopping.{p}", getattr(es, p), 0)
     _check_optimizer_ranges(cfg.optimizers)
     _in("checkpointing.keep_last", cfg.checkpointing.keep_last, 1, note=" (the checkpoint just written is always kept)")
-    _in("runtime.num_workers", cfg.runtime.num_workers, 0); _in("runtime.flight_recorder", cfg.runtime.flight_recorder, 0)
-    for p in ["collective_timeout_s", "long_collective_timeout_s"]: _in(f"runtime.{p}", getattr(cfg.runtime, p), 0, lo_open=True)
+    _in("runtime.num_workers", r.num_workers, 0); _in("runtime.flight_recorder", r.flight_recorder, 0)
+    for p in ["collective_timeout_s", "long_collective_timeout_s"]: _in(f"runtime.{p}", getattr(r, p), 0, lo_open=True)
     g, ev = cfg.generation, cfg.evals
     _in("generation.every", g.every, 0); _in("generation.max_gen_len", g.max_gen_len, 1)
     _in("generation.temperature", g.temperature, 0); _in("generation.top_p", g.top_p, 0, 1, lo_open=True)
@@ -77,7 +80,8 @@ def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
     _in("evals.every", ev.every, 0); _in("evals.batch_size", ev.batch_size, 1); _in("evals.seed", ev.seed, 0, 2**32 - 1)
     for task in ["hellaswag", "winogrande", "arc_challenge"]:
         _in(f"evals.{task}_examples", getattr(ev, f"{task}_examples"), 0, note=" (0 = all)")
-    if cfg.lora.enabled: _in("lora.alpha", cfg.lora.alpha, 0, lo_open=True); _in("lora.dropout", cfg.lora.dropout, 0, 1, hi_open=True)
+    if cfg.lora.enabled:
+        _in("lora.alpha", cfg.lora.alpha, 0, lo_open=True); _in("lora.dropout", cfg.lora.dropout, 0, 1, hi_open=True)
     if cfg.distillation.enabled: _in("distillation.temperature", cfg.distillation.temperature, 0, lo_open=True)
     if (tp := cfg.torch_profiler).enabled:
         for p in ["wait", "warmup", "repeat"]: _in(f"torch_profiler.{p}", getattr(tp, p), 0)
@@ -109,7 +113,8 @@ def _positive(path: str, value, allow_zero=False):
         raise ConfigError(f"{path}: got {value!r}; must be {'>= 0' if allow_zero else '> 0'}")
 
 def _check_model(cfg: GlobalConfig):
-    "The model's shape and the batch: positive sizes, heads that divide, RoPE's even head size, experts, sequence length."
+    ("The model's shape and the batch: positive sizes, heads that divide, RoPE's even head size, experts, sequence "
+     "length.")
     m, t = cfg.model, cfg.training
     for p in ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"]:
         _positive(f"model.{p}", getattr(m, p))
@@ -118,13 +123,15 @@ def _check_model(cfg: GlobalConfig):
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim: got {m.dim}; must be divisible by model.n_heads = {m.n_heads}")
     if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"model.n_heads: got {m.n_heads}; head_dim = dim / n_heads = {m.dim // m.n_heads} must be even for RoPE")
+        raise ConfigError(f"model.n_heads: got {m.n_heads}; head_dim = dim / n_heads = {m.dim // m.n_heads} must be "
+                          "even for RoPE")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: got {m.n_kv_heads}; must divide model.n_heads = {m.n_heads}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"training.seq_len: got {t.seq_len}; must be <= model.max_seq_len = {m.max_seq_len}")
     if m.n_experts_per_token > m.n_experts:
-        raise ConfigError(f"model.n_experts_per_token: got {m.n_experts_per_token}; must be <= model.n_experts = {m.n_experts}")
+        raise ConfigError(f"model.n_experts_per_token: got {m.n_experts_per_token}; must be <= model.n_experts = "
+                          f"{m.n_experts}")
 
 # %% ../nbs/08_checks.ipynb #44488168
 def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
@@ -132,47 +139,63 @@ def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
     o, r = cfg.optimizers, cfg.runtime
     for name, opt in [("adamw", o.adamw), ("muon", o.muon)]:
         if opt.min_lr > opt.max_lr:
-            raise ConfigError(f"optimizers.{name}.min_lr: got {opt.min_lr}; must be <= optimizers.{name}.max_lr = {opt.max_lr}")
+            raise ConfigError(f"optimizers.{name}.min_lr: got {opt.min_lr}; must be <= optimizers.{name}.max_lr = "
+                              f"{opt.max_lr}")
     if not 0 < o.wsd_decay_fraction <= 1:
         raise ConfigError(f"optimizers.wsd_decay_fraction: got {o.wsd_decay_fraction}; must be in (0, 1]")
     if r.precision == "fp16" and r.fsdp:
-        raise ConfigError("runtime.precision: got 'fp16'; FSDP2 runs use 'bf16' or 'fp32' (fp16 loss scaling needs DDP or one process)")
+        raise ConfigError("runtime.precision: got 'fp16'; FSDP2 runs use 'bf16' or 'fp32' (fp16 loss scaling needs DDP "
+                          "or one process)")
     for p in ["replicate", "shard"]: _positive(f"runtime.{p}", getattr(r, p), allow_zero=True)
     if (r.replicate or r.shard) and not r.fsdp:
-        raise ConfigError(f"runtime.{'replicate' if r.replicate else 'shard'}: got {r.replicate or r.shard}; mesh degrees need runtime.fsdp: true (DDP replicates everywhere)")
+        raise ConfigError(f"runtime.{'replicate' if r.replicate else 'shard'}: got {r.replicate or r.shard}; mesh "
+                          "degrees need runtime.fsdp: true (DDP replicates everywhere)")
     if r.fsdp and world_size > 1 and r.replicate and r.shard and r.replicate * r.shard != world_size:
-        raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = {r.replicate * r.shard}; must equal the world size {world_size}")
+        raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = "
+                          f"{r.replicate * r.shard}; must equal the world size {world_size}")
 
 # %% ../nbs/08_checks.ipynb #d5916ed7
 def check_rl_section(cfg: GlobalConfig, world_size: int):
     "The `rl` section's ranges and the batch in whole groups per rank: the rl stage's `Stage.check`."
-    rl = cfg.rl
+    rl, t = cfg.rl, cfg.training
     if rl.group_size < 2:
-        raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of one prompt)")
-    for k in ("epsilon_low", "epsilon_high", "beta", "entropy_coef", "entropy_target", "entropy_coef_delta", "entropy_coef_min"):
+        raise ConfigError(f"rl.group_size: got {rl.group_size}; must be >= 2 (advantages compare the completions of "
+                          "one prompt)")
+    for k in ("epsilon_low", "epsilon_high", "beta", "entropy_coef", "entropy_target", "entropy_coef_delta",
+              "entropy_coef_min"):
         if getattr(rl, k) < 0: raise ConfigError(f"rl.{k}: got {getattr(rl, k)}; must be >= 0")
     if rl.entropy_coef_max < rl.entropy_coef_min:
-        raise ConfigError(f"rl.entropy_coef_max: got {rl.entropy_coef_max}; must be >= rl.entropy_coef_min = {rl.entropy_coef_min}")
-    for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"): _positive(f"rl.{k}", getattr(rl, k))
+        raise ConfigError(f"rl.entropy_coef_max: got {rl.entropy_coef_max}; must be >= rl.entropy_coef_min = "
+                          f"{rl.entropy_coef_min}")
+    for k in ("num_iterations", "sampling_rounds", "max_new_tokens", "eval_per_task"):
+        _positive(f"rl.{k}", getattr(rl, k))
     _positive("rl.eval_k", rl.eval_k, allow_zero=True)
-    if rl.temperature <= 0: raise ConfigError(f"rl.temperature: got {rl.temperature}; must be > 0 (greedy answers to one prompt are all equal, so no group would teach anything)")
+    if rl.temperature <= 0:
+        raise ConfigError(f"rl.temperature: got {rl.temperature}; must be > 0 (greedy answers to one prompt are all "
+                          "equal, so no group would teach anything)")
     if not 0 <= rl.task_focus <= 1: raise ConfigError(f"rl.task_focus: got {rl.task_focus}; must be in [0, 1] (0: off)")
     if not 0 <= rl.off_policy_rows <= rl.group_size - 2:
-        raise ConfigError(f"rl.off_policy_rows: got {rl.off_policy_rows}; must be in [0, rl.group_size - 2 = {rl.group_size - 2}] (the baseline needs two sampled rows)")
-    if rl.off_policy_shaping <= 0: raise ConfigError(f"rl.off_policy_shaping: got {rl.off_policy_shaping}; must be > 0 (p / (p + gamma))")
-    if not rl.off_policy_weight >= 0: raise ConfigError(f"rl.off_policy_weight: got {rl.off_policy_weight}; must be >= 0 (the reference rows' loss weight)")
+        raise ConfigError(f"rl.off_policy_rows: got {rl.off_policy_rows}; must be in [0, rl.group_size - 2 = "
+                          f"{rl.group_size - 2}] (the baseline needs two sampled rows)")
+    if rl.off_policy_shaping <= 0:
+        raise ConfigError(f"rl.off_policy_shaping: got {rl.off_policy_shaping}; must be > 0 (p / (p + gamma))")
+    if not rl.off_policy_weight >= 0:
+        raise ConfigError(f"rl.off_policy_weight: got {rl.off_policy_weight}; must be >= 0 (the reference rows' loss "
+                          "weight)")
     if not 0 < rl.top_p <= 1: raise ConfigError(f"rl.top_p: got {rl.top_p}; must be in (0, 1]")
-    t = cfg.training
     if cfg.runtime.num_workers:
-        raise ConfigError(f"runtime.num_workers: got {cfg.runtime.num_workers}; the rl stage samples from the current weights, so no batch can be prepared ahead (use 0)")
+        raise ConfigError(f"runtime.num_workers: got {cfg.runtime.num_workers}; the rl stage samples from the current "
+                          "weights, so no batch can be prepared ahead (use 0)")
     rows = t.total_batch_size // t.seq_len
     if t.total_batch_size % t.seq_len or rows % (rl.group_size * world_size):
-        raise ConfigError(f"training.total_batch_size: got {t.total_batch_size}; the rl stage needs total_batch_size / seq_len "
-                          f"rows per step in whole groups on every rank: a multiple of seq_len x rl.group_size x world size = "
-                          f"{t.seq_len} x {rl.group_size} x {world_size}")
+        raise ConfigError(f"training.total_batch_size: got {t.total_batch_size}; the rl stage needs total_batch_size / "
+                          "seq_len rows per step in whole groups on every rank: a multiple of seq_len x rl.group_size "
+                          f"x world size = {t.seq_len} x {rl.group_size} x {world_size}")
     if rl.max_new_tokens >= t.seq_len:
-        raise ConfigError(f"rl.max_new_tokens: got {rl.max_new_tokens}; must be < training.seq_len = {t.seq_len} (prompt + completion fit a row)")
+        raise ConfigError(f"rl.max_new_tokens: got {rl.max_new_tokens}; must be < training.seq_len = {t.seq_len} "
+                          "(prompt + completion fit a row)")
 
+# %% ../nbs/08_checks.ipynb #5acc8f1c
 def check_dpo_section(cfg: GlobalConfig, world_size: int):
     "The `dpo` section's ranges: the dpo stage's `Stage.check`."
     if not 0 <= cfg.dpo.label_smoothing < 0.5:
@@ -181,33 +204,39 @@ def check_dpo_section(cfg: GlobalConfig, world_size: int):
 
 # %% ../nbs/08_checks.ipynb #6da88fd0
 def _check_stages(cfg: GlobalConfig, world_size: int):
-    "The stage's name, checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA and validation."
+    ("The stage's name, checkpoint format (`auto` settled here, where the world size is known), distillation, LoRA and "
+     "validation.")
     if not STAGE_NAME.fullmatch(cfg.training.stage):
-        raise ConfigError(f"training.stage: got {cfg.training.stage!r}; expected a stage's name (pretraining, instruct, dpo, rl "
-                          f"or one a plugin registered) or a plugin's 'module:attr' naming its Stage")
+        raise ConfigError(f"training.stage: got {cfg.training.stage!r}; expected a stage's name (pretraining, "
+                          "instruct, dpo, rl or one a plugin registered) or a plugin's 'module:attr' naming its Stage")
     c = cfg.checkpointing
     if c.format == "auto": c.format = "sharded" if world_size > 1 or c.async_save else "full"
     if c.async_save and c.format != "sharded":
         raise ConfigError("checkpointing.async_save: got true; asynchronous saves need checkpointing.format: sharded")
     if cfg.distillation.enabled and not cfg.distillation.teacher:
-        raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when distillation.enabled is true")
+        raise ConfigError("distillation.teacher: got None; a teacher folder or hub id is required when "
+                          "distillation.enabled is true")
     if not 0 <= cfg.distillation.alpha <= 1:
         raise ConfigError(f"distillation.alpha: got {cfg.distillation.alpha}; must be in [0, 1]")
     if cfg.lora.enabled: _positive("lora.rank", cfg.lora.rank)
     for p in ["every", "steps"]:
         if getattr(cfg.validation, p) <= 0:   # not 0 = never, as generation.every: one switch turns it off
-            raise ConfigError(f"validation.{p}: got {getattr(cfg.validation, p)!r}; must be > 0 (validation.enabled: false turns validation off)")
+            raise ConfigError(f"validation.{p}: got {getattr(cfg.validation, p)!r}; must be > 0 (validation.enabled: "
+                              "false turns validation off)")
     _positive("checkpointing.every", c.every, allow_zero=True)
 
 # %% ../nbs/08_checks.ipynb #e0ed6f79
 def _check_virtual_ranks(cfg: GlobalConfig, world_size: int) -> int:
-    "Micro-steps per optimizer step, after checking that `training.virtual_ranks` fits this world size and accumulation."
+    ("Micro-steps per optimizer step, after checking that `training.virtual_ranks` fits this world size and "
+     "accumulation.")
     accum, n = grad_accum_steps(cfg, world_size), cfg.training.virtual_ranks
     _positive("training.virtual_ranks", n, allow_zero=True)
     if n > 1 and world_size not in (1, n):
-        raise ConfigError(f"training.virtual_ranks: got {n}; it sums as {n} ranks on one process (this run has {world_size})")
+        raise ConfigError(f"training.virtual_ranks: got {n}; it sums as {n} ranks on one process (this run has "
+                          f"{world_size})")
     if n > 1 and world_size == 1 and accum % n:
-        raise ConfigError(f"training.virtual_ranks: got {n}; the step's {accum} micro-steps must split evenly among them")
+        raise ConfigError(f"training.virtual_ranks: got {n}; the step's {accum} micro-steps must split evenly among "
+                          "them")
     return accum
 
 # %% ../nbs/08_checks.ipynb #d9ff300d
