@@ -61,7 +61,8 @@ def read_yaml(path) -> dict:
     p = Path(path)
     data = read_data_file(p)
     if data is None: data = {}
-    if not isinstance(data, dict): raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
     return data
 
 # %% ../nbs/09_recipes.ipynb #20256121
@@ -69,7 +70,8 @@ def load_recipe(path, overrides: list[str] | None = None) -> Recipe:
     "Load a recipe YAML, applying dotted `overrides` to its `config` section."
     raw = read_yaml(path)
     unknown = [k for k in raw if k not in RECIPE_KEYS]
-    if unknown: raise ConfigError(f"{path}: unknown recipe key {unknown[0]!r}; allowed keys are {', '.join(RECIPE_KEYS)}")
+    if unknown:
+        raise ConfigError(f"{path}: unknown recipe key {unknown[0]!r}; allowed keys are {', '.join(RECIPE_KEYS)}")
     if "name" not in raw: raise ConfigError(f"{path}: recipe needs a 'name'")
     cfg_data = apply_overrides(raw.get("config") or {}, overrides)
     cfg_data.setdefault("run", {}).setdefault("name", raw["name"])
@@ -82,7 +84,8 @@ def load_recipe(path, overrides: list[str] | None = None) -> Recipe:
 def load_config(recipe=None, config=None, overrides: list[str] | None = None, stage: str | None = None,
                 world_size: int | None = None) -> tuple[GlobalConfig, Optional[Recipe]]:
     "Resolve the run's config from a recipe or a config YAML (or defaults), overrides and a stage flag."
-    if recipe and config: raise ConfigError("--recipe and --config cannot be combined; pick one source of configuration")
+    if recipe and config:
+        raise ConfigError("--recipe and --config cannot be combined; pick one source of configuration")
     if recipe and stage:
         raise ConfigError(f"--{stage} cannot be combined with --recipe: the recipe defines the training stage")
     rec = None
