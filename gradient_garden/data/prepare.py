@@ -5,12 +5,13 @@ stamped with the tokenizer that made them."""
 
 # %% ../../nbs/03_data.ipynb #12a094d6
 from __future__ import annotations
-import glob, hashlib, importlib, json, math, os, shutil, sys, sysconfig, time
+import glob, hashlib, json, math, os, shutil, sysconfig, time
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Union
 import numpy as np
 from tqdm.auto import tqdm
+if TYPE_CHECKING: import datasets  # annotations only: `datasets` is imported where a source is opened
 
 # %% auto #0
 __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED', 'DEFAULT_PRETRAINING_DATA', 'PROGRESS_FILE',
@@ -22,9 +23,9 @@ __all__ = ['EMBEDDED_CORPORA', 'SOURCE_TYPES', 'FORMAT_BY_SUFFIX', 'COMPRESSED',
            'prepare_pretraining', 'tokenizer_texts']
 
 # %% ../../nbs/03_data.ipynb #5104e893
-from ..config import ConfigError, GlobalConfig, TokenizerConfig, from_plain, read_data_file, to_plain
+from ..config import ConfigError, from_plain, read_data_file, to_plain
 from ..runtime import write_json_atomic
-from ..tokenizer import Tokenizer, ensure_tokenizer
+from ..tokenizer import Tokenizer
 from fastcore.basics import patch
 
 # %% ../../nbs/03_data.ipynb #653aa8ae
@@ -37,7 +38,8 @@ def stdlib_files() -> list[str]:
     "The standard library's own `*.py` files (no site-packages), in a fixed pseudo-random order."
     root = Path(sysconfig.get_paths()["stdlib"])
     rels = [p.relative_to(root).as_posix() for p in root.rglob("*.py")]
-    rels = [r for r in rels if not {"site-packages", "dist-packages"} & set(r.split("/")) and r != "pydoc_data/topics.py"]
+    rels = [r for r in rels if not {"site-packages", "dist-packages"} & set(r.split("/"))
+            and r != "pydoc_data/topics.py"]
     return [str(root/r) for r in sorted(rels, key=_path_key)]
 
 # %% ../../nbs/03_data.ipynb #10e03c17
@@ -101,7 +103,8 @@ def infer_format(path: str, where: str) -> str:
     suffixes = [s for s in Path(path).suffixes if s not in COMPRESSED]
     fmt = FORMAT_BY_SUFFIX.get(suffixes[-1].lower() if suffixes else "")
     if fmt is None:
-        raise ConfigError(f"{where}: cannot tell the format of {path!r} from its extension; set format to one of 'text', 'json', 'parquet'")
+        raise ConfigError(f"{where}: cannot tell the format of {path!r} from its extension; set format to one of "
+                          "'text', 'json', 'parquet'")
     return fmt
 
 # %% ../../nbs/03_data.ipynb #605036c8
@@ -147,26 +150,31 @@ class PretrainingData:
 
     def layout(self) -> dict:
         "Everything that decides the bytes on disk except the budget (a larger budget may extend a finished run)."
-        return {"val_fraction": self.val_fraction, "shard_tokens": self.shard_tokens, "mix": [to_plain(s) for s in self.mix]}
+        return {"val_fraction": self.val_fraction, "shard_tokens": self.shard_tokens,
+                "mix": [to_plain(s) for s in self.mix]}
 
 def parse_pretraining_data(data, where: str = "data") -> PretrainingData:
     "Check a `data` section strictly and return it as `PretrainingData`; errors name the key path."
-    if not isinstance(data, dict): raise ConfigError(f"{where or 'data'}: got {data!r}; expected a mapping with a 'mix' list")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'data'}: got {data!r}; expected a mapping with a 'mix' list")
     if "mix" not in data: raise ConfigError(f"{_join(where, 'mix')}: missing; list the sources to prepare")
     if not isinstance(data["mix"], list) or not data["mix"]:
         raise ConfigError(f"{_join(where, 'mix')}: got {data['mix']!r}; expected a non-empty list of sources")
     spec = from_plain(PretrainingData, data, where)
     spec.mix = [parse_source(m, f"{_join(where, 'mix')}[{i}]") for i, m in enumerate(spec.mix)]
-    if spec.target_tokens <= 0: raise ConfigError(f"{_join(where, 'target_tokens')}: got {spec.target_tokens}; must be > 0")
+    if spec.target_tokens <= 0:
+        raise ConfigError(f"{_join(where, 'target_tokens')}: got {spec.target_tokens}; must be > 0")
     if not 0 <= spec.val_fraction <= 0.5:
         raise ConfigError(f"{_join(where, 'val_fraction')}: got {spec.val_fraction}; must be in [0, 0.5]")
     if not 0 <= spec.max_missing_fraction <= 1:
         raise ConfigError(f"{_join(where, 'max_missing_fraction')}: got {spec.max_missing_fraction}; must be in [0, 1]")
-    if spec.shard_tokens < 1024: raise ConfigError(f"{_join(where, 'shard_tokens')}: got {spec.shard_tokens}; must be >= 1024")
+    if spec.shard_tokens < 1024:
+        raise ConfigError(f"{_join(where, 'shard_tokens')}: got {spec.shard_tokens}; must be >= 1024")
     seen = {}
     for i, s in enumerate(spec.mix):
         if s.name in seen:
-            raise ConfigError(f"{_join(where, f'mix[{i}].name')}: got {s.name!r}; already used by mix[{seen[s.name]}] (names must be unique)")
+            raise ConfigError(f"{_join(where, f'mix[{i}].name')}: got {s.name!r}; already used by mix[{seen[s.name]}] "
+                              "(names must be unique)")
         seen[s.name] = i
     return spec
 
@@ -181,7 +189,8 @@ def load_mix_file(path) -> dict:
     "Read a `--mix-file` JSON mapping, with clear errors for a missing file or invalid JSON."
     p = Path(path)
     data = read_data_file(p, "json", flag="--mix-file")
-    if not isinstance(data, dict): raise ConfigError(f"--mix-file {p}: expected a JSON object with a 'mix' list, got {type(data).__name__}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"--mix-file {p}: expected a JSON object with a 'mix' list, got {type(data).__name__}")
     return data
 
 # %% ../../nbs/03_data.ipynb #17f27c38
@@ -199,15 +208,17 @@ def _load_files(fmt: str, files: list[str], sample_by: str = "document") -> data
 
 # %% ../../nbs/03_data.ipynb #736df924
 def open_source(src) -> datasets.IterableDataset:
-    "Stream the rows of a source through `datasets`; the same code path for the hub, local files and the embedded corpus."
+    ("Stream the rows of a source through `datasets`; the same code path for the hub, local files and the embedded "
+     "corpus.")
     import datasets  # lazy: about 1 s of import (measured), only when a source is read
     if src.type == "hub":
         try: return datasets.load_dataset(src.path, src.config, split=src.split, revision=src.revision, streaming=True)
         except Exception as e:
             msg = (str(e).strip().splitlines() or [""])[0]
-            raise ConfigError(f"{_join(src.where, 'path')}: cannot open {src.path!r} (config={src.config!r}, split={src.split!r}): "
-                              f"{type(e).__name__}: {msg}") from None
-    if src.type == "local": return _load_files(src.format, resolve_files(src.files, _join(src.where, "files")), src.sample_by)
+            raise ConfigError(f"{_join(src.where, 'path')}: cannot open {src.path!r} (config={src.config!r}, "
+                              f"split={src.split!r}): {type(e).__name__}: {msg}") from None
+    if src.type == "local":
+        return _load_files(src.format, resolve_files(src.files, _join(src.where, "files")), src.sample_by)
     if src.corpus == "python-stdlib": return _load_files("text", stdlib_files())
     return datasets.IterableDataset.from_generator(pydoc_topics)
 
@@ -225,12 +236,13 @@ class SourceStream:
     def _text(self, row: dict) -> str:
         "The document text of a row, or an error naming the source's `text_field` and the columns there are."
         if self.field not in row:
-            raise ConfigError(f"{_join(self.src.where, 'text_field')}: got {self.field!r}; the rows of {self.src.name!r} "
-                              f"have the columns {', '.join(map(repr, row))}")
+            raise ConfigError(f"{_join(self.src.where, 'text_field')}: got {self.field!r}; the rows of "
+                              f"{self.src.name!r} have the columns {', '.join(map(repr, row))}")
         text = row[self.field]
         if text is None: return ""
         if not isinstance(text, str):
-            raise ConfigError(f"{_join(self.src.where, 'text_field')}: column {self.field!r} holds {type(text).__name__}, not text")
+            raise ConfigError(f"{_join(self.src.where, 'text_field')}: column {self.field!r} holds "
+                              f"{type(text).__name__}, not text")
         return text
 
 # %% ../../nbs/03_data.ipynb #be3d1bdb
@@ -254,9 +266,10 @@ def check_missing(self: SourceStream, rows: int, missing: int, max_fraction: flo
     "Refuse a source where more than `max_fraction` of the `rows` read so far lack the text field."
     if rows >= 100 or self.exhausted:
         if missing > max_fraction * rows:
-            raise ConfigError(f"{_join(self.src.where, 'text_field')}: {missing:,} of {rows:,} rows of {self.src.name!r} "
-                              f"lack {self.field!r} ({missing / rows:.1%}, more than data.max_missing_fraction = "
-                              f"{max_fraction}); fix the rows, pick another text_field, or raise data.max_missing_fraction")
+            raise ConfigError(f"{_join(self.src.where, 'text_field')}: {missing:,} of {rows:,} rows of "
+                              f"{self.src.name!r} lack {self.field!r} ({missing / rows:.1%}, more than "
+                              f"data.max_missing_fraction = {max_fraction}); fix the rows, pick another text_field, or "
+                              "raise data.max_missing_fraction")
 
 # %% ../../nbs/03_data.ipynb #0d0b8b09
 def is_validation(data: bytes, val_fraction: float) -> bool:
@@ -287,8 +300,8 @@ class ShardWriter:
             p, want = self.path(k), n * self.dtype.itemsize
             have = p.stat().st_size if p.exists() else -1
             if have < want:
-                raise ConfigError(f"{p}: holds {max(have, 0) // self.dtype.itemsize} tokens but progress.json recorded {n}; "
-                                  "the folder was changed by hand; rerun with --overwrite")
+                raise ConfigError(f"{p}: holds {max(have, 0) // self.dtype.itemsize} tokens but progress.json recorded "
+                                  f"{n}; the folder was changed by hand; rerun with --overwrite")
             if have > want: os.truncate(p, want)
         for p in self.folder.glob("shard_*.bin"):
             if int(p.stem.split("_")[1]) >= len(sizes): p.unlink()
@@ -373,16 +386,17 @@ def check_shard_version(found: dict, where) -> None:
     v = found.get("version")
     if v == SHARD_VERSION: return
     if isinstance(v, int) and v > SHARD_VERSION:
-        raise ConfigError(f"{where}: shard format version {v} is newer than this gradient-garden reads ({SHARD_VERSION}); "
-                          "upgrade gradient-garden")
+        raise ConfigError(f"{where}: shard format version {v} is newer than this gradient-garden reads "
+                          f"({SHARD_VERSION}); upgrade gradient-garden")
     raise ConfigError(f"{where}: made by an older `gg prepare` (shard format version {v or 1}: documents without the "
-                      f"<|begin_of_text|> that Llama 3-style tokenizers put first; this version writes {SHARD_VERSION}); "
-                      "prepare it again with `gg prepare ... --overwrite`")
+                      "<|begin_of_text|> that Llama 3-style tokenizers put first; this version writes "
+                      f"{SHARD_VERSION}); prepare it again with `gg prepare ... --overwrite`")
 
 # %% ../../nbs/03_data.ipynb #a9f34320
 def tokenizer_info(tokenizer: Tokenizer) -> dict:
     "What shards record about the tokenizer that made them."
-    return {"identity": tokenizer.identity, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    return {"identity": tokenizer.identity, "name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id}
 
 # %% ../../nbs/03_data.ipynb #63875a73
 def check_tokenizer(found: dict, tokenizer: Tokenizer, where) -> None:
@@ -408,7 +422,8 @@ def resume_point(out_dir: Path, spec: PretrainingData, tokenizer: Tokenizer) -> 
         if meta is not None:
             check_shard_version(meta, out_dir)
             check_tokenizer(meta["tokenizer"], tokenizer, out_dir)
-            raise ConfigError(f"{out_dir}: holds shards without {PROGRESS_FILE}, so they cannot be extended; use --overwrite")
+            raise ConfigError(f"{out_dir}: holds shards without {PROGRESS_FILE}, so they cannot be extended; use "
+                              "--overwrite")
         return None
     check_shard_version(progress, out_dir)
     check_tokenizer(progress["tokenizer"], tokenizer, out_dir)
@@ -423,7 +438,8 @@ def resume_point(out_dir: Path, spec: PretrainingData, tokenizer: Tokenizer) -> 
 def _resume_counts(spec: PretrainingData, state: dict | None) -> tuple[dict, dict]:
     "Per-source counters and per-split token counts: zeroed, or where the committed progress `state` left them."
     counts = {s.name: {"docs": 0, "train_docs": 0, "val_docs": 0, "tokens": 0, "train_tokens": 0,
-                       "val_tokens": 0, "chars": 0, "bytes": 0, "rows": 0, "missing_text": 0, "exhausted": False} for s in spec.mix}
+                       "val_tokens": 0, "chars": 0, "bytes": 0, "rows": 0, "missing_text": 0, "exhausted": False}
+                       for s in spec.mix}
     if not state: return counts, {"train": 0, "val": 0}
     counts.update({k: v for k, v in state["counts"].items() if k in counts})
     return counts, state["n_tokens"]
@@ -458,7 +474,8 @@ def _progress_record(spec: PretrainingData, tokenizer: Tokenizer, counts: dict, 
 # %% ../../nbs/03_data.ipynb #6c17f31a
 def _prepare_batch(spec: PretrainingData, tokenizer: Tokenizer, dtype, counts: dict, streams: dict, writers: dict,
                    batch_chars: int) -> int | None:
-    "Encode and write one batch of the source now due: its tokens, 0 when that source ran out, None when the mix is done."
+    ("Encode and write one batch of the source now due: its tokens, 0 when that source ran out, None when the mix is "
+     "done.")
     if not (pick := next_source(spec.mix, counts, spec.target_tokens, batch_chars)): return None
     name, max_chars = pick
     texts = _take_texts(streams[name], counts[name], max_chars, spec.max_missing_fraction)
@@ -476,7 +493,8 @@ def _meta(spec, tokenizer, dtype, counts, writers, stage, elapsed) -> dict:
         splits[split] = {"n_tokens": w.n_tokens, "documents": sum(c[f"{split}_docs"] for c in counts.values()),
                          "shards": [{"file": f"{split}/{w.path(k).name}", "n_tokens": n} for k, n in enumerate(sizes)]}
     return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": stage, "dtype": str(np.dtype(dtype)),
-            "tokenizer": tokenizer_info(tokenizer), "documents_begin_with_bos": tokenizer.adds_bos, "n_tokens": sum(w.n_tokens for w in writers.values()),
+            "tokenizer": tokenizer_info(tokenizer), "documents_begin_with_bos": tokenizer.adds_bos,
+            "n_tokens": sum(w.n_tokens for w in writers.values()),
             "documents": sum(s["documents"] for s in splits.values()), "target_tokens": spec.target_tokens,
             **spec.layout(), "sources": counts, "splits": splits, "elapsed_s": round(elapsed, 3)}
 
@@ -492,7 +510,8 @@ def prepare_pretraining(spec: PretrainingData, tokenizer: Tokenizer, out_dir, *,
     dtype = token_dtype(tokenizer.vocab_size)
     commit_tokens = commit_tokens or min(1 << 22, spec.shard_tokens)
     counts, n_split = _resume_counts(spec, state)
-    if state and (meta := read_json(out_dir/META_FILE)) and next_source(spec.mix, counts, spec.target_tokens, batch_chars) is None:
+    if (state and (meta := read_json(out_dir/META_FILE))
+            and next_source(spec.mix, counts, spec.target_tokens, batch_chars) is None):
         return {**meta, "up_to_date": True}
     (out_dir/META_FILE).unlink(missing_ok=True)
     writers = {s: ShardWriter(out_dir/s, dtype, spec.shard_tokens, n_split[s]) for s in ("train", "val")}
