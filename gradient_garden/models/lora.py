@@ -120,7 +120,8 @@ class FusedLoRALinear(nn.Linear):
         start = 0
         for name, rows in parts.items():
             if name in targets:
-                new.adapters[name] = LoRASlice(linear.in_features, start, start + rows, rank, alpha, dropout, w.device, w.dtype)
+                new.adapters[name] = LoRASlice(linear.in_features, start, start + rows, rank, alpha, dropout, w.device,
+                                               w.dtype)
             start += rows
         return new
 
@@ -158,7 +159,8 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 # %% ../../nbs/13_lora.ipynb #18658cbc
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
-    "The adapters of `model` by the name of what each adapts: `LoRALinear`s, and `LoRASlice`s as projections (`...attention.wq`)."
+    ("The adapters of `model` by the name of what each adapts: `LoRALinear`s, and `LoRASlice`s as projections "
+     "(`...attention.wq`).")
     out = {}
     for n, m in lora_layers(model).items():
         if not isinstance(m, FusedLoRALinear): out[n] = m; continue
@@ -192,7 +194,9 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
         if type(mod) is not nn.Linear:
             not_linear.append(f"{name if whole else f'{parent_name}.{chosen[0]}'} ({type(mod).__name__})"); continue
         r, a, d = lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout
-        setattr(parent, child, LoRALinear.from_linear(mod, r, a, d) if whole else FusedLoRALinear.from_linear(mod, parts, chosen, r, a, d))
+        setattr(parent, child,
+                LoRALinear.from_linear(mod, r, a, d) if whole
+                else FusedLoRALinear.from_linear(mod, parts, chosen, r, a, d))
         found.append(name)
     if not_linear:
         raise ConfigError(f"lora.target_modules: {not_linear[0]} is not an nn.Linear; LoRA adapts linear layers only")
@@ -237,7 +241,8 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         extra, missing = sorted(given - own), sorted(own - given)
         raise ConfigError(f"lora state dict: does not match the model's adapters (missing {missing[:3]}, "
                           f"unexpected {extra[:3]}); check lora.target_modules and lora.rank")
-    if any(m.merged for m in lora_layers(model).values()): raise ConfigError("lora: unmerge the model before loading adapters")
+    if any(m.merged for m in lora_layers(model).values()):
+        raise ConfigError("lora: unmerge the model before loading adapters")
     model.load_state_dict({k: state_dict[k] for k in given}, strict=False)
     return model
 
@@ -247,7 +252,8 @@ def has_lora(state_dict: dict) -> bool:
 
 # %% ../../nbs/13_lora.ipynb #b9b0f270
 def unload_lora(model: nn.Module) -> nn.Module:
-    "Replace each `LoRALinear` by a plain `nn.Linear` with its base weight, dropping (not merging) the adapters; in place."
+    ("Replace each `LoRALinear` by a plain `nn.Linear` with its base weight, dropping (not merging) the adapters; in "
+     "place.")
     for name, m in lora_layers(model).items():
         if m.merged: m.unmerge()
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
@@ -287,11 +293,13 @@ def peft_adapter(model: nn.Module, rename=lambda name: name, base_model_name_or_
 def save_peft_adapter(model: nn.Module, out_dir, rename=lambda name: name, base_model_name_or_path: str | None = None,
                       task_type: str | None = "CAUSAL_LM", dtype: torch.dtype | None = None):
     "Write `adapter_config.json` and `adapter_model.safetensors` (what `peft.PeftModel.from_pretrained` reads)."
-    from safetensors.torch import save_file  # lazy: about 0.9 s of import (measured), only for Hugging Face / adapter files
+    # lazy: about 0.9 s of import (measured), only for Hugging Face / adapter files
+    from safetensors.torch import save_file
     config, tensors = peft_adapter(model, rename, base_model_name_or_path, task_type)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: (v if dtype is None else v.to(dtype)).cpu() for k, v in tensors.items()}, out/"adapter_model.safetensors",
+    save_file({k: (v if dtype is None else v.to(dtype)).cpu() for k, v in tensors.items()},
+              out/"adapter_model.safetensors",
               metadata={"format": "pt"})
     (out/"adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
