@@ -18,13 +18,15 @@ LLAMA_ARCHITECTURES = ("tendril",)
 def check_llama_compatible(cfg: ModelConfig) -> ModelConfig:
     "Raise `ConfigError` unless `cfg` describes a model with an exact `LlamaForCausalLM` equivalent."
     if cfg.architecture not in LLAMA_ARCHITECTURES:
-        raise ConfigError(f"model.architecture: got {cfg.architecture!r}; only {', '.join(LLAMA_ARCHITECTURES)} has a Hugging Face "
-                          "LlamaForCausalLM equivalent (mixture-of-experts and other architectures cannot be exported as Llama)")
+        raise ConfigError(f"model.architecture: got {cfg.architecture!r}; only {', '.join(LLAMA_ARCHITECTURES)} has a "
+                          "Hugging Face LlamaForCausalLM equivalent (mixture-of-experts and other architectures cannot "
+                          "be exported as Llama)")
     return cfg
 
 def hf_llama_config(cfg: ModelConfig, tokenizer=None):
     "The `transformers.LlamaConfig` of a Tendril config (token ids from `tokenizer` when given)."
-    from transformers import LlamaConfig  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    from transformers import LlamaConfig
     check_llama_compatible(cfg)
     kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
               intermediate_size=ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier),
@@ -76,8 +78,8 @@ def model_config_from_hf(hf_cfg, where: str = "config.json") -> ModelConfig:
         refuse("head_dim", head_dim, hf_cfg.hidden_size // hf_cfg.num_attention_heads)
     multiple_of, mult = _ffn_params(hf_cfg.hidden_size, hf_cfg.intermediate_size)
     return ModelConfig(architecture="tendril", dim=hf_cfg.hidden_size, n_layers=hf_cfg.num_hidden_layers,
-                       n_heads=hf_cfg.num_attention_heads, n_kv_heads=hf_cfg.num_key_value_heads or hf_cfg.num_attention_heads,
-                       vocab_size=hf_cfg.vocab_size, multiple_of=multiple_of, ffn_dim_multiplier=mult,
+                       n_heads=hf_cfg.num_attention_heads, vocab_size=hf_cfg.vocab_size, multiple_of=multiple_of,
+                       n_kv_heads=hf_cfg.num_key_value_heads or hf_cfg.num_attention_heads, ffn_dim_multiplier=mult,
                        norm_eps=hf_cfg.rms_norm_eps, rope_theta=theta, max_seq_len=hf_cfg.max_position_embeddings,
                        tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)),
                        init_std=getattr(hf_cfg, "initializer_range", 0.02))
