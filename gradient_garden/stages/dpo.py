@@ -5,7 +5,7 @@ their reward metrics, a resumable pair loader, the `dpo` stage, and preference a
 
 # %% ../../nbs/43_dpo.ipynb #834f3084
 from __future__ import annotations
-import copy, json, math
+import copy, json
 from pathlib import Path
 from typing import Optional
 import numpy as np
@@ -27,9 +27,9 @@ from ..data.verifiable import sample_preference_pairs, SPLITS
 from .pretraining import MODEL_INPUTS
 
 # %% ../../nbs/43_dpo.ipynb #02e75e41
-from .base import (IGNORE_INDEX, SplitStream, Stage, StageParts, check_identity, check_messages, check_source,
-                                          check_stream_state, datasets_progress, load_ragged, load_rows, open_split, save_ragged,
-                                          stage_sources, stream_positions)
+from .base import (IGNORE_INDEX, SplitStream, Stage, StageParts, check_identity, check_messages,
+                                         check_source, check_stream_state, datasets_progress, load_ragged, load_rows,
+                                         open_split, save_ragged, stage_sources, stream_positions)
 from ..models.tendril import unwrap_model
 from ..tokenizer import init_tokenizer
 from fastcore.basics import patch   # the reference and the loader are built up method by method below
@@ -42,7 +42,8 @@ DPO_LOSSES = ("sigmoid", "ipo", "conservative")
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
     "Per-pair DPO losses and the chosen/rejected implicit rewards, from summed response log-probs."
-    if loss_type not in DPO_LOSSES: raise ConfigError(f"dpo.loss_type: got {loss_type!r}; allowed: {', '.join(DPO_LOSSES)}")
+    if loss_type not in DPO_LOSSES:
+        raise ConfigError(f"dpo.loss_type: got {loss_type!r}; allowed: {', '.join(DPO_LOSSES)}")
     chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
     h = chosen_ratio - rejected_ratio
     if loss_type == "ipo": losses = (h - 1 / (2 * beta)) ** 2
@@ -62,19 +63,26 @@ def tokenize_pair(tokenizer, prompt, chosen, rejected, chat: bool = True, where:
     if prompt is None:
         if not (isinstance(chosen, list) and isinstance(rejected, list)):
             raise ConfigError(f"{where}: without a prompt, chosen and rejected must both be message lists")
-        prompt, chosen, rejected = _split_implicit(check_messages(chosen, f"{where}.chosen"), check_messages(rejected, f"{where}.rejected"))
+        prompt, chosen, rejected = _split_implicit(check_messages(chosen, f"{where}.chosen"),
+                                                   check_messages(rejected, f"{where}.rejected"))
     if isinstance(prompt, str) and not chat:
         if not (isinstance(chosen, str) and isinstance(rejected, str)):
             raise ConfigError(f"{where}: a plain pair needs string chosen and rejected")
-        return tokenizer.encode(prompt, bos=True), tokenizer.encode(chosen, eos=True), tokenizer.encode(rejected, eos=True)
-    msgs = check_messages([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt, f"{where}.prompt")
+        return (tokenizer.encode(prompt, bos=True), tokenizer.encode(chosen, eos=True),
+                tokenizer.encode(rejected, eos=True))
+    if isinstance(prompt, str): prompt = [{"role": "user", "content": prompt}]
+    msgs = check_messages(prompt, f"{where}.prompt")
     p_ids = tokenizer.render_chat(msgs, add_generation_prompt=True)[0]
     out = [p_ids]
     for name, resp in (("chosen", chosen), ("rejected", rejected)):
-        resp = [{"role": "assistant", "content": resp}] if isinstance(resp, str) else check_messages(resp, f"{where}.{name}")
-        if resp[0]["role"] != "assistant": raise ConfigError(f"{where}.{name}[0].role: got {resp[0]['role']!r}; a response starts with an assistant message")
+        if isinstance(resp, str): resp = [{"role": "assistant", "content": resp}]
+        else: resp = check_messages(resp, f"{where}.{name}")
+        if resp[0]["role"] != "assistant":
+            raise ConfigError(f"{where}.{name}[0].role: got {resp[0]['role']!r}; "
+                              "a response starts with an assistant message")
         full = tokenizer.render_chat(msgs + resp)[0]
-        if full[:len(p_ids)] != p_ids: raise ConfigError(f"{where}: the tokenizer's chat rendering is not prefix-stable")
+        if full[:len(p_ids)] != p_ids:
+            raise ConfigError(f"{where}: the tokenizer's chat rendering is not prefix-stable")
         out.append(full[len(p_ids):])
     return tuple(out)
 
@@ -83,7 +91,8 @@ PAIR_SOURCE_KEYS = {
     "verifiable": {"type", "train", "val", "tasks", "seed", "system_prob"},
     "hub": {"type", "path", "name", "split", "max_examples", "val_split", "val_fraction", "revision", "chat",
             "prompt_column", "chosen_column", "rejected_column"},
-    "json": {"type", "path", "max_examples", "val_fraction", "chat", "prompt_column", "chosen_column", "rejected_column"},
+    "json": {"type", "path", "max_examples", "val_fraction", "chat", "prompt_column", "chosen_column",
+             "rejected_column"},
 }
 DEFAULT_DPO_SOURCES = [{"type": "verifiable", "train": 4000, "val": 300, "seed": 1}]
 
@@ -92,10 +101,12 @@ def iter_source_pairs(src: dict, split: str, where: str):
     "(row label, prompt, chosen, rejected, chat) of one pair source for `split`."
     if src["type"] == "verifiable":
         n = src.get("train", 4000) if split == "train" else src.get("val", 300)
-        for i, p in enumerate(sample_preference_pairs(n, split, src.get("tasks"), src.get("seed", 1), src.get("system_prob", 0.0))):
+        for i, p in enumerate(sample_preference_pairs(n, split, src.get("tasks"), src.get("seed", 1),
+                                                      src.get("system_prob", 0.0))):
             yield f"{where}[{i}]", p["prompt"], p["chosen"], p["rejected"], True
         return
-    pc, cc, rc = src.get("prompt_column", "prompt"), src.get("chosen_column", "chosen"), src.get("rejected_column", "rejected")
+    pc, cc = src.get("prompt_column", "prompt"), src.get("chosen_column", "chosen")
+    rc = src.get("rejected_column", "rejected")
     for i, row in load_rows(src, split):
         for col in (cc, rc):
             if col not in row: raise ConfigError(f"{where}: column {col!r} not in the rows (columns: {', '.join(row)})")
@@ -105,23 +116,25 @@ def iter_source_pairs(src: dict, split: str, where: str):
 def prepare_dpo(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Tokenise the recipe's preference sources into `out_dir/{train,val}`; returns the two splits' meta."
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
-    srcs = [check_source(s, f"data.sources[{i}]", PAIR_SOURCE_KEYS) for i, s in enumerate(stage_sources(recipe_data, DEFAULT_DPO_SOURCES))]
+    srcs = [check_source(s, f"data.sources[{i}]", PAIR_SOURCE_KEYS)
+            for i, s in enumerate(stage_sources(recipe_data, DEFAULT_DPO_SOURCES))]
     max_len, metas = cfg.model.max_seq_len + 1, {}
     for split in SPLITS:
         rows, dropped = [], 0
         for i, src in enumerate(srcs):
             with datasets_progress(progress):
-                for label, p, c, r, chat in tqdm(iter_source_pairs(src, split, f"data.sources[{i}]"), desc=f"dpo/{split}",
-                                                disable=not progress, leave=False):
+                for label, p, c, r, chat in tqdm(iter_source_pairs(src, split, f"data.sources[{i}]"),
+                                                 desc=f"dpo/{split}", disable=not progress, leave=False):
                     t = tokenize_pair(tokenizer, p, c, r, chat, label)
                     if len(t[0]) + max(len(t[1]), len(t[2])) > max_len: dropped += 1
                     else: rows.append(t)
         if not rows: raise ConfigError(f"data.sources: no {split} preference pair fits in {max_len} tokens")
-        meta = dict(format="gradient-garden-dpo", version=1, stage="dpo", split=split, n_pairs=len(rows), dropped=dropped,
-                    tokenizer_identity=tokenizer.identity, tokenizer_name=tokenizer.name, vocab_size=tokenizer.vocab_size,
-                    pad_id=tokenizer.pad_id, max_len=max_len, sources=srcs)
+        meta = dict(format="gradient-garden-dpo", version=1, stage="dpo", split=split, n_pairs=len(rows),
+                    dropped=dropped, tokenizer_identity=tokenizer.identity, tokenizer_name=tokenizer.name,
+                    vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, max_len=max_len, sources=srcs)
         with atomic_dir(Path(out_dir)/split) as tmpdir:   # the split appears whole or not at all
-            for j, name in enumerate(("prompt", "chosen", "rejected")): save_ragged(tmpdir, name, [t[j] for t in rows], np.int32)
+            for j, name in enumerate(("prompt", "chosen", "rejected")):
+                save_ragged(tmpdir, name, [t[j] for t in rows], np.int32)
             (tmpdir/"meta.json").write_text(json.dumps(meta, indent=2))
         metas[split] = meta
     return metas
@@ -162,14 +175,16 @@ def collate_pairs(ds: PairDataset, idx: np.ndarray, pad_id: int, seq_len: int) -
     for b, (s, n_prompt) in enumerate(seqs):
         inp[b, :len(s) - 1] = s[:-1]
         lab[b, n_prompt - 1:len(s) - 1] = s[n_prompt:]
-    return {"input_ids": torch.from_numpy(inp), "labels": torch.from_numpy(lab), "pair_index": torch.as_tensor(np.asarray(idx, dtype=np.int64))}
+    return {"input_ids": torch.from_numpy(inp), "labels": torch.from_numpy(lab),
+            "pair_index": torch.as_tensor(np.asarray(idx, dtype=np.int64))}
 
 # %% ../../nbs/43_dpo.ipynb #4d8c2c19
 def sequence_logps(model, batch: dict) -> torch.Tensor:
     "Summed log-probability of each row's labels (`[2B]` for a pair batch), fp32, one forward."
     kw = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     logits = model(batch["input_ids"], **kw)
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none")
     return -nll.view(batch["labels"].shape).sum(-1)
 
 # %% ../../nbs/43_dpo.ipynb #46807512
@@ -197,8 +212,8 @@ class PrecomputedReference:
         was_training = model.training
         model.eval()
         try:
-            for k in tqdm(range(n_batches), desc=f"reference log-probs ({ds.split})", disable=self.rank != 0 or not self.progress,
-                          leave=False, dynamic_ncols=True):
+            for k in tqdm(range(n_batches), desc=f"reference log-probs ({ds.split})",
+                          disable=self.rank != 0 or not self.progress, leave=False, dynamic_ncols=True):
                 idx = mine[k * self.batch_size:(k + 1) * self.batch_size]
                 dummy = len(idx) == 0  # keep the same number of forwards on every rank
                 b = collate_pairs(ds, usable[:1] if dummy else idx, int(ds.meta["pad_id"]), self.seq_len)
@@ -231,14 +246,18 @@ def logps(self: PrecomputedReference, batch: dict) -> torch.Tensor: return batch
 def state_dict(self: PrecomputedReference) -> dict: return {"kind": "precomputed", "tables": dict(self.tables)}
 @patch
 def load_state_dict(self: PrecomputedReference, d: dict):
-    if d.get("kind") != "precomputed": raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; the run asks for 'precomputed'")
+    if d.get("kind") != "precomputed":
+        raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; "
+                          "the run asks for 'precomputed'")
     self.tables, self.model = dict(d["tables"]), None
 
 # %% ../../nbs/43_dpo.ipynb #e11e217f
 class ModelReference:
     "A frozen copy of the starting policy, run on every batch; its weights ride in the loader state."
     def __init__(self, model):
-        if is_fsdp(model): raise ConfigError("dpo.reference: got 'copy'; with runtime.fsdp use 'precomputed' (a full copy per rank defeats sharding)")
+        if is_fsdp(model):
+            raise ConfigError("dpo.reference: got 'copy'; with runtime.fsdp use 'precomputed' "
+                              "(a full copy per rank defeats sharding)")
         self.model = copy.deepcopy(_plain_module(model)).eval().requires_grad_(False)
 
     def attach(self, batch: dict, split: str) -> dict: return batch
@@ -246,14 +265,18 @@ class ModelReference:
     @torch.no_grad()
     def logps(self, batch: dict) -> torch.Tensor: return sequence_logps(self.model, batch)
 
-    def state_dict(self) -> dict: return {"kind": "copy", "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}}
+    def state_dict(self) -> dict:
+        return {"kind": "copy", "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()}}
     def load_state_dict(self, d: dict):
-        if d.get("kind") != "copy": raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; the run asks for 'copy'")
+        if d.get("kind") != "copy":
+            raise ConfigError(f"dpo.reference: the checkpoint holds a {d.get('kind')!r} reference; "
+                              "the run asks for 'copy'")
         self.model.load_state_dict(d["model"])
 
 # %% ../../nbs/43_dpo.ipynb #e41f05a0
 class DPOLoader(SplitStream):
-    "Batches of preference pairs for one rank (chosen and rejected stacked), with the reference attached; resumable on any number of ranks."
+    ("Batches of preference pairs for one rank (chosen and rejected stacked), with the reference attached; resumable "
+     "on any number of ranks.")
     def __init__(self, data_dir, split: str, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shuffle: bool = True, reference=None, dataset: Optional[PairDataset] = None):
         data = dataset or PairDataset(data_dir, split)
@@ -264,7 +287,8 @@ class DPOLoader(SplitStream):
 @patch
 def _take(self: DPOLoader, epoch: int, cursor: int, shuffle: bool):
     "This rank's pairs of the round starting at (epoch, cursor): every `world_size`-th of the next ones."
-    mine, epoch, cursor = stream_positions(epoch, cursor, self.batch_size, self.rank, self.world_size, lambda e: len(self.pairs))
+    mine, epoch, cursor = stream_positions(epoch, cursor, self.batch_size, self.rank, self.world_size,
+                                           lambda e: len(self.pairs))
     idx = np.asarray([self._order_for(e, shuffle)[c] for e, c in mine])
     b = collate_pairs(self.data, idx, self.pad_id, self.seq_len)
     return (self.reference.attach(b, self.split) if self.reference is not None else b), epoch, cursor
@@ -308,7 +332,8 @@ class DPOTask:
     "DPO on stacked chosen/rejected batches: summed pair losses; metrics rewards/{chosen,rejected,accuracy,margin}."
     def __init__(self, dpo_cfg: DPOConfig, reference):
         if dpo_cfg.loss_type == "conservative" and not 0 < dpo_cfg.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.label_smoothing: got {dpo_cfg.label_smoothing}; loss_type 'conservative' needs a value in (0, 0.5)")
+            raise ConfigError(f"dpo.label_smoothing: got {dpo_cfg.label_smoothing}; "
+                              "loss_type 'conservative' needs a value in (0, 0.5)")
         if dpo_cfg.beta <= 0: raise ConfigError(f"dpo.beta: got {dpo_cfg.beta}; must be > 0")
         self.cfg, self.reference = dpo_cfg, reference
 
@@ -317,8 +342,9 @@ class DPOTask:
         pc, pr = sequence_logps(model, batch).chunk(2)
         rc, rr = self.reference.logps(batch).to(pc).chunk(2)
         losses, cr, rj = dpo_loss(pc, pr, rc, rr, self.cfg.beta, self.cfg.loss_type, self.cfg.label_smoothing)
-        metrics = {"rewards/chosen": cr.sum(), "rewards/rejected": rj.sum(), "rewards/accuracy": (cr > rj).float().sum(),
-                   "rewards/margin": (cr - rj).sum(), "logps/chosen": pc.detach().sum(), "logps/rejected": pr.detach().sum()}
+        metrics = {"rewards/chosen": cr.sum(), "rewards/rejected": rj.sum(),
+                   "rewards/accuracy": (cr > rj).float().sum(), "rewards/margin": (cr - rj).sum(),
+                   "logps/chosen": pc.detach().sum(), "logps/rejected": pr.detach().sum()}
         return losses.sum(), metrics
 
     def count(self, batch: dict) -> torch.Tensor:
@@ -367,7 +393,8 @@ def build_dpo(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
     if cfg.dpo.reference == "copy": ref = ModelReference(model)
     else: ref = PrecomputedReference(model, datasets, t.seq_len, 2 * t.micro_batch_size, env.rank, env.world_size,
                                      cfg.runtime.precision)
-    kw = dict(batch_size=t.micro_batch_size, seq_len=t.seq_len, rank=env.rank, world_size=env.world_size, seed=t.seed, reference=ref)
+    kw = dict(batch_size=t.micro_batch_size, seq_len=t.seq_len, rank=env.rank, world_size=env.world_size, seed=t.seed,
+              reference=ref)
     train = DPOLoader(d, "train", dataset=datasets["train"], **kw)
     val = DPOLoader(d, "val", dataset=datasets["val"], **kw) if "val" in datasets else None
     def held_out_preference(m):
