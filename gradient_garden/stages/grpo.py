@@ -21,13 +21,15 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
                      batch_std: Optional[torch.Tensor] = None, n_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    "Advantages `[N]` of rewards `[N]` (groups of `group_size` in a row; the last `n_off` of each are off-policy and take the sampled rows' baseline), and which rows are in a zero-variance group."
+    ("Advantages `[N]` of rewards `[N]` (groups of `group_size` in a row; the last `n_off` of each are off-policy and "
+     "take the sampled rows' baseline), and which rows are in a zero-variance group.")
     r = rewards.view(-1, group_size).double()
     sampled = r[:, :group_size - n_off]
     centred = r - sampled.mean(1, keepdim=True)
     std = sampled.std(1, keepdim=True)                         # Bessel's correction, as TRL's `nanstd`
     zero = std == 0
-    if scale == "group": centred = centred / (torch.where(zero, 1.0, std) + 1e-4)   # 1 where the sampled rows agree (LUFFY)
+    # 1 where the sampled rows agree (LUFFY)
+    if scale == "group": centred = centred / (torch.where(zero, 1.0, std) + 1e-4)
     elif scale == "batch": centred = centred / ((sampled.std() if batch_std is None else batch_std) + 1e-4)
     on = torch.arange(group_size) < group_size - n_off
     adv = torch.where(zero & on, 0.0, centred)                 # exactly zero, whatever the rounding of the mean
@@ -74,11 +76,14 @@ def collate_rollouts(prompts: list[list[int]], completions: list[list[int]], seq
         lab[b, n - 1:len(s) - 1] = s[n:]
     return {"input_ids": inp, "labels": lab, "labels_from": min(n for _, n in seqs) - 1}
 
-def completion_logps(model, batch: dict, entropy_grad: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    "Log-probability `[B, T]` of each label under `model` sampled at `temperature` (fp32; 0 where there is none) and the entropy there (with grad if asked)."
+def completion_logps(model, batch: dict, entropy_grad: bool = False,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    ("Log-probability `[B, T]` of each label under `model` sampled at `temperature` (fp32; 0 where there is none) and "
+     "the entropy there (with grad if asked).")
     labels = batch["labels"]
     start = min(batch.get("labels_from", 0), labels.shape[1] - 1)
-    logits = model(batch["input_ids"], logits_to_keep=labels.shape[1] - start).float()   # the head only where labels can be
+    # the head only where labels can be
+    logits = model(batch["input_ids"], logits_to_keep=labels.shape[1] - start).float()
     logp = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
     lab = labels[:, start:]
     lp = logp.gather(-1, lab.clamp(min=0)[..., None]).squeeze(-1)
