@@ -49,7 +49,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def zeropower_via_newtonschulz(G: Tensor, steps: int = 5, coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
                                 dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    "Approximately orthogonalise the last two dims of `G` (i.e. U V^T of its SVD) with quintic Newton-Schulz in `dtype`."
+    ("Approximately orthogonalise the last two dims of `G` (i.e. U V^T of its SVD) with quintic Newton-Schulz in "
+     "`dtype`.")
     a, b, c = coefficients
     shape, tall = G.shape, G.size(-2) > G.size(-1)
     X = G.to(dtype).reshape(-1, *shape[-2:]) if G.ndim > 3 else G.to(dtype)
@@ -65,14 +66,17 @@ def zeropower_via_newtonschulz(G: Tensor, steps: int = 5, coefficients=NS_COEFFI
 
 # %% ../../nbs/51_optim.ipynb #380cd6f6
 def part_shapes(shape, split=None) -> list[tuple]:
-    "The matrices Muon orthogonalises in a weight of `shape`: the weight, or its row blocks of sizes `split` (fused q/k/v)."
+    ("The matrices Muon orthogonalises in a weight of `shape`: the weight, or its row blocks of sizes `split` (fused "
+     "q/k/v).")
     shape = tuple(shape)
     if split is None: return [shape]
-    if sum(split) != shape[-2]: raise ValueError(f"split sizes {tuple(split)} do not add up to the {shape[-2]} rows of {shape}")
+    if sum(split) != shape[-2]:
+        raise ValueError(f"split sizes {tuple(split)} do not add up to the {shape[-2]} rows of {shape}")
     return [(*shape[:-2], rows, shape[-1]) for rows in split]
 
 def declared_splits(module: nn.Module, name: str):
-    "The row blocks a module declares for its parameter `name` (`split_sizes`: a tuple for `weight`, or a dict), or None."
+    ("The row blocks a module declares for its parameter `name` (`split_sizes`: a tuple for `weight`, or a dict), or "
+     "None.")
     s = getattr(module, "split_sizes", None)
     if isinstance(s, dict): s = s.get(name)
     elif name != "weight": s = None
@@ -118,12 +122,14 @@ def muon_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     raise ConfigError(f"adjust_lr_fn: got {adjust_lr_fn!r}; expected one of None, 'original', 'match_rms_adamw'")
 
 def gathered_orthogonalise(update: Tensor, p: Tensor, group: dict, split=None) -> Tensor:
-    "This rank's part of `update` orthogonalised on the whole matrix: a DTensor is gathered, and every rank does all the work."
+    ("This rank's part of `update` orthogonalised on the whole matrix: a DTensor is gathered, and every rank does all "
+     "the work.")
     is_dt = DTensor is not None and isinstance(update, DTensor)
     O = orthogonalise(update.full_tensor() if is_dt else update, group, split)
     if not is_dt: return O
     mesh = p.device_mesh
-    return DTensor.from_local(O, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, p.placements).to_local()
+    full = DTensor.from_local(O, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return full.redistribute(mesh, p.placements).to_local()
 
 def _apply_update(p: Tensor, O: Tensor, group: dict, split=None):
     "Decoupled weight decay, then `p -= adjusted lr * O` on this rank's rows (each row block with its own shape's lr)."
@@ -133,17 +139,20 @@ def _apply_update(p: Tensor, O: Tensor, group: dict, split=None):
     row0, start, n = _row_offset(p), 0, local.size(-2)
     for shape in part_shapes(p.shape, split):
         lo, hi = max(start, row0), min(start + shape[-2], row0 + n)
-        if hi > lo: local.narrow(-2, lo - row0, hi - lo).add_(O.narrow(-2, lo - row0, hi - lo), alpha=-muon_lr(lr, shape, fn))
+        if hi > lo:
+            local.narrow(-2, lo - row0, hi - lo).add_(O.narrow(-2, lo - row0, hi - lo), alpha=-muon_lr(lr, shape, fn))
         start += shape[-2]
 
 # %% ../../nbs/51_optim.ipynb #bf166861
 class Muon(torch.optim.Optimizer):
-    "Muon (momentum orthogonalised by Newton-Schulz) for 2-D (or batched 3-D) weights; splits its work over DDP/FSDP2/HSDP ranks."
+    ("Muon (momentum orthogonalised by Newton-Schulz) for 2-D (or batched 3-D) weights; splits its work over "
+     "DDP/FSDP2/HSDP ranks.")
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
                  adjust_lr_fn: str | None = None, ns_dtype: str = "bf16", distributed: bool = True, process_group=None):
         muon_lr(1.0, (1, 1), adjust_lr_fn)  # validates adjust_lr_fn
-        if ns_dtype not in NS_DTYPES: raise ValueError(f"ns_dtype: got {ns_dtype!r}; expected one of {', '.join(NS_DTYPES)}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype: got {ns_dtype!r}; expected one of {', '.join(NS_DTYPES)}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         ns_dtype=ns_dtype)
@@ -189,7 +198,8 @@ def orthogonalise_batched(mats: list[Tensor], group: dict, splits) -> list[Tenso
 
 # %% ../../nbs/51_optim.ipynb #dba575d7
 def assign_owners(costs, world: int) -> list[int]:
-    "Owner rank of each matrix: the costliest first, each to the least-loaded rank so far (greedy LPT, ties to the lower rank)."
+    ("Owner rank of each matrix: the costliest first, each to the least-loaded rank so far (greedy LPT, ties to the "
+     "lower rank).")
     load, owners = [0] * world, [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
         owners[i] = min(range(world), key=load.__getitem__)
@@ -202,7 +212,8 @@ def _size_rank(pg) -> tuple[int, int]:
     return (1, 0) if pg is None else (dist.get_world_size(pg), dist.get_rank(pg))
 
 def muon_layout(params, process_group=None):
-    "`(shard group, replicate group)` Muon splits its work over (FSDP2/HSDP: from the DTensor mesh; DDP: `process_group`), or None in one process."
+    ("`(shard group, replicate group)` Muon splits its work over (FSDP2/HSDP: from the DTensor mesh; DDP: "
+     "`process_group`), or None in one process.")
     is_dt = [DTensor is not None and isinstance(p, DTensor) for p in params]
     if not any(is_dt):
         return (None, process_group) if process_group is not None and _size_rank(process_group)[0] > 1 else None
@@ -213,7 +224,8 @@ def muon_layout(params, process_group=None):
     shard = [i for i, s in enumerate(roles) if s and mesh.size(i) > 1]
     rep = [i for i, s in enumerate(roles) if not s and mesh.size(i) > 1]
     if len(shard) > 1 or len(rep) > 1:
-        raise NotImplementedError(f"Muon: placements {params[0].placements}; expected at most one sharded and one replicated mesh dim")
+        raise NotImplementedError(f"Muon: placements {params[0].placements}; "
+                                  "expected at most one sharded and one replicated mesh dim")
     if not shard and not rep: return None
     return (mesh.get_group(shard[0]) if shard else None), (mesh.get_group(rep[0]) if rep else None)
 
@@ -225,7 +237,8 @@ def _unflat(buf: Tensor, shapes) -> list[Tensor]:
     return [t.view(s) for t, s in zip(buf.split([math.prod(s) for s in shapes]), shapes)]
 
 def exchange(send: list[list[Tensor]], recv_shapes: list[list[tuple]], pg, dtype, device) -> list[list[Tensor]]:
-    "One all-to-all of tensor lists: `send[j]` goes to rank j of `pg`; returns the lists each rank sent here, shaped `recv_shapes`."
+    ("One all-to-all of tensor lists: `send[j]` goes to rank j of `pg`; returns the lists each rank sent here, shaped "
+     "`recv_shapes`.")
     flat = [_flat(ts, dtype, device) for ts in send]
     out_sizes = [sum(math.prod(s) for s in ss) for ss in recv_shapes]
     out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
@@ -241,7 +254,8 @@ def _pad(t: Tensor, dim: int, size: int) -> Tensor:
     return out
 
 # %% ../../nbs/51_optim.ipynb #90f4e6ec
-def _orthogonalise_bucket(local: list[Tensor], params: list[Tensor], splits, owner: list[int], group: dict, layout) -> list[Tensor]:
+def _orthogonalise_bucket(local: list[Tensor], params: list[Tensor], splits, owner: list[int], group: dict,
+                          layout) -> list[Tensor]:
     "`distributed_orthogonalise` of one bucket of matrices whose owners are already chosen."
     S, R = layout
     (s, i_s), (r, i_r) = _size_rank(S), _size_rank(R)
@@ -262,7 +276,8 @@ def _orthogonalise_bucket(local: list[Tensor], params: list[Tensor], splits, own
         pieces = [_pad(O, dim[k], chunk[k] * s).chunk(s, dim[k]) for O, k in zip(done, of[i_s])]
         got = exchange([[pc[j] for pc in pieces] for j in range(s)], [[padded[k] for k in ks] for ks in of],
                        S, dtype, device)
-        res = {k: got[j][a].narrow(dim[k], 0, local[k].size(dim[k])) for j, ks in enumerate(of) for a, k in enumerate(ks)}
+        res = {k: got[j][a].narrow(dim[k], 0, local[k].size(dim[k]))
+               for j, ks in enumerate(of) for a, k in enumerate(ks)}
     else: res = dict(zip(of[i_s], done))
     if r > 1:   # replicas (DDP, HSDP's replicate dim) each did their share: gather the rest
         per = [[k for k in range(n) if owner[k] // s == q] for q in range(r)]
@@ -276,7 +291,8 @@ def _orthogonalise_bucket(local: list[Tensor], params: list[Tensor], splits, own
 
 # %% ../../nbs/51_optim.ipynb #f69e08a3
 def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout) -> list[Tensor]:
-    "This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` picks."
+    ("This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` "
+     "picks.")
     (s, _), (r, _) = _size_rank(layout[0]), _size_rank(layout[1])
     owner = assign_owners([sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp))
                            for p, sp in zip(params, splits)], s * r)
@@ -290,7 +306,8 @@ def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], split
     return out
 
 # %% ../../nbs/51_optim.ipynb #f13106cf
-def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5, ns_bytes: int = 2) -> dict:
+def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5,
+                    ns_bytes: int = 2) -> dict:
     "Busiest rank's Newton-Schulz FLOPs per step and the step's buffers beyond the shards, gathered and distributed."
     splits = splits or [None] * len(shapes)
     costs = [sum(ns_flops(q, ns_steps) for q in part_shapes(s, sp)) for s, sp in zip(shapes, splits)]
@@ -304,7 +321,8 @@ def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_
     for k, (s, sp) in enumerate(zip(shapes, splits)): buckets.setdefault((tuple(s), sp), []).append(k)
     def bucket_bytes(ks):   # whole matrices joined + orthogonalised, all-to-all buffers, all-gather buffers
         per_rep = max(sum(share[k] for k in ks if owner[k] // shard == q) for q in range(replicate))
-        return 2 * busiest(numel, ks) + (2 * per_rep if shard > 1 else 0) + (replicate * per_rep if replicate > 1 else 0)
+        return (2 * busiest(numel, ks) + (2 * per_rep if shard > 1 else 0)
+                + (replicate * per_rep if replicate > 1 else 0))
     return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs, range(len(shapes))),
                                                   "bytes": ns_bytes * max(map(bucket_bytes, buckets.values()))}}
 
@@ -320,7 +338,8 @@ def step(self: Muon, closure=None):
         items = [(p, sp) for p, sp in zip(group["params"], _splits(group)) if p.grad is not None]
         layout = muon_layout([p for p, _ in items], self.process_group) if self.distributed and items else None
         if layout is None:   # one process, or the gathered algorithm: one matrix at a time, all of them here
-            for p, sp in items: _apply_update(p, gathered_orthogonalise(self._momentum_update(p, group), p, group, sp), group, sp)
+            for p, sp in items:
+                _apply_update(p, gathered_orthogonalise(self._momentum_update(p, group), p, group, sp), group, sp)
             continue
         params, splits = [p for p, _ in items], [sp for _, sp in items]
         updates = [self._momentum_update(p, group) for p in params]
@@ -352,7 +371,8 @@ def muon_ns_dtype(setting: str, device_type: str) -> str:
     if setting == "auto": return "bf16" if device_type == "cuda" else "fp32"
     return setting
 
-def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig, device_type: str = "cpu") -> list[torch.optim.Optimizer]:
+def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig,
+                     device_type: str = "cpu") -> list[torch.optim.Optimizer]:
     "AdamW for embeddings, output, vectors and adapters (and matrices unless Muon is on); Muon for hidden matrices."
     groups, a, m = classify_parameters(model), opt_cfg.adamw, opt_cfg.muon
     if not any(groups.values()): raise ConfigError("model: no trainable parameters (all have requires_grad=False)")

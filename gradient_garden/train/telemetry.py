@@ -41,9 +41,11 @@ def package_versions() -> dict:
 # %% ../../nbs/52_telemetry.ipynb #f13507ab
 def hardware_info(env: DistEnv) -> dict:
     "The machine and accelerators of this run."
-    info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), world_size=env.world_size, device=str(env.device))
+    info = dict(platform=platform.platform(), cpu_count=os.cpu_count(), world_size=env.world_size,
+                device=str(env.device))
     if env.device.type == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(env.device), gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda)
+        info.update(gpu=torch.cuda.get_device_name(env.device), gpu_count=torch.cuda.device_count(),
+                    cuda=torch.version.cuda)
     return info
 
 def write_snapshot(cfg: GlobalConfig, run_dir, env: DistEnv, extra: dict | None = None) -> Path:
@@ -63,8 +65,8 @@ def init_wandb(cfg: GlobalConfig, run_dir: Path):
     if os.environ.get("WANDB_MODE", None) == "": del os.environ["WANDB_MODE"]  # wandb rejects an empty mode
     mode = os.environ.get("WANDB_MODE") or w.mode
     if mode == "online" and not os.environ.get("WANDB_API_KEY"):
-        warnings.warn("wandb.enabled is true but WANDB_API_KEY is not set (environment or .env): logging to W&B offline "
-                      "in the run directory; `wandb sync` it later")
+        warnings.warn("wandb.enabled is true but WANDB_API_KEY is not set (environment or .env): "
+                      "logging to W&B offline in the run directory; `wandb sync` it later")
         mode = "offline"
     import wandb  # lazy: only when logging.wandb is on
     run = wandb.init(project=w.project, entity=w.entity, name=cfg.run.name, tags=w.tags, mode=mode,
@@ -120,7 +122,8 @@ def format_duration(s: float) -> str:
 # %% ../../nbs/52_telemetry.ipynb #3b1358eb
 class Progress:
     "Training progress: a tqdm bar on a terminal, plain periodic lines elsewhere (logs, CI, papermill)."
-    def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True, terminal: bool | None = None):
+    def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True,
+                 terminal: bool | None = None):
         self.total, self.initial, self.desc, self.enabled, self.t0 = total, initial, desc, enabled, time.perf_counter()
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.bar = None
@@ -134,7 +137,8 @@ def _rl_part(rec: dict) -> str:
         f" | reward {rec['reward_mean']:.3f} +- {rec['reward_std']:.3f} | zero-var {rec['zero_std_groups']:.0%} "
         f"| len {rec['completion_len']:.1f} | clip {rec['clip_fraction']:.1%} | entropy {rec['entropy']:.2f}"
         + (f" | kl {rec['kl']:.4f}" if "kl" in rec else "")
-        + f" | rollout {rec['rollout_tokens_per_s']:,.0f} tok/s | update {rec.get('update_tokens_per_s', 0):,.0f} tok/s")
+        + f" | rollout {rec['rollout_tokens_per_s']:,.0f} tok/s"
+        + f" | update {rec.get('update_tokens_per_s', 0):,.0f} tok/s")
 
 # %% ../../nbs/52_telemetry.ipynb #28f92cdf
 @patch
@@ -143,8 +147,8 @@ def line(self: Progress, step: int, rec: dict) -> str:
     done = (step - self.initial) / max(1e-9, time.perf_counter() - self.t0)
     eta = format_duration((self.total - step) / done) if done > 0 else "?"
     rl = _rl_part(rec)
-    return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} | lr {rec.get('lr', 0):.2e} "
-            f"| {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%}{rl} | ETA {eta}")
+    return (f"{self.desc} {step}/{self.total} ({step / self.total:.0%}) | loss {rec['loss']:.4f} "
+            f"| lr {rec.get('lr', 0):.2e} | {rec['tokens_per_s']:,.0f} tok/s | mfu {rec['mfu']:.1%}{rl} | ETA {eta}")
 
 # %% ../../nbs/52_telemetry.ipynb #1bcbc5d8
 @patch
@@ -152,7 +156,8 @@ def update(self: Progress, step: int, rec: dict | None = None):
     "Advance by one step; `rec` is the step's logged record, if it was logged."
     if self.bar is not None:
         if rec is not None:
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}", tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec.get('lr', 0):.2e}",
+                                 tok_s=f"{rec['tokens_per_s']:,.0f}", mfu=f"{rec['mfu']:.1%}")
         self.bar.update(1)
     elif self.enabled and rec is not None: print(self.line(step, rec), flush=True)
 
@@ -187,4 +192,5 @@ def eval_cell(rec: dict, task: str) -> str:
     "A benchmark's summary entry: acc_norm (or acc) +- its standard error, and the number of examples."
     k = f"{task}/acc_norm" if f"{task}/acc_norm" in rec else f"{task}/acc"
     se, n = rec.get(f"{k}_stderr"), rec.get(f"{task}/n")
-    return f"{k.split('/')[1]} {rec[k]:.4f}" + (f" +- {se:.4f}" if se is not None else "") + (f" (n={n})" if n is not None else "")
+    out = f"{k.split('/')[1]} {rec[k]:.4f}" + (f" +- {se:.4f}" if se is not None else "")
+    return out + (f" (n={n})" if n is not None else "")
