@@ -14,7 +14,8 @@ __all__ = ['reduce_device', 'all_reduce', 'barrier', 'broadcast_object', 'all_ga
 
 # %% ../../nbs/20_collectives.ipynb #3b309ed8
 def reduce_device(device: torch.device, backend: str) -> torch.device:
-    "Where a tensor on `device` can be all-reduced by `backend`: NCCL alone has no CPU collectives, so host tensors go to the current GPU."
+    ("Where a tensor on `device` can be all-reduced by `backend`: NCCL alone has no CPU collectives, so host tensors "
+     "go to the current GPU.")
     if device.type == "cpu" and backend == "nccl": return torch.device("cuda", torch.cuda.current_device())
     return device
 
@@ -52,5 +53,6 @@ def all_gather_objects(obj) -> list:
 # %% ../../nbs/20_collectives.ipynb #c1796e9b
 def is_fsdp(model: nn.Module) -> bool:
     "True when `fully_shard` has been applied to `model` (itself, or the module `torch.compile` wraps)."
-    from torch.distributed.fsdp import FSDPModule  # lazy: about 0.5 s of import (measured); commands that never shard import this module too
+    # lazy: about 0.5 s of import (measured); commands that never shard import this module too
+    from torch.distributed.fsdp import FSDPModule
     return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
