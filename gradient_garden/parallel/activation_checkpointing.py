@@ -40,7 +40,8 @@ PER_FORWARD_STATE = ("loss_mask",)   # module attributes a model sets before a f
 
 def _per_forward_state(module: nn.Module) -> list[tuple[nn.Module, str, object]]:
     "The (submodule, attribute, value) of every per-forward attribute set inside `module` right now."
-    return [(m, a, getattr(m, a)) for m in module.modules() for a in PER_FORWARD_STATE if getattr(m, a, None) is not None]
+    return [(m, a, getattr(m, a)) for m in module.modules() for a in PER_FORWARD_STATE
+            if getattr(m, a, None) is not None]
 
 def checkpoint_module(module: nn.Module, mode: str = "full") -> nn.Module:
     "Make `module` recompute its activations in the backward pass (`full` or `selective`); names stay the same."
@@ -69,19 +70,23 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "none") -> nn.M
     if mode == "none": return model
     blocks = getattr(model, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise ConfigError(f"{key}: got {mode!r}; model {type(model).__name__} has no `layers` blocks to checkpoint (use 'none')")
+        raise ConfigError(f"{key}: got {mode!r}; model {type(model).__name__} has no `layers` blocks to checkpoint "
+                          "(use 'none')")
     for i, block in enumerate(blocks):
         if getattr(block, "activation_checkpointing", None):
-            raise ConfigError(f"{key}: model.layers[{i}] is already checkpointed ({block.activation_checkpointing!r}); apply it once")
+            raise ConfigError(f"{key}: model.layers[{i}] is already checkpointed ({block.activation_checkpointing!r}); "
+                              "apply it once")
         if getattr(block, "_compiled_call_impl", None) is not None:
-            raise ConfigError(f"{key}: model.layers[{i}] is already compiled; apply activation checkpointing before torch.compile")
+            raise ConfigError(f"{key}: model.layers[{i}] is already compiled; apply activation checkpointing before "
+                              "torch.compile")
         checkpoint_module(block, mode)
     return model
 
 # %% ../../nbs/21_activation_checkpointing.ipynb #5f535aa5
 def activation_peak(model: nn.Module, tokens: torch.Tensor) -> dict:
     "Peak activation bytes (and total bytes) of one forward + backward of `model` on `tokens`, by `MemTracker`."
-    from torch.distributed._tools.mem_tracker import MemTracker  # lazy: about 0.9 s of import (measured), only for this measurement
+    # lazy: about 0.9 s of import (measured), only for this measurement
+    from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
