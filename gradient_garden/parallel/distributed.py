@@ -50,7 +50,8 @@ class DistEnv:
 
 # %% ../../nbs/22_distributed.ipynb #da30f5fd
 def flight_recorder_env(runtime: RuntimeConfig, dump_dir) -> dict:
-    "NCCL's flight recorder: the last `runtime.flight_recorder` collectives of each rank, dumped to `dump_dir/rank_<N>` on a timeout."
+    ("NCCL's flight recorder: the last `runtime.flight_recorder` collectives of each rank, dumped to "
+     "`dump_dir/rank_<N>` on a timeout.")
     n = runtime.flight_recorder
     if not n or dump_dir is None: return {}
     prefix = str(Path(dump_dir)/"rank_")   # torch appends the rank
@@ -60,7 +61,8 @@ def flight_recorder_env(runtime: RuntimeConfig, dump_dir) -> dict:
 _GROUPS: dict = {}   # the default group's id -> (cpu group, checkpoint group): made once per process group
 
 def init_distributed(runtime: RuntimeConfig | None = None, run_dir=None) -> DistEnv:
-    "Initialise the process group from torchrun's environment (NCCL on CUDA, gloo on CPU) and every group the run needs, or run as one process."
+    ("Initialise the process group from torchrun's environment (NCCL on CUDA, gloo on CPU) and every group the run "
+     "needs, or run as one process.")
     runtime = runtime or RuntimeConfig()
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -100,7 +102,8 @@ def set_collective_timeout(env: DistEnv, seconds: float):
 
 # %% ../../nbs/22_distributed.ipynb #0d998b40
 def agree(env: DistEnv, flags: list[int]) -> list[int]:
-    "Each integer flag's largest value over all ranks, through the CPU group (host memory only: it never waits for the device)."
+    ("Each integer flag's largest value over all ranks, through the CPU group (host memory only: it never waits for "
+     "the device).")
     if not env.distributed: return list(flags)
     t = torch.tensor(flags, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=env.cpu_group)
@@ -117,7 +120,8 @@ HANG_KEY = "gradient_garden/hang"
 def is_collective_timeout(e: BaseException) -> bool:
     "True for the error of a collective that waited out its timeout (gloo's or NCCL's)."
     s = str(e)
-    return isinstance(e, RuntimeError) and ("Timed out waiting" in s or "Watchdog caught collective operation timeout" in s
+    return isinstance(e, RuntimeError) and ("Timed out waiting" in s
+                                            or "Watchdog caught collective operation timeout" in s
                                             or "timed out" in s.lower() and "collective" in s.lower())
 
 def _ranks(rs: list[int]) -> str:
@@ -130,14 +134,16 @@ def collective_of(e: BaseException) -> str:
     "The collective an error came from and the function of ours that called it, e.g. `all_reduce in train_step`."
     frames = traceback.extract_tb(e.__traceback__)
     torch_f = [f for f in frames if f"{os.sep}torch{os.sep}" in f.filename]
-    ours = [f for f in frames if "gradient_garden" in f.filename and not f.filename.endswith(("collectives.py", "distributed.py"))]
+    ours = [f for f in frames if "gradient_garden" in f.filename
+            and not f.filename.endswith(("collectives.py", "distributed.py"))]
     what = next((f.name for f in reversed(torch_f) if f"{os.sep}distributed{os.sep}" in f.filename), None)
     what = what or (torch_f[-1].name if torch_f else "a collective")
     return what + (f" in {ours[-1].name}" if ours else "")
 
 # %% ../../nbs/22_distributed.ipynb #5dd6ffa2
 def stuck_ranks_line(store, env: DistEnv, where: str, grace_s: float = 3.0) -> tuple[str, bool]:
-    "Publish where this rank waited, wait `grace_s` for the others; (the run's one line, whether this rank published it)."
+    ("Publish where this rank waited, wait `grace_s` for the others; (the run's one line, whether this rank published "
+     "it).")
     keys = [f"{HANG_KEY}/{r}" for r in range(env.world_size)]
     store.set(keys[env.rank], where)
     deadline = time.monotonic() + grace_s
@@ -170,7 +176,8 @@ def watch_collectives(env: DistEnv, step: callable = lambda: None, poll_s: float
         reporting.set()
         if told and not is_collective_timeout(e): raise CollectiveTimeout(told, first=False) from None  # a peer said it
         s = step()
-        line, first = stuck_ranks_line(store, env, collective_of(e) + (f" at step {s}" if s is not None else ""), grace_s)
+        line, first = stuck_ranks_line(store, env, collective_of(e) + (f" at step {s}" if s is not None else ""),
+                                       grace_s)
         _dump_flight_recorder(env)
         raise CollectiveTimeout(line, first) from None
     finally: done.set()
@@ -182,7 +189,8 @@ def _told(store) -> str | None:
 
 def _dump_flight_recorder(env: DistEnv):
     "Write NCCL's flight-recorder buffer where `TORCH_FR_DUMP_TEMP_FILE` says (NCCL runs; best effort)."
-    dump, prefix = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None), os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if env.backend != "nccl" or dump is None or not prefix: return
     try: Path(f"{prefix}{env.rank}").write_bytes(dump())
     except Exception: pass
@@ -235,7 +243,8 @@ def materialize(model: nn.Module, device, seed: int) -> nn.Module:
     model.to_empty(device=device)
     for (m0, n0), *rest in holders.values():   # `to_empty` makes one new tensor per holder: tie them again
         for m, n in rest: m._parameters[n] = m0._parameters[n0]
-    if not hasattr(inner, "param_init"): raise ValueError(f"{type(inner).__name__} has no param_init: build it on a real device")
+    if not hasattr(inner, "param_init"):
+        raise ValueError(f"{type(inner).__name__} has no param_init: build it on a real device")
     with torch.no_grad():
         for name, p in inner.named_parameters():
             kind, std = inner.param_init(name)
@@ -251,9 +260,11 @@ def materialize(model: nn.Module, device, seed: int) -> nn.Module:
 # %% ../../nbs/22_distributed.ipynb #c7ef7792
 def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Module:
     "Shard `model` with FSDP2 over `mesh` (2-D: HSDP; None: all ranks): one unit per transformer block, then the root."
-    mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else parse_dtype(precision, "runtime.precision"), reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else parse_dtype(precision, "runtime.precision"),
+                              reduce_dtype=torch.float32)
     blocks = getattr(model, "layers", None)
-    if blocks is None: raise ConfigError(f"runtime.fsdp: model {type(model).__name__} has no `layers` to shard per block")
+    if blocks is None:
+        raise ConfigError(f"runtime.fsdp: model {type(model).__name__} has no `layers` to shard per block")
     n = len(blocks)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
@@ -261,8 +272,10 @@ def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Modul
     return model
 
 def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
-    "Wrap `model` for the run (FSDP2/HSDP or DDP, `torch.compile` when asked); a meta-device model is materialised from `init_seed`."
-    apply_activation_checkpointing(model, runtime.activation_checkpointing)  # before compile and FSDP2/DDP, torchtitan's order
+    ("Wrap `model` for the run (FSDP2/HSDP or DDP, `torch.compile` when asked); a meta-device model is materialised "
+     "from `init_seed`.")
+    # before compile and FSDP2/DDP, torchtitan's order
+    apply_activation_checkpointing(model, runtime.activation_checkpointing)
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same
         for block in getattr(model, "layers", []): block.compile()
         if not (env.distributed and runtime.fsdp) and not hasattr(model, "layers"): model.compile()
@@ -285,12 +298,15 @@ def _fsdp_gradient_sync(model: nn.Module, sync: bool):
     finally: model.set_requires_gradient_sync(True)
 
 def grad_sync(model: nn.Module, sync: bool, fsdp_accumulation: str = "reduce_scatter"):
-    "Context for one micro-step: DDP (and FSDP2 in `no_sync`) reduce only when `sync`; FSDP2 reduce-scatters every one by default."
+    ("Context for one micro-step: DDP (and FSDP2 in `no_sync`) reduce only when `sync`; FSDP2 reduce-scatters every "
+     "one by default.")
     if fsdp_accumulation not in FSDP_ACCUMULATION:
-        raise ConfigError(f"runtime.fsdp_accumulation: got {fsdp_accumulation!r}; expected one of {', '.join(map(repr, FSDP_ACCUMULATION))}")
+        raise ConfigError(f"runtime.fsdp_accumulation: got {fsdp_accumulation!r}; expected one of "
+                          f"{', '.join(map(repr, FSDP_ACCUMULATION))}")
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
-    if is_fsdp(inner) and not sync and fsdp_accumulation == "no_sync": return _fsdp_gradient_sync(unwrap_model(inner), False)
+    if is_fsdp(inner) and not sync and fsdp_accumulation == "no_sync":
+        return _fsdp_gradient_sync(unwrap_model(inner), False)
     return contextlib.nullcontext()
 
 # %% ../../nbs/22_distributed.ipynb #6b18cf2f
