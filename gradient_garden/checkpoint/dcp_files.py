@@ -27,21 +27,24 @@ def first_line(e: BaseException) -> str:
     return s.splitlines()[0][:200] if s else type(e).__name__
 
 # %% ../../nbs/25_dcp_files.ipynb #3fce4e92
-ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"   # the start of dcp's one-process warning
+# the start of dcp's one-process warning
+ONE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"
 warnings.filterwarnings("ignore", message=ONE_PROCESS_NOTE)
 
 # %% ../../nbs/25_dcp_files.ipynb #04b52b4d
 _DCP_GLOBALS = {("torch.distributed.checkpoint.metadata", n) for n in (
     "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
     "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 
 # %% ../../nbs/25_dcp_files.ipynb #709a4859
 class MetadataUnpickler(pickle.Unpickler):
     "Unpickle a dcp `.metadata` file into dcp's metadata classes, sizes and dtypes only (never code)."
     def find_class(self, module, name):
-        if (module, name) in _DCP_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _DCP_GLOBALS or (module == "torch"
+                                              and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
 
@@ -87,7 +90,8 @@ _CORRUPT_TEXT = ("PytorchStreamReader failed", "invalid load key", "archive is c
 
 def is_corruption(e: BaseException) -> bool:
     "True when dcp failure `e` (on any rank) is a damaged file, not a checkpoint that does not fit."
-    errs = [x[0] if isinstance(x, tuple) else x for x in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    errs = ([x[0] if isinstance(x, tuple) else x for x in e.failures.values()]
+            if isinstance(e, CheckpointException) else [e])
     return any(type(x).__name__ in _CORRUPT_TYPES or any(t in str(x) for t in _CORRUPT_TEXT) for x in errs)
 
 # %% ../../nbs/25_dcp_files.ipynb #9ab8e630
@@ -98,20 +102,23 @@ def check_shard_files(p: Path, md) -> None:
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(need.items()):
         if not (p/name).is_file():
-            raise ConfigError(f"{p}: corrupted sharded checkpoint (shard file {name} is missing); use an earlier checkpoint")
+            raise ConfigError(f"{p}: corrupted sharded checkpoint (shard file {name} is missing); use an earlier "
+                              "checkpoint")
         if (have := (p/name).stat().st_size) < size:
             raise ConfigError(f"{p}: corrupted sharded checkpoint (shard file {name} is truncated: {have:,} of "
                               f"{size:,} bytes); use an earlier checkpoint")
 
 # %% ../../nbs/25_dcp_files.ipynb #10d06651
 def read_metadata(path):
-    "dcp's index of sharded checkpoint `path`, read without unpickling code, its shard files checked; else a `ConfigError`."
+    ("dcp's index of sharded checkpoint `path`, read without unpickling code, its shard files checked; else a "
+     "`ConfigError`.")
     p = Path(path)
     try: md = SafeReader(p).read_metadata()
     except FileNotFoundError: raise ConfigError(f"{p}: incomplete sharded checkpoint (no .metadata)") from None
     except pickle.UnpicklingError as e:
         raise ConfigError(f"{p}: not a Gradient Garden checkpoint ({first_line(e)}; we never unpickle code)") from None
-    except Exception as e: raise ConfigError(f"{p}: corrupted sharded checkpoint (.metadata: {first_line(e)})") from None
+    except Exception as e:
+        raise ConfigError(f"{p}: corrupted sharded checkpoint (.metadata: {first_line(e)})") from None
     check_shard_files(p, md)
     return md
 
