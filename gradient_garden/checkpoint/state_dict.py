@@ -18,7 +18,8 @@ __all__ = ['StateDictAdapter']
 
 # %% ../../nbs/26_state_dict.ipynb #a462a292
 class StateDictAdapter:
-    "A model's state dicts in three layouts: native (fused `wqkv`, `w13`), the old unfused one, Hugging Face Llama names."
+    ("A model's state dicts in three layouts: native (fused `wqkv`, `w13`), the old unfused one, Hugging Face Llama "
+     "names.")
     def __init__(self, model: nn.Module, cfg: ModelConfig | None = None):
         self.cfg = cfg if cfg is not None else getattr(model, "cfg", None)
         self.layout = fused_layout(model)      # fused weight -> {projection weight: rows}, in row order
@@ -27,7 +28,8 @@ class StateDictAdapter:
 # %% ../../nbs/26_state_dict.ipynb #c831de48
 @patch
 def _native_name(self: StateDictAdapter, key: str) -> str:
-    "The native name of old-layout `key`: a projection's weight -> its fused weight, its LoRA tensor -> the fused layer's slice."
+    ("The native name of old-layout `key`: a projection's weight -> its fused weight, its LoRA tensor -> the fused "
+     "layer's slice.")
     mod, _, leaf = key.rpartition(".")
     fused = self.fused_of.get(f"{mod}.weight")
     if fused is None: return key
@@ -66,7 +68,8 @@ def join(self: StateDictAdapter, sd: dict) -> dict:
 # %% ../../nbs/26_state_dict.ipynb #e76df5f2
 @patch
 def join_optimizer(self: StateDictAdapter, osd: dict) -> dict:
-    "A full optimizer state dict (`get_state_dict`'s) of the old layout in the native one: each fused weight's state stacked."
+    ("A full optimizer state dict (`get_state_dict`'s) of the old layout in the native one: each fused weight's state "
+     "stacked.")
     state, parts = {}, {}
     for fqn, s in osd["state"].items():
         if fqn in self.fused_of: parts.setdefault(self.fused_of[fqn], {})[fqn] = s
@@ -76,7 +79,8 @@ def join_optimizer(self: StateDictAdapter, osd: dict) -> dict:
         if set(got) != set(names): continue                      # some projections never stepped: start afresh
         state[fused] = {k: torch.cat([got[n][k] for n in names], dim=-2) if torch.is_tensor(v) and v.ndim >= 2 else v
                         for k, v in got[names[0]].items()}
-    groups = [dict(g, params=list(dict.fromkeys(self._native_name(p) for p in g["params"]))) for g in osd["param_groups"]]
+    groups = [dict(g, params=list(dict.fromkeys(self._native_name(p) for p in g["params"])))
+              for g in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 # %% ../../nbs/26_state_dict.ipynb #5df05f4e
@@ -84,18 +88,21 @@ _SAID_OLD: set = set()
 
 @patch
 def from_old(self: StateDictAdapter, ckpt: dict, where=None) -> dict:
-    "Checkpoint dict `ckpt` with its model (and optimizer) state in the native layout when saved in the old one; said once."
+    ("Checkpoint dict `ckpt` with its model (and optimizer) state in the native layout when saved in the old one; said "
+     "once.")
     if "model" not in ckpt or not self.is_old(ckpt["model"]): return ckpt
     where = str(where or ckpt.get("sharded") or f"checkpoint (step {ckpt.get('step')})")
     if where not in _SAID_OLD:
         _SAID_OLD.add(where)
-        warnings.warn(f"{where}: saved with separate q/k/v and w1/w3 weights; converted on load to the fused wqkv/w13 layout", stacklevel=2)
+        warnings.warn(f"{where}: saved with separate q/k/v and w1/w3 weights; converted on load to the fused wqkv/w13 "
+                      "layout", stacklevel=2)
     opt = ckpt.get("optimizers")
     out = dict(ckpt, model=self.join(ckpt["model"]))
     return out | ({"optimizers": self.join_optimizer(opt)} if isinstance(opt, dict) and "state" in opt else {})
 
 # %% ../../nbs/26_state_dict.ipynb #4970e074
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
 _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -114,7 +121,9 @@ def _hf_name(name: str) -> str | None:
 def hf_module(self: StateDictAdapter, name: str) -> str:
     "The `LlamaForCausalLM` name of a linear layer (`layers.0.attention.wq` -> `model.layers.0.self_attn.q_proj`)."
     hf = _hf_name(name + ".weight")
-    if hf is None: raise ConfigError(f"module {name!r} has no LlamaForCausalLM equivalent; a PEFT adapter can only adapt its layers")
+    if hf is None:
+        raise ConfigError(f"module {name!r} has no LlamaForCausalLM equivalent; a PEFT adapter can only adapt its "
+                          "layers")
     return hf.removesuffix(".weight")
 
 # %% ../../nbs/26_state_dict.ipynb #62207821
@@ -134,21 +143,23 @@ def to_hf(self: StateDictAdapter, sd: dict) -> dict[str, torch.Tensor]:
         if k == "output.weight" and tied: continue
         name = _hf_name(k)
         if name is None:
-            raise ConfigError(f"model tensor {k!r} has no LlamaForCausalLM equivalent (merge LoRA adapters before exporting; "
-                              "mixture-of-experts models cannot be exported as Llama)")
+            raise ConfigError(f"model tensor {k!r} has no LlamaForCausalLM equivalent (merge LoRA adapters before "
+                              "exporting; mixture-of-experts models cannot be exported as Llama)")
         out[name] = v
     return out
 
 # %% ../../nbs/26_state_dict.ipynb #d7943043
 @patch
 def from_hf(self: StateDictAdapter, hf_sd: dict) -> dict[str, torch.Tensor]:
-    "`LlamaForCausalLM` names -> native: checked against the names the model needs, tied head restored, projections joined."
+    ("`LlamaForCausalLM` names -> native: checked against the names the model needs, tied head restored, projections "
+     "joined.")
     names, tied = self._llama_names(), self.cfg.tie_embeddings
     out = {names[k]: v for k, v in hf_sd.items() if k in names}
     missing = sorted(set(names) - set(hf_sd))
     unexpected = sorted(k for k in hf_sd if k not in names and not k.endswith("rotary_emb.inv_freq")
                         and not (k == "lm_head.weight" and tied))
     if missing or unexpected:
-        raise ConfigError(f"Hugging Face weights do not fit the Llama config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ConfigError(f"Hugging Face weights do not fit the Llama config (missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]})")
     if tied: out["output.weight"] = out["tok_embeddings.weight"]
     return self.join(out)
