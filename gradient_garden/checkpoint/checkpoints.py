@@ -30,8 +30,8 @@ from ..models.attention import fused_layout
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from .state_dict import StateDictAdapter
-from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, first_line, is_corruption,
-                                              read_metadata, read_sharded)
+from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, first_line,
+                                                  is_corruption, read_metadata, read_sharded)
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
@@ -93,7 +93,8 @@ def save_checkpoint(state: dict, path) -> Path:
     if missing: raise ValueError(f"checkpoint state lacks required keys {missing}")
     state = {**state, "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION}
     if bad := find_unsafe(state):
-        raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), lists)")
+        raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), "
+                         "lists)")
     return torch_save_atomic(state, path)
 
 # %% ../../nbs/27_checkpoints.ipynb #d6fbc36d
@@ -110,7 +111,8 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
     "The complete checkpoints in `ckpt_dir` (`step_*.pt` files, sharded `step_*` dirs), oldest step first."
     d = Path(ckpt_dir)
     if not d.is_dir(): return []
-    found = [p for p in d.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and (p.is_file() if m[2] else is_sharded_checkpoint(p))]
+    found = [p for p in d.iterdir() if (m := CHECKPOINT_RE.match(p.name))
+             and (p.is_file() if m[2] else is_sharded_checkpoint(p))]
     return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name)[1]))
 
 # %% ../../nbs/27_checkpoints.ipynb #999c7c68
@@ -124,7 +126,8 @@ def resolve_checkpoint(path) -> Path:
     if (p/".metadata").exists() or (p/SHARDED_META).exists() or any(p.glob("*.distcp")):
         raise ConfigError(f"--checkpoint {p}: an incomplete sharded checkpoint (no {SHARDED_MARKER} marker: its save "
                           f"did not finish); use an earlier checkpoint")
-    raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt or step_*/ in it or in {p/'checkpoints'})")
+    raise ConfigError(f"--checkpoint {p}: a directory without checkpoints (expected step_*.pt or step_*/ in it or in "
+                      f"{p/'checkpoints'})")
 
 # %% ../../nbs/27_checkpoints.ipynb #a711e1d2
 def _verify_archive(p: Path):
@@ -160,16 +163,19 @@ def _load_file(p: Path, map_location="cpu", verify: bool = True, mmap: bool = Fa
 # %% ../../nbs/27_checkpoints.ipynb #67c760de
 def load_checkpoint(path, map_location="cpu", *, verify: bool = True, mmap: bool = False, weights: bool = True,
                     optimizers: bool = True) -> dict:
-    "Load and check a checkpoint file or sharded dir (`weights_only` throughout); `path` may be a run or checkpoints dir."
+    ("Load and check a checkpoint file or sharded dir (`weights_only` throughout); `path` may be a run or checkpoints "
+     "dir.")
     p = resolve_checkpoint(path)
     if p.is_dir():  # sharded: the small meta file, then (unless `weights=False`) the full tensors, read in this process
         ckpt = _load_file(p/SHARDED_META, verify=verify) if (p/SHARDED_META).is_file() else None
-        if ckpt is None: raise ConfigError(f"{p}: not a Gradient Garden checkpoint (a directory without {SHARDED_META})")
+        if ckpt is None:
+            raise ConfigError(f"{p}: not a Gradient Garden checkpoint (a directory without {SHARDED_META})")
         ckpt["sharded"] = str(p)
         if weights: ckpt.update(read_sharded(p, ("model", "optimizers") if optimizers else ("model",)))
         else: read_metadata(p)  # the index and its shard files checked: a damaged one is named before anyone reads it
     else: ckpt = _load_file(p, map_location, verify, mmap)
-    if missing := [k for k in REQUIRED_KEYS if k not in ckpt and not (k == "model" and "sharded" in ckpt and not weights)]:
+    if missing := [k for k in REQUIRED_KEYS if k not in ckpt
+                   and not (k == "model" and "sharded" in ckpt and not weights)]:
         raise ConfigError(f"{p}: incomplete checkpoint, missing {', '.join(missing)}")
     return ckpt
 
@@ -188,7 +194,8 @@ def _describe(ckpt: dict) -> str:
 # %% ../../nbs/27_checkpoints.ipynb #1bdbd9b7
 def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool = False,
                      tokenizer_identity: str | None = None) -> None:
-    "Raise `ConfigError` unless checkpoint `ckpt` fits `cfg` (architecture, shapes, same stage, LoRA, tokenizer); the stage order is the registry's (`49_registry`)."
+    ("Raise `ConfigError` unless checkpoint `ckpt` fits `cfg` (architecture, shapes, same stage, LoRA, tokenizer); the "
+     "stage order is the registry's (`49_registry`).")
     what, m = _describe(ckpt), cfg.model
     if ckpt["architecture"] != m.architecture:
         raise ConfigError(f"model.architecture: got {m.architecture!r}; the {what} is a {ckpt['architecture']!r} model")
@@ -207,7 +214,8 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
         for f in ("enabled", "rank", "target_modules"):
             if lora.enabled or f == "enabled":
                 if f in saved_lora and saved_lora[f] != getattr(lora, f):
-                    raise ConfigError(f"lora.{f}: got {getattr(lora, f)!r}; the {what} was trained with {saved_lora[f]!r}")
+                    raise ConfigError(f"lora.{f}: got {getattr(lora, f)!r}; the {what} was trained with "
+                                      f"{saved_lora[f]!r}")
     have = ckpt.get("tokenizer_identity")
     if tokenizer_identity is not None and have is not None and have != tokenizer_identity:
         raise ConfigError(f"tokenizer.path: {cfg.tokenizer.path} has identity {tokenizer_identity!r}; the {what} was "
@@ -223,7 +231,8 @@ class CheckpointManager:
         self._val_loss: dict[str, float | None] = {}
         self.pending = None       # the asynchronous save in flight: (future, tmp dir, final dir, meta)
         self.failures: list[str] = []  # one line per background write that failed
-        self.raise_failures = raise_failures  # a failed background write raises `CheckpointWriteError` (else: a warning)
+        # a failed background write raises `CheckpointWriteError` (else: a warning)
+        self.raise_failures = raise_failures
         self._group = group   # the gloo group of background writes (`DistEnv.checkpoint_group`, made at start)
         self._stager = None         # the staging buffers of background saves, made once and reused
         self._staged = None         # the staging of the save in flight (a future on an accelerator)
@@ -280,7 +289,8 @@ def prune(self: CheckpointManager) -> list[Path]:
     if self.keep_best and (b := self.best()) is not None: keep.add(b)
     in_flight = self.pending[1] if self.pending else None
     gone = [p for p in ckpts if p not in keep]
-    gone += [p for pat in (".step_*.pt.tmp.*", ".step_*.tmp", ".step_*.old") for p in self.dir.glob(pat) if p != in_flight]
+    gone += [p for pat in (".step_*.pt.tmp.*", ".step_*.tmp", ".step_*.old") for p in self.dir.glob(pat)
+             if p != in_flight]
     for p in gone:
         if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
         else: p.unlink(missing_ok=True)
@@ -308,20 +318,25 @@ def load_sharded_state(path, model: nn.Module, optimizers=None):
     if adapter.is_old(k.removeprefix("model.") for k in md.state_dict_metadata if k.startswith("model.")):
         ck = adapter.from_old(read_sharded(p, ("model", "optimizers") if optimizers else ("model",)), p)   # read whole
         opts = StateDictOptions(full_state_dict=True, strict=True)
-        if optimizers: set_state_dict(m, list(optimizers), model_state_dict=ck["model"], optim_state_dict=ck["optimizers"], options=opts)
+        if optimizers:
+            set_state_dict(m, list(optimizers), model_state_dict=ck["model"], optim_state_dict=ck["optimizers"],
+                           options=opts)
         else: set_model_state_dict(m, ck["model"], options=opts)
         return
     state = sharded_state(model, optimizers or ())
     if optimizers:  # parameters that had no optimizer state when saved (never stepped) get none now either
         saved = set(md.state_dict_metadata)
         st = state["optimizers"]["state"]
-        state["optimizers"]["state"] = {n: s for n, s in st.items() if all(f"optimizers.state.{n}.{k}" in saved for k in s)}
+        state["optimizers"]["state"] = {n: s for n, s in st.items()
+                                        if all(f"optimizers.state.{n}.{k}" in saved for k in s)}
     try: dcp.load(state, storage_reader=SafeReader(p), planner=SafeLoadPlanner())
     except DCP_ERRORS as e:
-        what = "corrupted sharded checkpoint" if is_corruption(e) else "the sharded checkpoint does not fit this model and optimizers"
+        what = ("corrupted sharded checkpoint" if is_corruption(e)
+                else "the sharded checkpoint does not fit this model and optimizers")
         raise ConfigError(f"{p}: {what} ({dcp_error(e)})") from None
     set_model_state_dict(m, state["model"], options=StateDictOptions(strict=True))
-    if optimizers: set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
+    if optimizers:
+        set_optimizer_state_dict(m, list(optimizers), state["optimizers"], options=StateDictOptions(strict=False))
 
 # %% ../../nbs/27_checkpoints.ipynb #45bfa943
 def _is_main() -> bool: return not dist.is_initialized() or dist.get_rank() == 0
@@ -332,7 +347,8 @@ def sharded_meta(meta: dict) -> dict:
     if missing := [k for k in REQUIRED_KEYS if k != "model" and k not in meta]:
         raise ValueError(f"checkpoint meta lacks required keys {missing}")
     if bad := find_unsafe(meta, "meta"):
-        raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), lists)")
+        raise ValueError(f"{bad} cannot be loaded with weights_only=True; store plain types (float(), int(), str(), "
+                         "lists)")
     return meta
 
 # %% ../../nbs/27_checkpoints.ipynb #b8b20377
@@ -375,13 +391,16 @@ def save_sharded_checkpoint(app_state: dict, meta: dict, path) -> Path:
 def _checkpoint_group(self: CheckpointManager):
     "The gloo process group of background saves (None in one process); made here only if the caller gave none."
     if not (dist.is_initialized() and dist.get_world_size() > 1): return None
-    if self._group is None: self._group = dist.new_group(backend="gloo")   # every rank saves together, so every rank makes it
+    # every rank saves together, so every rank makes it
+    if self._group is None: self._group = dist.new_group(backend="gloo")
     return self._group
 
 def staging_options(accelerator: bool | None = None) -> StagingOptions:
-    "Pinned buffers, a side-stream copy in the background and non-blocking copies on an accelerator; a plain copy on CPU."
+    ("Pinned buffers, a side-stream copy in the background and non-blocking copies on an accelerator; a plain copy on "
+     "CPU.")
     acc = torch.accelerator.is_available() if accelerator is None else accelerator
-    return StagingOptions(use_pinned_memory=acc, use_shared_memory=False, use_async_staging=acc, use_non_blocking_copy=acc)
+    return StagingOptions(use_pinned_memory=acc, use_shared_memory=False, use_async_staging=acc,
+                          use_non_blocking_copy=acc)
 
 @patch
 def stager(self: CheckpointManager) -> DefaultStager:
@@ -396,7 +415,8 @@ def wait_for_staging(self: CheckpointManager):
 
 # %% ../../nbs/27_checkpoints.ipynb #50f214c0
 @patch
-def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict, val_loss: float | None = None) -> Path:
+def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict,
+                 val_loss: float | None = None) -> Path:
     "Every rank: write checkpoint `step_*` as a sharded dir (in the background with `async_save`); retention after."
     self.wait()  # one save in flight at most: the previous one is committed (or reported) first
     val_loss = None if val_loss is None else float(val_loss)
@@ -428,7 +448,8 @@ def _os_error(e: BaseException) -> OSError | None:
 
 # %% ../../nbs/27_checkpoints.ipynb #194b1915
 def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> str:
-    "One line: why the checkpoint of `step` was not written (`how`: e.g. ' (background write)') and the last intact one."
+    ("One line: why the checkpoint of `step` was not written (`how`: e.g. ' (background write)') and the last intact "
+     "one.")
     rank = None
     if isinstance(e, CheckpointException) and e.failures:  # dcp's wrapper: the first failing rank's own error
         rank, e = next(iter(e.failures.items()))
@@ -440,7 +461,8 @@ def write_failure_line(step: int, e: BaseException, ckpt_dir, how: str = "") -> 
     elif getattr(e, "errno", None) == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         cause = f"file too large ({type(e).__name__}: {first}; " + (
-            f"the file-size limit, ulimit -f, is {limit:,} bytes)" if limit != resource.RLIM_INFINITY else "the file system's largest file)")
+            f"the file-size limit, ulimit -f, is {limit:,} bytes)" if limit != resource.RLIM_INFINITY
+            else "the file system's largest file)")
     elif getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) or "file write failed" in str(e):
         cause = f"disk full ({type(e).__name__}: {first or 'ENOSPC'})"
     else: cause = f"{type(e).__name__}: {first}"
@@ -476,10 +498,12 @@ def wait(self: CheckpointManager) -> Path | None:
 # %% ../../nbs/27_checkpoints.ipynb #b6bf3ae6
 @patch
 def poll(self: CheckpointManager, env: DistEnv | None = None) -> Path | None:
-    "Commit the save in flight once its background write has finished on every rank of `env` (agreed on the CPU group); never blocks."
+    ("Commit the save in flight once its background write has finished on every rank of `env` (agreed on the CPU "
+     "group); never blocks.")
     if self.pending is None: return None
     busy = not self.pending[0].done()
-    if env is not None: busy = bool(agree(env, [int(busy)])[0])   # every rank commits (or reports a failure) at the same step
+    # every rank commits (or reports a failure) at the same step
+    if env is not None: busy = bool(agree(env, [int(busy)])[0])
     return None if busy else self.wait()
 
 # %% ../../nbs/27_checkpoints.ipynb #e3a5c389
@@ -490,7 +514,8 @@ def consolidate_checkpoint(src, dst) -> Path:
 
 # %% ../../nbs/27_checkpoints.ipynb #b6970335
 def base_weights(ckpt: dict, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    "The checkpoint's model weights (in `model`'s fused layout if given) with LoRA adapters merged in (`W += alpha/rank * B @ A`) and dropped."
+    ("The checkpoint's model weights (in `model`'s fused layout if given) with LoRA adapters merged in (`W += "
+     "alpha/rank * B @ A`) and dropped.")
     sd = dict(StateDictAdapter(model).from_old(ckpt)["model"] if model is not None else ckpt["model"])
     a_keys = [k for k in sd if k.endswith(".lora_A")]
     if not a_keys: return sd
@@ -499,8 +524,10 @@ def base_weights(ckpt: dict, model: nn.Module | None = None) -> dict[str, torch.
     for ka in a_keys:
         prefix = ka[: -len(".lora_A")]
         A, B = sd.pop(ka), sd.pop(prefix + ".lora_B")
-        host, sep, proj = prefix.rpartition(".adapters.")          # a `LoRASlice` of a fused layer (`...wqkv.adapters.wq`)
-        key, rows = (host + ".weight", _slice_rows(ckpt, model, host, proj)) if sep else (prefix + ".weight", slice(None))
+        # a `LoRASlice` of a fused layer (`...wqkv.adapters.wq`)
+        host, sep, proj = prefix.rpartition(".adapters.")
+        key, rows = ((host + ".weight", _slice_rows(ckpt, model, host, proj)) if sep
+                     else (prefix + ".weight", slice(None)))
         W = sd[key].clone()
         W[rows] = (W[rows].float() + (B.float() @ A.float()) * (alpha / A.shape[0])).to(W.dtype)
         sd[key] = W
@@ -510,7 +537,8 @@ def base_weights(ckpt: dict, model: nn.Module | None = None) -> dict[str, torch.
 def _slice_rows(ckpt: dict, model: nn.Module | None, host: str, proj: str) -> slice:
     "The rows of projection `proj` in fused layer `host` of `model`."
     parts = fused_layout(model).get(host + ".weight") if model is not None else None
-    if parts is None: raise ConfigError(f"the {_describe(ckpt)} adapts {proj} inside {host}; merging it needs the model it fits")
+    if parts is None:
+        raise ConfigError(f"the {_describe(ckpt)} adapts {proj} inside {host}; merging it needs the model it fits")
     start, parent = 0, host.rpartition(".")[0]
     for name, n in parts.items():
         if name == (f"{parent}.{proj}.weight" if parent else f"{proj}.weight"): return slice(start, start + n)
@@ -531,7 +559,8 @@ def load_model_from_checkpoint(path, device="cpu", dtype: torch.dtype | None = N
         apply_lora(model, cfg.lora)
         state = StateDictAdapter(model).from_old(ckpt)["model"]
     else: state = base_weights(ckpt, model)
-    where = f"{resolve_checkpoint(path)}: weights do not fit a {cfg.model.architecture!r} model built from its own config"
+    where = (f"{resolve_checkpoint(path)}: weights do not fit a {cfg.model.architecture!r} model built from its own "
+             "config")
     try: missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e: raise ConfigError(f"{where} ({' '.join(str(e).split())[:300]})") from None
     if missing or unexpected: raise ConfigError(f"{where} (missing {missing[:3]}, unexpected {unexpected[:3]})")
