@@ -22,13 +22,15 @@ __all__ = ['TOKENIZER_FILES', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_fi
 # %% ../../nbs/28_hf_files.ipynb #689c80b6
 def to_hf_model(model: Tendril, tokenizer=None):
     "A `transformers.LlamaForCausalLM` holding a copy of `model`'s weights (same dtype and device)."
-    from transformers import LlamaForCausalLM  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    from transformers import LlamaForCausalLM
     cfg = check_llama_compatible(model.cfg)
     p = next(model.parameters())
     hf = LlamaForCausalLM(hf_llama_config(cfg, tokenizer)).to(device=p.device, dtype=p.dtype)
     missing, unexpected = hf.load_state_dict(StateDictAdapter(model).to_hf(model.state_dict()), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_embeddings)]
-    if missing or unexpected: raise RuntimeError(f"Llama conversion mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if missing or unexpected:
+        raise RuntimeError(f"Llama conversion mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return hf.eval()
 
 # %% ../../nbs/28_hf_files.ipynb #3098d9c0
@@ -41,14 +43,16 @@ def from_hf_model(hf_model) -> Tendril:
     return model.eval()
 
 # %% ../../nbs/28_hf_files.ipynb #acd54476
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja")
 
 def copy_tokenizer_files(src, out_dir) -> list[str]:
     "Copy the tokenizer files of folder `src` (or a single tiktoken file) into `out_dir`; return the names copied."
     src, out_dir = Path(src), Path(out_dir)
     if src.is_file():
         shutil.copy2(src, out_dir / "tokenizer.model")
-        warnings.warn(f"{src}: a tiktoken file was copied as tokenizer.model; transformers' AutoTokenizer cannot load it directly")
+        warnings.warn(f"{src}: a tiktoken file was copied as tokenizer.model; transformers' AutoTokenizer cannot load "
+                      "it directly")
         return ["tokenizer.model"]
     if not src.is_dir(): raise ConfigError(f"tokenizer: {src} is neither a tokenizer folder nor a tokenizer file")
     copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
@@ -68,22 +72,25 @@ def export_hf(model: Tendril, out_dir, tokenizer=None, tokenizer_dir=None, dtype
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     "All tensors of a Hugging Face folder: `model.safetensors`, a sharded safetensors index, or `pytorch_model.bin`."
-    from safetensors.torch import load_file  # lazy: about 0.9 s of import (measured), only for Hugging Face / adapter files
+    # lazy: about 0.9 s of import (measured), only for Hugging Face / adapter files
+    from safetensors.torch import load_file
     if (path / "model.safetensors").is_file(): return load_file(path / "model.safetensors")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        out = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())): out.update(load_file(path / shard))
-        return out
-    if (path / "pytorch_model.bin").is_file(): return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(path / shard).items()}
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ConfigError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 # %% ../../nbs/28_hf_files.ipynb #c6819eb6
 def load_hf(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Tendril, ModelConfig]:
     "A Tendril (and its config) from a local Hugging Face Llama folder."
-    from transformers import AutoConfig  # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    from transformers import AutoConfig
     path = Path(path)
-    if not (path / "config.json").is_file(): raise ConfigError(f"{path}: not a Hugging Face model folder (no config.json)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path}: not a Hugging Face model folder (no config.json)")
     cfg = model_config_from_hf(AutoConfig.from_pretrained(path), where=str(path / "config.json"))
     with torch.device(device): model = Tendril(cfg)
     model.load_state_dict(StateDictAdapter(model).from_hf(_read_hf_weights(path)))
@@ -92,8 +99,11 @@ def load_hf(path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Tendr
 # %% ../../nbs/28_hf_files.ipynb #331b8454
 def export_hf_with_adapter(model: Tendril, out_dir, tokenizer=None, tokenizer_dir=None,
                            dtype: torch.dtype | None = None) -> tuple[Path, Path]:
-    "The base model (adapters dropped) as a Llama folder `out_dir`, and its LoRA adapter as a `peft` folder `out_dir/adapter`."
+    ("The base model (adapters dropped) as a Llama folder `out_dir`, and its LoRA adapter as a `peft` folder "
+     "`out_dir/adapter`.")
     if not lora_modules(model): raise ConfigError("lora: the model has no LoRA adapters to export")
-    out = export_hf(unload_lora(copy.deepcopy(model)), out_dir, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir, dtype=dtype)
-    adapter = save_peft_adapter(model, out/"adapter", rename=StateDictAdapter(model).hf_module, base_model_name_or_path=str(out.resolve()), dtype=dtype)
+    out = export_hf(unload_lora(copy.deepcopy(model)), out_dir, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
+                    dtype=dtype)
+    adapter = save_peft_adapter(model, out/"adapter", rename=StateDictAdapter(model).hf_module,
+                                base_model_name_or_path=str(out.resolve()), dtype=dtype)
     return out, adapter
