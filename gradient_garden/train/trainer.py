@@ -7,7 +7,7 @@ the summary table) is `52_telemetry`; the peaks MFU is quoted against are `06_ha
 
 # %% ../../nbs/54_trainer.ipynb #0748bb8d
 from __future__ import annotations
-import contextlib, json, math, random, sys, time, warnings
+import contextlib, json, random, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -15,9 +15,10 @@ from fastcore.basics import patch
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict, set_model_state_dict, StateDictOptions
+from torch.distributed.checkpoint.state_dict import (get_state_dict, set_state_dict, set_model_state_dict,
+                                                     StateDictOptions)
 from ..config import GlobalConfig, grad_accum_steps
-from ..runtime import DTYPES, autocast_context, cpu_bf16_units, resolve_precision
+from ..runtime import autocast_context, resolve_precision
 from ..hardware import peak_flops
 from ..parallel.collectives import all_gather_objects, all_reduce, barrier, broadcast_object, is_fsdp
 from ..parallel.distributed import DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_
@@ -104,7 +105,8 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.env = env or DistEnv(device=next(model.parameters()).device)
         self.run_dir = Path(run_dir or cfg.run_dir)
-        self.optimizers = optimizers if optimizers is not None else build_optimizers(model, cfg.optimizers, self.env.device.type)
+        self.optimizers = (optimizers if optimizers is not None
+                           else build_optimizers(model, cfg.optimizers, self.env.device.type))
         self.grad_accum = grad_accum_steps(cfg, self.env.world_size)
         self.scaler = make_grad_scaler(self.env.device, cfg.runtime.precision)
         es = cfg.training.early_stopping
@@ -119,9 +121,11 @@ class Trainer:
         self.final_evaluate = final_evaluate
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
-        self._pending_tokens, self._untimed_s = None, 0.0   # tokens not yet read from the device; seconds left out of MFU
+        # tokens not yet read from the device; seconds left out of MFU
+        self._pending_tokens, self._untimed_s = None, 0.0
         self._warm = False   # this session's first step is done: collectives get the short timeout
-        self._fetch_s, self.val_metrics = 0.0, {}           # seconds spent reading batches (rollouts); a task's validation metrics
+        # seconds spent reading batches (rollouts); a task's validation metrics
+        self._fetch_s, self.val_metrics = 0.0, {}
 
 # %% ../../nbs/54_trainer.ipynb #034012a4
 @patch
@@ -163,12 +167,14 @@ def _reads_host_after(self: Trainer, step: int) -> bool:
 
 # %% ../../nbs/54_trainer.ipynb #bbc7bbbc
 def virtual_shares(batches: list, n: int) -> list[list]:
-    "A step's micro-batches grouped by which of `n` data-parallel ranks would take each (micro-step i goes to rank i % n)."
+    ("A step's micro-batches grouped by which of `n` data-parallel ranks would take each "
+     "(micro-step i goes to rank i % n).")
     n = max(n, 1)
     return [batches[r::n] for r in range(n)]
 
 def set_aside_grads(model: nn.Module, kept: list | None) -> list:
-    "Take the gradients out of `model`'s parameters, added after `kept` (the earlier shares' sum); the parameters keep none."
+    ("Take the gradients out of `model`'s parameters, added after `kept` (the earlier shares' sum); the parameters "
+     "keep none.")
     params = list(model.parameters())
     out = []
     for p, k in zip(params, kept or [None] * len(params)):
@@ -184,10 +190,12 @@ def add_set_aside_grads(model: nn.Module, kept: list):
 # %% ../../nbs/54_trainer.ipynb #61f9a472
 @patch
 def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    "Copy each host micro-batch to the device just before its forward and backward (gradients synchronised on the last); the summed loss and task metrics."
+    ("Copy each host micro-batch to the device just before its forward and backward (gradients synchronised on the "
+     "last); the summed loss and task metrics.")
     loss_total = torch.zeros((), device=self.env.device, dtype=torch.float64)
     metric_sums, kept = {}, None
-    shares = virtual_shares(batches, self.cfg.training.virtual_ranks // self.env.world_size)  # one share unless virtual_ranks
+    # one share unless virtual_ranks
+    shares = virtual_shares(batches, self.cfg.training.virtual_ranks // self.env.world_size)
     for s, share in enumerate(shares):
         if s: kept = set_aside_grads(self.model, kept)   # the earlier shares' sum, as the other ranks would hold it
         for i, host in enumerate(share):
@@ -205,9 +213,11 @@ def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[tor
 
 @patch
 def _optimizer_step(self: Trainer) -> torch.Tensor | None:
-    "Clip (returning the gradient norm when `grad_clip` is set), step every optimizer through the scaler, zero the gradients."
+    ("Clip (returning the gradient norm when `grad_clip` is set), step every optimizer through the scaler, zero the "
+     "gradients.")
     grad_norm = None
-    if self.ckpt_manager is not None: self.ckpt_manager.wait_for_staging()  # a background save's copy of the weights is done
+    # a background save's copy of the weights is done
+    if self.ckpt_manager is not None: self.ckpt_manager.wait_for_staging()
     if self.cfg.training.grad_clip:
         for o in self.optimizers: self.scaler.unscale_(o)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip)  # same norm on any layout
@@ -224,9 +234,11 @@ def train_step(self: Trainer) -> dict:
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
     t0 = time.perf_counter()
-    batches = [self.train_loader.next_batch() for _ in range(self.grad_accum)]   # host memory (pinned by a prefetching loader)
+    # host memory (pinned by a prefetching loader)
+    batches = [self.train_loader.next_batch() for _ in range(self.grad_accum)]
     self._fetch_s += time.perf_counter() - t0   # an RL stage's rollouts: its update tokens/s leaves them out
-    units = torch.stack([self.task.count(b) for b in batches]).double().sum()   # counted where the batches are, before any forward
+    # counted where the batches are, before any forward
+    units = torch.stack([self.task.count(b) for b in batches]).double().sum()
     local = torch.stack([device_scalar(units, dev), device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
     count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
     loss_total, metric_sums = self._micro_steps(batches, count)
@@ -292,22 +304,27 @@ def checkpoint_state(self: Trainer) -> dict:
 
 @patch
 def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None:
-    "Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention; `CheckpointWriteError` on failure."
+    ("Write a checkpoint: every rank's shards (`format: sharded`), or the gathered state from rank 0; retention; "
+     "`CheckpointWriteError` on failure.")
     c = self.cfg.checkpointing
     if self.ckpt_manager is None:
         self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
-                                              async_save=c.async_save, raise_failures=True, group=self.env.checkpoint_group)
+                                              async_save=c.async_save, raise_failures=True,
+                                              group=self.env.checkpoint_group)
     if c.format == "sharded":  # every rank writes; dcp reports a failure on any rank to all of them
         app_state, meta = sharded_state(self.model, self.optimizers), self.checkpoint_meta()
         try: return self.ckpt_manager.save_sharded(self.state.step, app_state, meta, val_loss=val_loss)
         except CheckpointWriteError: raise  # the previous background write failed
-        except BaseException as e: raise CheckpointWriteError(write_failure_line(self.state.step, e, self.ckpt_manager.dir)) from None
+        except BaseException as e:
+            raise CheckpointWriteError(write_failure_line(self.state.step, e, self.ckpt_manager.dir)) from None
     state = self.checkpoint_state()
     path, err = None, None
     if self.env.is_main:
         try: path = self.ckpt_manager.save(self.state.step, state, val_loss=val_loss)
-        except BaseException as e: err = write_failure_line(self.state.step, e, self.ckpt_manager.dir)  # disk full, Ctrl-C, ...
-    if (err := broadcast_object(err)) is not None: raise CheckpointWriteError(err)  # every rank stops, with rank 0's reason
+        except BaseException as e:   # disk full, Ctrl-C, ...
+            err = write_failure_line(self.state.step, e, self.ckpt_manager.dir)
+    # every rank stops, with rank 0's reason
+    if (err := broadcast_object(err)) is not None: raise CheckpointWriteError(err)
     return path
 
 # %% ../../nbs/54_trainer.ipynb #4470034a
@@ -324,19 +341,22 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
     keep_progress = restore_progress and same_stage
     optimizers = None if (reset_optimizers or not keep_progress) else self.optimizers
     if "model" in ckpt:
-        ckpt = StateDictAdapter(unwrap_model(self.model) if not is_fsdp(self.model) else self.model).from_old(ckpt)   # an unfused-layout checkpoint
+        # an unfused-layout checkpoint
+        ckpt = StateDictAdapter(unwrap_model(self.model) if not is_fsdp(self.model) else self.model).from_old(ckpt)
         load_full_state(self.model, optimizers, ckpt["model"], ckpt.get("optimizers"))
     else: load_sharded_state(ckpt["sharded"], self.model, optimizers)  # dcp reads this rank's part, any layout
     if not keep_progress: return
     loader, rank = _rank_entry(ckpt, "loaders", "loader", self.env.rank), self.env.rank
     if not reset_loader and loader:
         ref = (ckpt.get("loader") or {}).get("reference")
-        self.train_loader.load_state_dict(loader if ref is None or "reference" in loader else loader | {"reference": ref})
+        self.train_loader.load_state_dict(loader if ref is None or "reference" in loader
+                                          else loader | {"reference": ref})
     if rng := _rank_entry(ckpt, "rngs", "rng", rank): set_rng_state(rng)
     saved = ckpt.get("world_size", 1)
     if self.env.world_size == 1 < saved != self.cfg.training.virtual_ranks and self.log_to_console:
-        print(f"note: this checkpoint was saved by {saved} ranks; one process adds their gradients in another order, so the "
-              f"run follows theirs within float rounding (training.virtual_ranks={saved} adds them as the ranks did)", file=sys.stderr)
+        print(f"note: this checkpoint was saved by {saved} ranks; one process adds their gradients in another order, "
+              f"so the run follows theirs within float rounding (training.virtual_ranks={saved} adds them as the "
+              "ranks did)", file=sys.stderr)
     self.state.step = ckpt["step"] if start_step is None else start_step
     self.state.tokens_seen = ckpt.get("tokens_seen", 0)
     if not reset_val_history:
@@ -354,7 +374,8 @@ def sample(self: Trainer) -> list[dict]:
     g, tok = self.cfg.generation, self.tokenizer
     prompts = g.test_prompts or default_test_prompts(self.task.chat_prompts)
     m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
-    lockstep = is_fsdp(self.model) and self.env.distributed  # no early stop that numerics could time differently per rank
+    # no early stop that numerics could time differently per rank
+    lockstep = is_fsdp(self.model) and self.env.distributed
     stops = {t for t in (tok.eos_id, tok.eot_id) if t is not None}
     m.eval()
     try:
@@ -372,7 +393,8 @@ def run_evals(self: Trainer) -> dict:
     m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
     m.eval()
     try:
-        with autocast_context(self.env.device, self.cfg.runtime.precision): res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
+        with autocast_context(self.env.device, self.cfg.runtime.precision):
+            res = evaluate_from_config(m, self.tokenizer, self.cfg, self.env)
     finally: m.train()
     return {f"{t}/{k}": v for t, r in res.items() for k, v in r.items() if isinstance(v, (int, float))}
 
@@ -387,7 +409,8 @@ def _flops_per_token(self: Trainer) -> float:
 @patch
 @contextlib.contextmanager
 def _untimed(self: Trainer):
-    "Leave the time spent inside (validation, evals, samples, checkpoints) out of the logged throughput and MFU; its collectives get the long timeout."
+    ("Leave the time spent inside (validation, evals, samples, checkpoints) out of the logged throughput and MFU; its "
+     "collectives get the long timeout.")
     sync = torch.cuda.synchronize if self.env.device.type == "cuda" else (lambda: None)
     sync(); t0 = time.perf_counter()           # the queued training work is billed to training, not to this
     set_collective_timeout(self.env, self.cfg.runtime.long_collective_timeout_s)
@@ -398,13 +421,15 @@ def _untimed(self: Trainer):
 
 @patch
 def _step_timeout(self: Trainer) -> float:
-    "The collective timeout of training steps: the long one until this session's first step is done (compilation, warm-up)."
+    ("The collective timeout of training steps: the long one until this session's first step is done (compilation, "
+     "warm-up).")
     rt = self.cfg.runtime
     return rt.collective_timeout_s if self._warm else rt.long_collective_timeout_s
 
 @patch
 def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: float) -> dict:
-    "The metrics row of a logged step: loss, learning rates, tokens/s and MFU over the interval, the step's other metrics."
+    ("The metrics row of a logged step: loss, learning rates, tokens/s and MFU over the interval, the step's other "
+     "metrics.")
     tps = tokens / seconds
     rec = dict(step=self.state.step, loss=float(out["loss"]), tokens_per_s=tps,
                mfu=tps * self._flops_per_token() / peak, tokens_seen=self.state.tokens_seen,
@@ -426,14 +451,16 @@ def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, d
 def _evals_due(self: Trainer, step: int, last: bool) -> bool:
     "Whether `_evaluate_into` has work at `step`: the final evaluation, or scheduled evals."
     e = self.cfg.evals
-    return (last and self.final_evaluate is not None) or bool(e.every and step % e.every == 0 and self.tokenizer is not None)
+    return (last and self.final_evaluate is not None) or bool(e.every and step % e.every == 0
+                                                              and self.tokenizer is not None)
 
 @patch
 def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
     "Add the final evaluation (on the last step) and the scheduled evals to the record."
     if last and self.final_evaluate is not None:
         m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
-        with autocast_context(self.env.device, self.cfg.runtime.precision): rec = (rec or dict(step=step)) | self.final_evaluate(m)
+        with autocast_context(self.env.device, self.cfg.runtime.precision):
+            rec = (rec or dict(step=step)) | self.final_evaluate(m)
     e = self.cfg.evals
     if e.every and step % e.every == 0 and self.tokenizer is not None: rec = (rec or dict(step=step)) | self.run_evals()
     return rec
@@ -451,16 +478,21 @@ def _write_samples(self: Trainer):
 def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float, tokens: int, peak: float) -> str:
     "The end-of-stage table (see `summary_table`) of a `fit` result `res` and its latest metrics `last`."
     tps = tokens / max(seconds, 1e-9)
-    how = f"stopped by {res['stopped_by']}" if res["stopped_by"] else "early stopping" if res["stopped_early"] else "finished"
+    how = (f"stopped by {res['stopped_by']}" if res["stopped_by"]
+           else "early stopping" if res["stopped_early"] else "finished")
     base = self.task.baseline_loss(self.train_loader)   # e.g. pretraining's unigram cross-entropy
-    val = None if res["final_val_loss"] is None else format_metric(res["final_val_loss"]) + (f" (unigram baseline {base:.4f})" if base else "")
+    val = (None if res["final_val_loss"] is None
+           else format_metric(res["final_val_loss"]) + (f" (unigram baseline {base:.4f})" if base else ""))
     score = next((k for k in ("exact_match", "preference_accuracy") if k in last), None)
-    evals = [(task, eval_cell(last, task)) for task in dict.fromkeys(k.split("/")[0] for k in last if k.endswith("/acc"))]
+    evals = [(task, eval_cell(last, task))
+             for task in dict.fromkeys(k.split("/")[0] for k in last if k.endswith("/acc"))]
     rows = [("steps", f"{res['start_step']} -> {res['step']} of {self.cfg.training.max_steps}"),
-            ("tokens", f"{tokens:,} this session, {res['tokens_seen']:,} in all"), ("wall time", format_duration(seconds)),
+            ("tokens", f"{tokens:,} this session, {res['tokens_seen']:,} in all"),
+            ("wall time", format_duration(seconds)),
             ("tokens/s", f"{tps:,.0f}"), ("MFU", f"{tps * self._flops_per_token() / peak:.2%}"),
             ("train loss", format_metric(last["loss"]) if "loss" in last else None), ("val loss", val),
-            (score, f"{format_metric(before[score])} -> {format_metric(last[score])}" if score in before else format_metric(last.get(score))) if score else ("", None),
+            (score, f"{format_metric(before[score])} -> {format_metric(last[score])}" if score in before
+             else format_metric(last.get(score))) if score else ("", None),
             *evals, ("checkpoint", res.get("checkpoint")), ("metrics", str(self.run_dir/"metrics.jsonl")),
             ("report", str(self.run_dir/"report.ipynb") if (self.run_dir/"report.ipynb").exists() else None)]
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
@@ -491,7 +523,8 @@ def _interval_record(self: Trainer, out: dict) -> dict | None:
     if not self._logs(self.state.step): return None
     if self.env.device.type == "cuda": torch.cuda.synchronize()   # the interval's queued work is done: its time is real
     t0, tokens0 = self._interval
-    rec = self._step_record(out, self.state.tokens_seen - tokens0, time.perf_counter() - t0 - self._untimed_s, self._peak)
+    rec = self._step_record(out, self.state.tokens_seen - tokens0, time.perf_counter() - t0 - self._untimed_s,
+                            self._peak)
     self._start_interval(self.state.tokens_seen)
     return rec
 
@@ -505,7 +538,8 @@ def _validate_due(self: Trainer, step: int) -> bool:
 # %% ../../nbs/54_trainer.ipynb #69eaa4d4
 @patch
 def _validate_untimed(self: Trainer, step: int, rec: dict | None) -> tuple[float, dict]:
-    "`_validate_into`, left out of the throughput (the peak MFU divides by stays the one measured at the start). The loss and the extended record."
+    ("`_validate_into`, left out of the throughput (the peak MFU divides by stays the one measured at the start). The "
+     "loss and the extended record.")
     with self._untimed(): return self._validate_into(step, rec)
 
 # %% ../../nbs/54_trainer.ipynb #a6eaa4a2
@@ -523,7 +557,8 @@ def _evaluate_and_sample(self: Trainer, step: int, last: bool, rec: dict | None)
 # %% ../../nbs/54_trainer.ipynb #b68c4d6d
 @patch
 def _stop_or_save(self: Trainer, step: int, last: bool, val_loss: float | None, stop) -> bool:
-    "True once every rank agrees to stop (this step checkpointed first); else the scheduled save or a background commit."
+    ("True once every rank agrees to stop (this step checkpointed first); else the scheduled save or a background "
+     "commit.")
     c = self.cfg.checkpointing
     if stop is not None and stop.agreed(self.env):
         with self._untimed(): self.save_checkpoint(val_loss)
@@ -542,16 +577,28 @@ def _fit_result(self: Trainer, start_step: int, last_val, stopped_early: bool, s
                 stopped_early=stopped_early, stopped_by=stopped_by, tokens_seen=self.settle_tokens(),
                 start_step=start_step, checkpoint=str(ckpt) if ckpt else None)
 
+# %% ../../nbs/54_trainer.ipynb #dd1fe619
+@patch
+def _fit_start(self: Trainer) -> tuple:
+    "`fit`'s companions: stop request, metrics logger, score before training, progress line, profiler."
+    cfg, env, t = self.cfg, self.env, self.cfg.training
+    # e.g. `train.run.StopRequest`: SIGTERM/SIGUSR1/Ctrl-C, agreed by all ranks
+    stop = getattr(self, "stop_request", None)
+    logger = MetricsLogger(self.run_dir, enabled=env.is_main,
+                           wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
+    self._peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
+    before = self._score_before()
+    progress = Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
+    return stop, logger, before, progress, make_profiler(cfg, self.run_dir, env)
+
 # %% ../../nbs/54_trainer.ipynb #a5016fab
 @patch
 def fit(self: Trainer) -> dict:
-    "Train to `training.max_steps` (or early stop, or a stop request); log, validate, sample, evaluate, checkpoint, summarise."
+    ("Train to `training.max_steps` (or early stop, or a stop request); log, validate, sample, evaluate, checkpoint, "
+     "summarise.")
     cfg, env, t = self.cfg, self.env, self.cfg.training
-    stop = getattr(self, "stop_request", None)  # e.g. `train.run.StopRequest`: SIGTERM/SIGUSR1/Ctrl-C, agreed by all ranks
-    logger = MetricsLogger(self.run_dir, enabled=env.is_main, wandb_run=init_wandb(cfg, self.run_dir) if env.is_main else None)
-    self._peak = peak_flops(env.device, cfg.runtime.precision, tf32=self.tf32) * env.world_size
-    before, progress = self._score_before(), Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
-    prof, stopped_early, stopped_by, last_val, latest = make_profiler(cfg, self.run_dir, env), False, None, None, {}
+    stop, logger, before, progress, prof = self._fit_start()
+    stopped_early, stopped_by, last_val, latest = False, None, None, {}
     start_step, start_tokens, t_start = self.state.step, self.settle_tokens(), time.perf_counter()
     self.model.train(); self._start_interval(start_tokens)
     try:
@@ -572,12 +619,14 @@ def fit(self: Trainer) -> dict:
                 for cb in self.callbacks: cb(self, rec)
                 if self._stop_or_save(step, last, val_loss, stop): stopped_by = stop.name; break
                 if stopped_early:
-                    progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} validations")
+                    progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} "
+                                   "validations")
                     break
         if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
         barrier()
     finally: progress.close(); logger.close()
     res = self._fit_result(start_step, last_val, stopped_early, stopped_by)
     if self.log_to_console:
-        print(self._summary(res, latest, before, time.perf_counter() - t_start, res["tokens_seen"] - start_tokens, self._peak), flush=True)
+        print(self._summary(res, latest, before, time.perf_counter() - t_start, res["tokens_seen"] - start_tokens,
+                            self._peak), flush=True)
     return res | {f"{k}_before": x for k, x in before.items() if isinstance(x, (int, float))}
