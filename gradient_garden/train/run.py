@@ -8,10 +8,7 @@ from __future__ import annotations
 import json, os, shutil, signal, socket, sys, threading, time
 from pathlib import Path
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable
 import torch
-import torch.distributed as dist
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig
 from ..checks import validate
@@ -23,7 +20,8 @@ from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot
 from .trainer import Trainer, seed_everything
 from .plan import check_fit, estimate_workload
-from ..checkpoint.checkpoints import base_weights, check_compatible, list_checkpoints, load_checkpoint, resolve_checkpoint
+from ..checkpoint.checkpoints import (base_weights, check_compatible, list_checkpoints, load_checkpoint,
+                                                    resolve_checkpoint)
 from ..models.lora import apply_lora
 from ..models.tendril import unwrap_model
 from ..models.registry import build_model
@@ -49,7 +47,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 class StopRequest:
     "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
     def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None):
-        if debounce_s is None: debounce_s = 1.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # torchrun's echo of a keypress
+        # torchrun's echo of a keypress
+        if debounce_s is None: debounce_s = 1.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
         self.signals, self.debounce_s = signals, debounce_s
         self.signum, self.at, self._old = None, 0.0, {}
 
@@ -65,12 +64,14 @@ def _handle(self: StopRequest, signum, frame):
         return
     self.signum, self.at = signum, time.monotonic()
     if int(os.environ.get("RANK", 0)) == 0:  # os.write: safe inside a signal handler, unlike print
-        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint (Ctrl-C again aborts)\n".encode())
+        os.write(2, (f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                     "(Ctrl-C again aborts)\n").encode())
 
 # %% ../../nbs/55_run.ipynb #6874b41d
 @patch
 def agreed(self: StopRequest, env: DistEnv | None = None) -> bool:
-    "True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of them)."
+    ("True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of "
+     "them).")
     if env is None or not env.distributed: return self.signum is not None
     flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
     if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
@@ -129,7 +130,8 @@ def acquire(self: RunLock) -> RunLock:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
         raise ConfigError(f"{self.path.parent}: another run is writing here (pid {pid} on {host}, since {since}); wait "
                           f"for it, pick another run.name, or delete {self.path} if that process is gone")
-    raise ConfigError(f"{self.path}: cannot take the lock (unreadable lock file); delete it if no run is using {self.path.parent}")
+    raise ConfigError(f"{self.path}: cannot take the lock (unreadable lock file); delete it if no run is using "
+                      f"{self.path.parent}")
 
 # %% ../../nbs/55_run.ipynb #6c2f9b07
 @patch
@@ -161,8 +163,10 @@ def run_contents(run_dir) -> dict:
     return dict(rows=len(rows), last_step=last, checkpoints=list_checkpoints(Path(run_dir)/"checkpoints"))
 
 # %% ../../nbs/55_run.ipynb #5bb8a9ea
-def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bool = False, overwrite: bool = False) -> list[str]:
-    "Make `run_dir` fit the run about to start (fresh, resumed at `resume_step`, or `overwrite`); notes, or `ConfigError`."
+def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bool = False,
+                    overwrite: bool = False) -> list[str]:
+    ("Make `run_dir` fit the run about to start (fresh, resumed at `resume_step`, or `overwrite`); notes, or "
+     "`ConfigError`.")
     run_dir = Path(run_dir)
     have, ckdir = run_contents(run_dir), run_dir/"checkpoints"
     holds = bool(have["rows"] or have["checkpoints"])
@@ -175,7 +179,8 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
     if holds and not (resume_step is not None and resumes_here):
         latest = f", latest checkpoint {have['checkpoints'][-1].name}" if have["checkpoints"] else ""
         raise ConfigError(f"{run_dir} already holds a run (metrics to step {have['last_step']}{latest}): resume it "
-                          f"with --checkpoint {run_dir}, start another with --set run.name=NEW_NAME, or replace it with --overwrite")
+                          f"with --checkpoint {run_dir}, start another with --set run.name=NEW_NAME, or replace it "
+                          "with --overwrite")
     if resume_step is None: return []
     notes = []
     dropped = {n: truncate_records(run_dir/n, resume_step) for n in RUN_RECORDS}
@@ -192,7 +197,8 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
 
 # %% ../../nbs/55_run.ipynb #494f3b7a
 def _load_base_weights(model: torch.nn.Module, weights: dict, cfg: GlobalConfig):
-    "Copy a previous stage's full weights into `model` (each rank into its own shards); a one-line error if they do not fit."
+    ("Copy a previous stage's full weights into `model` (each rank into its own shards); a one-line error if they do "
+     "not fit.")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # lazy: distributed-only
     known = set(unwrap_model(model).state_dict())
     missing, unexpected = sorted(known - set(weights)), sorted(set(weights) - known)
@@ -233,9 +239,12 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
     if env.is_main:
         try:
             lock.acquire()
-            resume = start_step if start_step is not None else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else None
-            here = bool(checkpoint) and resolve_checkpoint(checkpoint).resolve().parent == (cfg.run_dir/"checkpoints").resolve()
-            for n in lock.notes + prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite): print(f"note: {n}", file=sys.stderr)
+            resume = (start_step if start_step is not None
+                      else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else None)
+            here = bool(checkpoint) and (resolve_checkpoint(checkpoint).resolve().parent
+                                         == (cfg.run_dir/"checkpoints").resolve())
+            notes = prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite)
+            for n in lock.notes + notes: print(f"note: {n}", file=sys.stderr)
         except ConfigError as e: err = str(e); lock.release()
     if (err := broadcast_object(err)) is not None:
         e = ConfigError(err); e.same_on_every_rank = True; raise e
@@ -266,17 +275,20 @@ def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> 
             ckpt = load_checkpoint(checkpoint, optimizers=False)
     _check_start(cfg, start_step, ckpt)
     check_start(cfg, ckpt)   # the stage order, then what the stage needs of its start (RL: a chat model)
-    check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))  # before anything is allocated
+    # before anything is allocated
+    check_fit(cfg, env.device, env.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return tokenizer, ckpt
 
 # %% ../../nbs/55_run.ipynb #08cee40a
 def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool = False, start_step: int | None = None,
-                 reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False, callbacks=()) -> dict:
+                 reset_loader: bool = False, reset_val_history: bool = False, overwrite: bool = False,
+                 callbacks=()) -> dict:
     "Run `cfg.training.stage` to the end and return the trainer's summary (rank 0 writes the run directory)."
     load_dotenv()
     env = init_distributed(cfg.runtime, cfg.run_dir)   # the flight recorder dumps under the run directory
     requested = cfg.runtime.precision
-    cfg.runtime.precision, why = resolve_precision(env.device, requested)   # `auto` made concrete before anything uses it
+    # `auto` made concrete before anything uses it
+    cfg.runtime.precision, why = resolve_precision(env.device, requested)
     if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
     try: check_stage(validate(cfg, env.world_size), env.world_size)
     except ConfigError as e: e.same_on_every_rank = True; raise
@@ -286,12 +298,13 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
     precision = dict(requested=requested, used=cfg.runtime.precision, why=why)
-    try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks, precision)
+    try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader,
+                       reset_val_history, callbacks, precision)
     finally: lock.release()
 
 # %% ../../nbs/55_run.ipynb #943afeda
-def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history, callbacks,
-           precision: dict) -> dict:
+def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader, reset_val_history,
+           callbacks, precision: dict) -> dict:
     "Build the model, stage and trainer, write config and snapshot, and fit."
     ckpt = box.pop()
     model = build_run_model(cfg, env, ckpt)
@@ -300,7 +313,8 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     trainer = Trainer(cfg, model, parts.task, parts.train_loader, parts.val_loader, tokenizer=tokenizer, env=env,
                       final_evaluate=parts.evaluate)
     trainer.callbacks.extend(callbacks)
-    if env.is_main and trainer.log_to_console: print(mfu_peak_line(env.device, cfg.runtime.precision, trainer.tf32), flush=True)
+    if env.is_main and trainer.log_to_console:
+        print(mfu_peak_line(env.device, cfg.runtime.precision, trainer.tf32), flush=True)
     if ckpt is not None and ckpt.get("stage") == cfg.training.stage:
         trainer.load_checkpoint_state(ckpt, reset_optimizers=reset_optimizers, reset_loader=reset_loader,
                                       reset_val_history=reset_val_history, start_step=start_step)
