@@ -52,14 +52,16 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--config", help="config YAML (instead of a recipe)")
     stage = parser.add_mutually_exclusive_group()
     for s in STAGES:
-        stage.add_argument(f"--{s}", dest="stage", action="store_const", const=s, help=f"prepare {s} data (not with --recipe)")
+        stage.add_argument(f"--{s}", dest="stage", action="store_const", const=s,
+                           help=f"prepare {s} data (not with --recipe)")
     parser.add_argument("--mix-file", help="JSON data section to use instead of the recipe's or the default mix")
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="dotted overrides, e.g. paths.datasets=/data data.target_tokens=1000000")
     parser.add_argument("--overwrite", action="store_true", help="delete existing shards of this stage and start again")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--estimate-token-target", action="store_true",
-                        help="set data.target_tokens to the Chinchilla budget of the configured model (20 tokens/parameter)")
+                        help="set data.target_tokens to the Chinchilla budget of the configured model "
+                             "(20 tokens/parameter)")
     return add_prepare_eval_args(parser)
 
 # %% ../../nbs/71_cli_prepare.ipynb #e03b9c12
@@ -111,15 +113,17 @@ def estimate_token_target(cfg: GlobalConfig) -> str:
 def report_prepared(out_dir: Path, meta: dict, spec, tokenizer) -> None:
     "The lines `gg prepare` prints about the shards it wrote (and notes on sources that ran short)."
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"prepared {out_dir}: {meta['splits']['train']['n_tokens']:,} train + {meta['splits']['val']['n_tokens']:,} val tokens "
+    print(f"prepared {out_dir}: {meta['splits']['train']['n_tokens']:,} train + "
+          f"{meta['splits']['val']['n_tokens']:,} val tokens "
           f"({meta['dtype']}, {meta['documents']:,} documents) with {tokenizer.name} [{tokenizer.identity}] "
           f"in {meta['elapsed_s']:.1f}s, peak memory {peak_mb:.0f} MB")
     for name, c in meta["sources"].items():
         if c.get("missing_text"):
-            print(f"note: {name}: skipped {c['missing_text']:,} of {c['rows']:,} rows that lack the text field", file=sys.stderr)
+            print(f"note: {name}: skipped {c['missing_text']:,} of {c['rows']:,} rows that lack the text field",
+                  file=sys.stderr)
     if meta["n_tokens"] < spec.target_tokens:
-        print(f"note: every source ran out at {meta['n_tokens']:,} tokens, below data.target_tokens = {spec.target_tokens:,}",
-              file=sys.stderr)
+        print(f"note: every source ran out at {meta['n_tokens']:,} tokens, below data.target_tokens = "
+              f"{spec.target_tokens:,}", file=sys.stderr)
 
 # %% ../../nbs/71_cli_prepare.ipynb #210d0148
 @contextlib.contextmanager
@@ -131,8 +135,9 @@ def prepare_lock(datasets_dir):
         try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise ConfigError(f"{path.parent}: another gg prepare is writing here ({f.read().strip() or 'pid unknown'}); "
-                              "wait for it to finish, or set another paths.datasets") from None
+            raise ConfigError(f"{path.parent}: another gg prepare is writing here "
+                              f"({f.read().strip() or 'pid unknown'}); wait for it to finish, or set another "
+                              "paths.datasets") from None
         f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}"); f.flush()
         try: yield path
         finally: fcntl.flock(f, fcntl.LOCK_UN)
@@ -144,7 +149,8 @@ def prepare_pretraining_stage(args, cfg: GlobalConfig, data: dict | None, data_o
     spec = parse_mix_file_data(data, args.mix_file) if args.mix_file else parse_pretraining_data(data, "data")
     tokenizer = ensure_tokenizer(cfg.tokenizer, lambda: tokenizer_texts(spec), vocab_size=cfg.model.vocab_size)
     out_dir = Path(cfg.paths.datasets)/cfg.training.stage
-    meta = prepare_pretraining(spec, tokenizer, out_dir, stage=cfg.training.stage, overwrite=args.overwrite, progress=args.progress)
+    meta = prepare_pretraining(spec, tokenizer, out_dir, stage=cfg.training.stage, overwrite=args.overwrite,
+                               progress=args.progress)
     if meta.get("up_to_date"):
         print(f"{out_dir} is up to date ({meta['n_tokens']:,} tokens with {tokenizer.name} [{tokenizer.identity}]); "
               "pass --overwrite to prepare it again")
