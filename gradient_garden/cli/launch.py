@@ -16,7 +16,8 @@ def torchrun_argv(argv: list[str], verbs) -> list[str]:
     "torchrun's arguments for `gg launch TORCHRUN_FLAGS VERB ARGS`: the flags, then `-m gradient_garden.cli VERB ARGS`."
     i = next((i for i, a in enumerate(argv) if a in verbs), None)
     if i is None or argv[i] == "launch":
-        raise ConfigError(f"gg launch: name the gg verb to run after torchrun's flags (one of {', '.join(sorted(set(verbs) - {'launch'}))}), "
+        raise ConfigError("gg launch: name the gg verb to run after torchrun's flags "
+                          f"(one of {', '.join(sorted(set(verbs) - {'launch'}))}), "
                           "e.g. gg launch --standalone --nproc-per-node 2 train --recipe R")
     return argv[:i] + ["-m", "gradient_garden.cli"] + argv[i:]
 
@@ -24,12 +25,13 @@ def torchrun_argv(argv: list[str], verbs) -> list[str]:
 def signal_line(sigval: int) -> tuple[int, str]:
     "The exit status and last line of a launch stopped by signal `sigval`."
     name = signal.Signals(sigval).name
-    return 128 + int(sigval), (f"gg launch: stopped by {name}; the workers finished their step and saved: resume with the "
-                               f"--checkpoint the 'stopped by' line above names")
+    return 128 + int(sigval), (f"gg launch: stopped by {name}; the workers finished their step and saved: "
+                               "resume with the --checkpoint the 'stopped by' line above names")
 
 # %% ../../nbs/75_cli_launch.ipynb #28b40566
 def failure_line(rank: int, exitcode: int, message: str) -> tuple[int, str]:
-    "The exit status and last line of a launch whose worker `rank` failed (`message`: its error file's, a str or torchrun's dict)."
+    ("The exit status and last line of a launch whose worker `rank` failed (`message`: its error file's, a str or "
+     "torchrun's dict).")
     if isinstance(message, dict): message = str(message.get("message", ""))
     why = f": {message}" if message and not message.startswith("To enable traceback") else ""
     return (exitcode if exitcode > 0 else 1), f"gg launch: rank {rank} failed (exit status {exitcode}){why}"
@@ -37,18 +39,22 @@ def failure_line(rank: int, exitcode: int, message: str) -> tuple[int, str]:
 # %% ../../nbs/75_cli_launch.ipynb #98bee4c6
 def add_launch_args(p: argparse.ArgumentParser):
     "Flags of `gg launch`: none of its own; torchrun's, then the verb and its flags, all passed on."
-    p.prefix_chars = "\0"   # every flag here is torchrun's or the verb's: argparse would otherwise read `--standalone` as gg's
+    # every flag here is torchrun's or the verb's: argparse would otherwise read `--standalone` as gg's
+    p.prefix_chars = "\0"
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="TORCHRUN_FLAGS VERB ...",
-                   help="torchrun's flags (--standalone, --nproc-per-node N, --nnodes, --rdzv-*), then a gg verb and its flags")
+                   help="torchrun's flags (--standalone, --nproc-per-node N, --nnodes, --rdzv-*), then a gg verb "
+                        "and its flags")
     p.set_defaults(_help=p.format_help)
 
 # %% ../../nbs/75_cli_launch.ipynb #903fba46
 def run_launch(args, verbs) -> int:
-    "`gg launch`: run the workers with torchrun's launcher; one line of ours at the end when it is signalled or a worker fails."
+    ("`gg launch`: run the workers with torchrun's launcher; one line of ours at the end when it is signalled or a "
+     "worker fails.")
     from torch.distributed.run import get_args_parser, run   # lazy: the launcher's imports are for this verb only
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    if not args.argv or args.argv[0] in ("-h", "--help"): print(args._help()); raise SystemExit(0)   # as argparse's --help
+    # as argparse's --help
+    if not args.argv or args.argv[0] in ("-h", "--help"): print(args._help()); raise SystemExit(0)
     launcher = get_args_parser().parse_args(torchrun_argv(list(args.argv), set(verbs)))
     try: run(launcher); return 0
     except SignalException as e: rc, line = signal_line(e.sigval)
