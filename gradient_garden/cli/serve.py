@@ -5,7 +5,7 @@
 
 # %% ../../nbs/76_cli_serve.ipynb #4f321eca
 from __future__ import annotations
-import argparse, ipaddress, os, sys
+import argparse, ipaddress, os
 import uvicorn
 from ..config import ConfigError
 from ..runtime import DTYPES as _DTYPES
@@ -35,11 +35,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="fp32", choices=list(_DTYPES),
                         help="bf16/fp16: on CPU the fp32 weights decode under autocast; on GPU the weights are cast")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 suits small models)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's; 1 suits small models)")
     parser.add_argument("--decoder", default="process", choices=["process", "thread"],
                         help="where decoding runs: its own process (default), or a thread of the web server's process")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together at most")
-    parser.add_argument("--max-queue", type=int, default=64, help="sequences waiting at most; beyond it requests get 429")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="sequences waiting at most; beyond it requests get 429")
     parser.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL_TOKENS, metavar="N",
                         help="send a stream's text every N tokens at most (1: every token)")
     parser.add_argument("--stream-interval-ms", type=float, default=STREAM_INTERVAL_MS, metavar="T",
@@ -56,16 +58,17 @@ def run_serve(args) -> int:
     "Run `gg serve`: check the flags, load the model, serve the API and the page with uvicorn until interrupted."
     api_key = args.api_key or os.environ.get("GG_API_KEY") or None
     if not is_loopback(args.host) and not api_key:
-        raise ConfigError(f"--host {args.host}: listening beyond this machine requires an API key (--api-key or GG_API_KEY)")
+        raise ConfigError(f"--host {args.host}: listening beyond this machine requires an API key "
+                          "(--api-key or GG_API_KEY)")
     if not 0 <= args.port < 65536: raise ConfigError(f"--port: got {args.port}; must be in 0..65535")
     served = load_served(args)
     kind = "chat + completions" if served.chat else "completions only (plain checkpoint)"
     host = f"[{args.host}]" if ":" in args.host else args.host
     iv = served.stream_interval
     sends = "every token" if iv.every_token else f"every {int(iv.tokens)} tokens or {iv.ms:g} ms"
-    print(f"serving {served.model_id!r} ({kind}, context {served.max_len}, batch {served.decoder.max_batch_size}, streams send "
-          f"{sends}) on "
-          f"http://{host}:{args.port}  (chat page at /, OpenAI API at /v1{', API key required' if api_key else ''})", flush=True)
+    print(f"serving {served.model_id!r} ({kind}, context {served.max_len}, batch {served.decoder.max_batch_size}, "
+          f"streams send {sends}) on http://{host}:{args.port}  "
+          f"(chat page at /, OpenAI API at /v1{', API key required' if api_key else ''})", flush=True)
     uvicorn.run(create_app(served, api_key), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0
