@@ -29,17 +29,19 @@ def load_prompts(path) -> list:
     if isinstance(data, dict): data = data.get("prompts")
     if not isinstance(data, list) or not data:
         raise ConfigError(f"--prompts: {p} must hold a non-empty list of prompts (or an object with a 'prompts' list)")
-    is_chat = lambda x: isinstance(x, list) and bool(x) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in x)
+    is_chat = lambda x: (isinstance(x, list) and bool(x)
+                         and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in x))
     out = []
     for i, item in enumerate(data):
         if isinstance(item, dict) and "messages" in item:
             item = item["messages"]
             if not is_chat(item):
-                raise ConfigError(f"--prompts: {p} item {i}: 'messages' must be a non-empty list of {{role, content}} objects "
-                                  f"(got {type(item).__name__}); for plain text write {{'prompt': ...}}")
+                raise ConfigError(f"--prompts: {p} item {i}: 'messages' must be a non-empty list of {{role, content}} "
+                                  f"objects (got {type(item).__name__}); for plain text write {{'prompt': ...}}")
         elif isinstance(item, dict): item = item.get("prompt")
         if not (isinstance(item, str) or is_chat(item)):
-            raise ConfigError(f"--prompts: {p} item {i}: expected a string, {{'prompt': str}} or {{'messages': [{{role, content}}]}}")
+            raise ConfigError(f"--prompts: {p} item {i}: expected a string, {{'prompt': str}} "
+                              "or {'messages': [{role, content}]}")
         out.append(item)
     return out
 
@@ -56,7 +58,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--prompts", default=None, help="JSON file of prompts (default: the run's test prompts)")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--instruct", action="store_true", help="chat format even on a pretraining checkpoint")
-    fmt.add_argument("--raw", action="store_true", help="complete the prompts as plain text, even on a chat (instruct, dpo) checkpoint")
+    fmt.add_argument("--raw", action="store_true",
+                     help="complete the prompts as plain text, even on a chat (instruct, dpo) checkpoint")
     parser.add_argument("--max-gen-len", type=int, default=160, help="new tokens per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.9)
@@ -67,8 +70,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         help="bf16/fp16: on CPU the fp32 weights decode under autocast; on GPU the weights are cast")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True, help="decode with a KV cache")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model's forward (slow start, faster decoding)")
+    parser.add_argument("--use-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode with a KV cache")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model's forward (slow start, faster decoding)")
     parser.add_argument("--output-file-name", default=None, help="write prompts and completions to this JSON file")
     return parser
 
@@ -79,7 +84,8 @@ def check_generate_args(args):
     if args.temperature < 0: raise ConfigError(f"--temperature: got {args.temperature}; must be >= 0")
     if not 0 < args.top_p <= 1: raise ConfigError(f"--top-p: got {args.top_p}; must be in (0, 1]")
     if args.top_k is not None and args.top_k <= 0: raise ConfigError(f"--top-k: got {args.top_k}; must be > 0")
-    if args.repetition_penalty <= 0: raise ConfigError(f"--repetition-penalty: got {args.repetition_penalty}; must be > 0")
+    if args.repetition_penalty <= 0:
+        raise ConfigError(f"--repetition-penalty: got {args.repetition_penalty}; must be > 0")
     if args.batch_size <= 0: raise ConfigError(f"--batch-size: got {args.batch_size}; must be > 0")
 
 # %% ../../nbs/72_cli_generate.ipynb #c766f4e7
@@ -94,7 +100,8 @@ def prompt_format(args, stage: str) -> tuple[bool, str]:
 def write_generations(args, results: list[dict]) -> Path:
     "Write the flags and the (prompt, completion) pairs to `--output-file-name` as JSON, atomically."
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
-    out = write_text_atomic(args.output_file_name, json.dumps(dict(settings=settings, results=results), indent=2, ensure_ascii=False) + "\n")
+    out = write_text_atomic(args.output_file_name,
+                            json.dumps(dict(settings=settings, results=results), indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {out}")
     return out
 
@@ -105,7 +112,8 @@ def run_generate(args) -> int:
     torch.manual_seed(args.seed)
     device = resolve_device(args.device, flag="--device")
     dtype = parse_dtype(args.dtype, "--dtype")
-    on_cpu = device.type == "cpu"   # CPU: fp32 weights, bf16/fp16 matmuls under autocast (bf16 copies held while decoding)
+    # CPU: fp32 weights, bf16/fp16 matmuls under autocast (bf16 copies held while decoding)
+    on_cpu = device.type == "cpu"
     model, cfg = load_model_from_checkpoint(args.checkpoint, device, torch.float32 if on_cpu else dtype)
     if args.compile: model.forward = torch.compile(model.forward, dynamic=True)
     tokenizer = init_tokenizer(cfg.tokenizer)
@@ -131,11 +139,13 @@ def add_export_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Flags of `gg export`."
     parser.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) to export")
     parser.add_argument("--out", required=True, help="output folder for the Hugging Face LlamaForCausalLM files")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder to copy (default: the checkpoint's tokenizer.path)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder to copy (default: the checkpoint's tokenizer.path)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="dtype of the saved weights")
     parser.add_argument("--force", action="store_true", help="write into a non-empty output folder")
     parser.add_argument("--lora-adapter", action="store_true",
-                        help="write the base model and its LoRA adapter as a PEFT folder in <out>/adapter (instead of merging)")
+                        help="write the base model and its LoRA adapter as a PEFT folder in <out>/adapter "
+                             "(instead of merging)")
     return parser
 
 # %% ../../nbs/72_cli_generate.ipynb #e29f9167
@@ -154,12 +164,14 @@ def run_export(args) -> int:
     "Run `gg export`: checkpoint -> Hugging Face Llama folder."
     out, dtype = Path(args.out), parse_dtype(args.dtype, "--dtype")
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: {out} is a file, not a folder; name a new or empty folder for the Hugging Face files")
+        raise ConfigError(f"--out: {out} is a file, not a folder; name a new or empty folder for the Hugging Face "
+                          "files")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"--out: {out} exists and is not empty; pass --force to write into it")
     model, cfg = load_model_from_checkpoint(args.checkpoint, "cpu", torch.float32, merge_lora=not args.lora_adapter)
     if args.lora_adapter and not lora_modules(model):
-        raise ConfigError(f"--lora-adapter: {args.checkpoint} holds no LoRA adapters (trained without lora.enabled); export it without the flag")
+        raise ConfigError(f"--lora-adapter: {args.checkpoint} holds no LoRA adapters "
+                          "(trained without lora.enabled); export it without the flag")
     check_llama_compatible(cfg.model)
     tokenizer, tok_src = export_tokenizer(cfg, args.tokenizer or cfg.tokenizer.path)
     if args.lora_adapter:
