@@ -7,7 +7,8 @@ round-robin for `--rounds` rounds (side by side, so machine load hits them alike
 is reported with its ratio to `none`. `block2` (full checkpointing of every second block, the block-level variant
 of selective) is measured for comparison.
 
-    python bench/activation_checkpointing.py                  # CPU, micro batch 2, writes bench/results/activation_checkpointing.json
+    # CPU, micro batch 2, writes bench/results/activation_checkpointing.json
+    python bench/activation_checkpointing.py
     python bench/activation_checkpointing.py --device cuda --batch-size 8 --dtype bf16
     python bench/activation_checkpointing.py --smoke          # the recipe's model shrunk to dim 64, 2 layers: seconds
 
@@ -24,7 +25,8 @@ from common import add_smoke, apply_smoke, results_path
 from gradient_garden.recipes import load_recipe
 from gradient_garden.models.tendril import count_parameters
 from gradient_garden.models.registry import build_model
-from gradient_garden.parallel.activation_checkpointing import apply_activation_checkpointing, activation_peak, checkpoint_module
+from gradient_garden.parallel.activation_checkpointing import (apply_activation_checkpointing, activation_peak,
+                                                               checkpoint_module)
 
 MODES = ("none", "selective", "full", "block2")
 
@@ -60,13 +62,15 @@ def main(argv=None):
     args = apply_smoke(add_smoke(p).parse_args(argv), batch_size=1, seq_len=64, rounds=1)
     if args.smoke: args.out = str(results_path(args.out, True))
     cfg = load_recipe(args.recipe).config
-    if args.smoke: cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.vocab_size = 64, 2, 4, 2, 1024
+    mc = cfg.model
+    if args.smoke: mc.dim, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.vocab_size = 64, 2, 4, 2, 1024
     device, dtype = torch.device(args.device), (torch.bfloat16 if args.dtype == "bf16" else None)
     modes = args.modes.split(",")
-    tokens = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
     models = {m: build(cfg, m, device) for m in modes}
-    res = dict(smoke=args.smoke, parameters=count_parameters(models[modes[0]]), batch_size=args.batch_size, seq_len=args.seq_len,
-               device=device.type, dtype=args.dtype, threads=torch.get_num_threads(), modes={})
+    res = dict(smoke=args.smoke, parameters=count_parameters(models[modes[0]]), batch_size=args.batch_size,
+               seq_len=args.seq_len, device=device.type, dtype=args.dtype, threads=torch.get_num_threads(), modes={})
     for m in modes:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             res["modes"][m] = activation_peak(models[m], tokens)

@@ -30,9 +30,9 @@ import argparse, ctypes, gc, json, os, shutil, statistics, subprocess, sys, temp
 from pathlib import Path
 import torch
 import torch.nn.functional as F
+from common import add_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
-from common import add_smoke
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024"]
 MODEL = ["model.dim=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=4", "model.vocab_size=32000",
          "model.max_seq_len=64", "training.seq_len=32", "training.micro_batch_size=1", "training.total_batch_size=64"]

@@ -2,6 +2,7 @@
 matmul peak that MFU is quoted against."""
 from __future__ import annotations
 import argparse
+from pathlib import Path
 import torch
 from gradient_garden.hardware import measure_matmul_peak
 
@@ -11,7 +12,8 @@ def bench_parser(doc: str, rounds: int = 8, steps_per_round: int = 2, warmup: in
     "A parser with the flags of the side-by-side training benchmarks (device, dtype, shape, rounds)."
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: fp32 on CPU, bf16 autocast on CUDA")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="default: fp32 on CPU, bf16 autocast on CUDA")
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--seq-len", type=int, default=seq_len)
     p.add_argument("--rounds", type=int, default=rounds)
@@ -35,7 +37,7 @@ def sync(device: str):
 
 
 def matmul_peak_flops(device: str, dtype, smoke: bool = False) -> float:
-    "Best FLOP/s of a large square matmul on this device (the measured peak MFU is quoted against; 256^2 in smoke mode)."
+    "Best FLOP/s of a large square matmul on this device (the peak MFU is quoted against; 256^2 in smoke mode)."
     cpu = device == "cpu"
     n, reps = (256, 2) if smoke else (2048 if cpu else 8192, 8 if cpu else 20)
     return measure_matmul_peak(torch.device(device), n=n, reps=reps, dtype=dtype, refresh=True)
@@ -68,16 +70,14 @@ def smoke_requested(argv=None) -> bool:
     return "--smoke" in (sys.argv[1:] if argv is None else argv)
 
 
-def smoke_dir(name: str = "bench") -> "Path":
+def smoke_dir(name: str = "bench") -> Path:
     "A fresh temporary folder for a smoke run's files (nothing of a smoke run is written into the repository)."
     import tempfile
-    from pathlib import Path
     return Path(tempfile.mkdtemp(prefix=f"gg_smoke_{name}_"))
 
 
 def results_path(default, smoke: bool):
     "Where a results file goes: `default`, or the same name in a temporary folder in smoke mode."
-    from pathlib import Path
     return smoke_dir("results")/Path(default).name if smoke else Path(default)
 
 
@@ -103,13 +103,13 @@ def synthetic_pretraining_data(root, vocab: int, n_tokens: int) -> dict:
     """A small BPE and random-token train/val shards in `gg prepare`'s layout, under `root`: `gg train` and the
     loaders read them as they read real ones. Returns the `tokenizer` and `datasets` folders."""
     import json
-    from pathlib import Path
     import numpy as np
     from gradient_garden.config import TokenizerConfig
     from gradient_garden.data.prepare import SHARD_FORMAT, SHARD_VERSION
     from gradient_garden.tokenizer import init_tokenizer, train_bpe
     root, repo = Path(root), Path(__file__).resolve().parent.parent
-    text = [(repo/"README.md").read_text()] * 4 + [p.read_text() for p in sorted((repo/"gradient_garden").rglob("*.py"))]
+    sources = [p.read_text() for p in sorted((repo/"gradient_garden").rglob("*.py"))]
+    text = [(repo/"README.md").read_text()] * 4 + sources
     train_bpe(text, vocab, root/"tokenizer")
     tok = init_tokenizer(TokenizerConfig(path=str(root/"tokenizer")))
     rng, d, splits = np.random.default_rng(0), root/"datasets"/"pretraining", {}
@@ -117,7 +117,8 @@ def synthetic_pretraining_data(root, vocab: int, n_tokens: int) -> dict:
         (d/split).mkdir(parents=True, exist_ok=True)
         rng.integers(0, tok.vocab_size, n, dtype=np.uint16).tofile(d/split/"shard_00000.bin")
         splits[split] = {"n_tokens": n, "documents": 1, "shards": [{"file": f"{split}/shard_00000.bin", "n_tokens": n}]}
-    (d/"meta.json").write_text(json.dumps({"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": "pretraining",
-                                           "dtype": "uint16", "tokenizer": {"identity": tok.identity, "name": "synthetic"},
-                                           "documents_begin_with_bos": False, "splits": splits}))
+    meta = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": "pretraining", "dtype": "uint16",
+            "tokenizer": {"identity": tok.identity, "name": "synthetic"}, "documents_begin_with_bos": False,
+            "splits": splits}
+    (d/"meta.json").write_text(json.dumps(meta))
     return dict(tokenizer=root/"tokenizer", datasets=root/"datasets")

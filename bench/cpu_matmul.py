@@ -1,4 +1,4 @@
-"""CPU matmuls of a few rows, the shape of decoding: MKL (`F.linear`) against oneDNN on a prepacked weight, fp32 and bf16.
+"""CPU matmuls of a few rows, the shape of decoding: MKL (`F.linear`) against oneDNN on prepacked weights, fp32, bf16.
 
 For each weight shape and row count, the median time of one call, MKL fp32 / oneDNN fp32 (prepacked with
 `torch.ops.mkldnn._reorder_linear_weight`, as `generation.hold_decode_weights` holds them) / oneDNN bf16, and a
@@ -61,7 +61,8 @@ def main(argv=None):
             ("mkl_fp32", lambda: a @ a), ("onednn_fp32", lambda: mk._linear_pointwise(a, pa, None, "none", [], "")),
             ("onednn_bf16", lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], "")))}
     print(f"{n}^3 GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in gemm.items()))
-    print(json.dumps(dict(bench="cpu_matmul", smoke=args.smoke, gemm_n=n, threads=torch.get_num_threads(), torch=torch.__version__, us_per_call=out, gemm_gflops=gemm)))
+    print(json.dumps(dict(bench="cpu_matmul", smoke=args.smoke, gemm_n=n, threads=torch.get_num_threads(),
+                          torch=torch.__version__, us_per_call=out, gemm_gflops=gemm)))
 
 if __name__ == "__main__":
     main()

@@ -86,29 +86,32 @@ def main():
     modes = {
         "one_per_choice": lambda exs: one_forward_per_choice(model, tokenizer, exs, device),
         "default": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, max_len=mc.max_seq_len),
-        "per_choice_rows": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device, share_context=False,
-                                                        max_len=mc.max_seq_len),
+        "per_choice_rows": lambda exs: E.score_examples(model, tokenizer, exs, a.batch_size, device,
+                                                        share_context=False, max_len=mc.max_seq_len),
     }
     if lm_eval:
         from lm_eval.models.huggingface import HFLM
         from gradient_garden.evals.lm_eval import GardenLM
         from gradient_garden.checkpoint.hf import export_hf
         export_hf(model, work/"hf", tokenizer=tokenizer, tokenizer_dir=tokenizer.path)
-        hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.lm_eval_batch_size or a.batch_size, dtype="float32")
+        hf = HFLM(pretrained=str(work/"hf"), device=str(device), batch_size=a.lm_eval_batch_size or a.batch_size,
+                  dtype="float32")
         garden = GardenLM(model, tokenizer, batch_size=a.batch_size)
         modes["garden_lm"] = lambda exs: regroup(garden.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs)
         modes["lm_eval_hf"] = lambda exs: regroup(hf.loglikelihood(lm_eval_requests(exs), disable_tqdm=True), exs)
-    REF = "lm_eval_hf" if lm_eval else "one_per_choice"   # what every other mode's timings and log-likelihoods are held against
+    # what every other mode's timings and log-likelihoods are held against
+    REF = "lm_eval_hf" if lm_eval else "one_per_choice"
     print(f"model tendril, {n_params/1e6:.2f}M params; tokenizer {tok_name}; device {device}; "
-          f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (GardenLM: {a.batch_size}, HFLM: {a.lm_eval_batch_size or a.batch_size} "
-          f"requests); {a.repeats} repeats", file=sys.stderr)
+          f"torch threads {torch.get_num_threads()}; batch {a.batch_size} examples (GardenLM: {a.batch_size}, "
+          f"HFLM: {a.lm_eval_batch_size or a.batch_size} requests); {a.repeats} repeats", file=sys.stderr)
     figures, load_before = {}, os.getloadavg()
     print(f"load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", file=sys.stderr)
     for name in B.BENCHMARKS:
         exs = B.load_examples(name)
         exs = [exs[i] for i in B.sample_indices(len(exs), a.examples, 0)]
         ref = modes[REF](exs)
-        diffs = {m: max(abs(x - y) for g, r in zip(modes[m](exs), ref) for x, y in zip(g, r)) for m in modes if m != REF}
+        diffs = {m: max(abs(x - y) for g, r in zip(modes[m](exs), ref) for x, y in zip(g, r))
+                 for m in modes if m != REF}
         times = {m: [] for m in modes}
         for _ in range(a.repeats):
             for m in times:
@@ -128,9 +131,12 @@ def main():
     print(f"load average {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; default scorer vs {REF}: " +
           ", ".join(f"{n} x{r}" for n, r in ratios.items()) + f" (target >= 2x on each: "
           f"{'met' if all(r >= 2 for r in ratios.values()) else 'not met'})", file=sys.stderr)
-    print(json.dumps({"bench": "evals", "smoke": a.smoke, "reference": REF, "load_average_before": [round(x, 2) for x in load_before],
-                      "load_average_after": [round(x, 2) for x in load_after], "device": str(device), "model": "tendril", "params": n_params, "tokenizer": tok_name,
-                      "batch_size": a.batch_size, "lm_eval_batch_size": a.lm_eval_batch_size or a.batch_size, "repeats": a.repeats, "torch_threads": torch.get_num_threads(), "tasks": figures}))
+    print(json.dumps({"bench": "evals", "smoke": a.smoke, "reference": REF,
+                      "load_average_before": [round(x, 2) for x in load_before],
+                      "load_average_after": [round(x, 2) for x in load_after], "device": str(device),
+                      "model": "tendril", "params": n_params, "tokenizer": tok_name, "batch_size": a.batch_size,
+                      "lm_eval_batch_size": a.lm_eval_batch_size or a.batch_size, "repeats": a.repeats,
+                      "torch_threads": torch.get_num_threads(), "tasks": figures}))
 
 
 if __name__ == "__main__":

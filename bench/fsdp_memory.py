@@ -22,9 +22,9 @@ import argparse, json, os, subprocess, sys
 from pathlib import Path
 import torch
 import torch.nn.functional as F
+from common import add_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
-from common import add_smoke
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024"]
 
 def parse_args(argv=None):
@@ -59,7 +59,8 @@ def measure(cfg, env, wrapper: str, muon: bool, args) -> dict:
     if env.device.type == "cuda": torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(env.device)
     for step in range(2):
         for micro in range(2):
-            toks = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen).to(env.device)
+            toks = torch.randint(0, cfg.model.vocab_size, (args.batch_size, args.seq_len + 1),
+                                 generator=gen).to(env.device)
             with grad_sync(model, sync=micro == 1):
                 F.cross_entropy(model(toks[:, :-1]).flatten(0, 1), toks[:, 1:].flatten()).backward()
         if step == 1: fp = memory_footprint(model, opts)
@@ -91,7 +92,8 @@ def main(argv=None):
     if args.worker: return worker(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            __file__, "--worker", "--device", args.device, "--recipe", args.recipe, "--batch-size", str(args.batch_size),
-           "--seq-len", str(args.seq_len), "--replicate", str(args.replicate)] + (["--set", *args.overrides] if args.overrides else [])
+           "--seq-len", str(args.seq_len), "--replicate", str(args.replicate)]
+    cmd += ["--set", *args.overrides] if args.overrides else []
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     if r.returncode != 0: sys.exit(f"torchrun failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -111,7 +113,8 @@ def main(argv=None):
         if f"hsdp_{o}" in out:
             shard = res["world_size"] // args.replicate
             out[f"hsdp_over_ddp_{o}"] = round(out[f"hsdp_{o}"]["total"] / out[f"ddp_{o}"]["total"], 4)
-            print(f"  HSDP {args.replicate} x {shard} / DDP with {o}: {out[f'hsdp_over_ddp_{o}']:.3f} (ideal 1/{shard} = {1 / shard:.3f})")
+            print(f"  HSDP {args.replicate} x {shard} / DDP with {o}: {out[f'hsdp_over_ddp_{o}']:.3f} "
+                  f"(ideal 1/{shard} = {1 / shard:.3f})")
     print(json.dumps(out))
 
 if __name__ == "__main__":

@@ -66,9 +66,9 @@ def main(argv=None):
         layout = "fused" if any("wqkv" in n for n in names) else "unfused"
         print(f"{gradient_garden.__file__}: {layout} layout, per-rank peak {max(peaks) / 2**20:.2f} MiB "
               f"(ranks {[round(x / 2**20, 2) for x in peaks]}); gathered-copy term {term / 2**20:.2f} MiB")
-        print(json.dumps(dict(bench="fused_memory", smoke=args.smoke, layout=layout, peak_bytes=peaks, gathered_copy_term_bytes=term,
-                              dim=args.dim, n_layers=args.n_layers, vocab_size=args.vocab_size,
-                              batch_size=args.batch_size, seq_len=args.seq_len)))
+        print(json.dumps(dict(bench="fused_memory", smoke=args.smoke, layout=layout, peak_bytes=peaks,
+                              gathered_copy_term_bytes=term, dim=args.dim, n_layers=args.n_layers,
+                              vocab_size=args.vocab_size, batch_size=args.batch_size, seq_len=args.seq_len)))
     dist.destroy_process_group()
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def prompt_source(args, run_cfg, vocab_size: int):
         from gradient_garden.data.loaders import load_meta, open_shards
         data = Path(run_cfg.paths.datasets)/"pretraining"
         if (data/"val").is_dir(): val = open_shards(data, load_meta(data), "val")[0]
-    if args.prompts == "text" and val is None: raise SystemExit("--prompts text: the checkpoint's pretraining/val data is not there")
+    if args.prompts == "text" and val is None:
+        raise SystemExit("--prompts text: the checkpoint's pretraining/val data is not there")
     def prompts(seed: int):
         g = torch.Generator().manual_seed(seed)
         lens = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch_size,), generator=g).tolist()
@@ -106,7 +107,8 @@ def teacher_forced_agreement(model, prompts, greedy, low) -> float:
             try:
                 with low: logits = model(seq)
             finally: hook.remove()
-            if low.fast_dtype != torch.float32 and torch.is_tensor(normed.get("h")):   # as decoding does: top logits in fp32
+            # as decoding does: top logits in fp32
+            if low.fast_dtype != torch.float32 and torch.is_tensor(normed.get("h")):
                 logits = rescore_top_logits(logits, normed["h"], model.output.weight)
             hits += (logits[0, len(p) - 1:-1].argmax(-1) == want).sum().item(); total += len(g)
     return hits / total
@@ -118,8 +120,8 @@ def main(argv=None):
     dtype = args.dtype or ("bf16" if dev_type == "cuda" else "fp32")
     cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
                       max_seq_len=args.max_prompt + args.new_tokens, tie_embeddings=False)
-    if args.smoke: cfg = ModelConfig(**{**cfg.__dict__, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 1024,
-                                        "multiple_of": 64})
+    if args.smoke: cfg = ModelConfig(**{**cfg.__dict__, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                        "vocab_size": 1024, "multiple_of": 64})
     torch.manual_seed(0)
     model, run_cfg = Tendril(cfg).eval(), None
     if args.checkpoint:   # trained weights: greedy choices are decided by real margins, not random-init ties
@@ -150,7 +152,8 @@ def main(argv=None):
         with low: return generate(fwd_model, None, prompts, max_new_tokens=n_new, stop_ids=[], use_kv_cache=cache)
     def theirs():
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=am, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+            out = hf.generate(input_ids=ids, attention_mask=am, max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False)
         return out[:, L:].tolist()
 
     runs = {"tendril": ours, "hf": theirs}
@@ -161,8 +164,10 @@ def main(argv=None):
     agreement = lambda a, b: free_running(outputs[a], outputs[b])[0] / (args.batch_size * n_new)
     agree = agreement("tendril", "hf")
     agree_fp32 = agreement("tendril", "tendril_fp32") if model_fp32 is not None else None
-    forced_fp32 = teacher_forced_agreement(model, prompts, outputs["tendril_fp32"], low) if model_fp32 is not None else None
-    sample = agreement_over_batches(model, low, prompts_of, args.agreement_batches, n_new) if model_fp32 is not None and not args.compile else None
+    forced_fp32 = (teacher_forced_agreement(model, prompts, outputs["tendril_fp32"], low) if model_fp32 is not None
+                   else None)
+    sample = (agreement_over_batches(model, low, prompts_of, args.agreement_batches, n_new)
+              if model_fp32 is not None and not args.compile else None)
 
     names = list(runs)
     times, cpu_times = {n: [] for n in names}, {n: [] for n in names}
@@ -183,20 +188,27 @@ def main(argv=None):
     if dev_type == "cuda":
         datasheet = gpu_datasheet_flops(torch.cuda.get_device_name(), dtype)
 
-    print(f"{'contender':18s} {'ms/batch':>9s} {'tokens/s':>10s} {'vs hf':>7s} {'MFU':>8s} {'cpu ms':>8s} {'vs hf':>7s}")
+    print(f"{'contender':18s} {'ms/batch':>9s} {'tokens/s':>10s} {'vs hf':>7s} {'MFU':>8s} {'cpu ms':>8s} "
+          f"{'vs hf':>7s}")
     for n in names:
         print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['hf']:6.2f}x {mfu[n]*100:7.3f}% "
               f"{cpu_med[n]*1e3:8.1f} {cpu_med['hf']/cpu_med[n]:6.2f}x")
-    print("fastest batch (a quiet-machine estimate): " + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['hf'])/min(v):.2f}x)" for n, v in times.items()))
-    print(f"{prompt_kind} prompts {lens}, {n_new} new tokens each; greedy tokens agreeing with transformers: {agree:.1%}")
+    print("fastest batch (a quiet-machine estimate): "
+          + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['hf'])/min(v):.2f}x)" for n, v in times.items()))
+    print(f"{prompt_kind} prompts {lens}, {n_new} new tokens each; greedy tokens agreeing with transformers: "
+          f"{agree:.1%}")
     if agree_fp32 is not None:
-        print(f"{dtype} vs fp32 Tendril: {med['tendril_fp32']/med['tendril']:.2f}x faster (median), {cpu_med['tendril_fp32']/cpu_med['tendril']:.2f}x "
-              f"(CPU time); greedy tokens agreeing on the timed batch: {agree_fp32:.1%} free-running, {forced_fp32:.1%} teacher-forced")
+        print(f"{dtype} vs fp32 Tendril: {med['tendril_fp32']/med['tendril']:.2f}x faster (median), "
+              f"{cpu_med['tendril_fp32']/cpu_med['tendril']:.2f}x (CPU time); greedy tokens agreeing on the timed "
+              f"batch: {agree_fp32:.1%} free-running, {forced_fp32:.1%} teacher-forced")
     if sample is not None:
-        print(f"free-running agreement over {sample['rows']} rows ({args.agreement_batches} batches of {prompt_kind} prompts): "
-              f"{sample['agreement']:.1%}; {sample['rows_differing']} rows differ, first at new token {sample['first_differences']}")
-    result = dict(bench="generate", smoke=args.smoke, device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
-                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile, checkpoint=args.checkpoint,
+        print(f"free-running agreement over {sample['rows']} rows ({args.agreement_batches} batches of {prompt_kind} "
+              f"prompts): {sample['agreement']:.1%}; {sample['rows_differing']} rows differ, first at new token "
+              f"{sample['first_differences']}")
+    result = dict(bench="generate", smoke=args.smoke, device=args.device,
+                  device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
+                  checkpoint=args.checkpoint,
                   prompts=prompt_kind, agreement_sample_vs_fp32=sample,
                   batch_size=args.batch_size, prompt_lens=lens, new_tokens=n_new, rounds=args.rounds,
                   ms_per_batch={n: round(v * 1e3, 1) for n, v in med.items()},
@@ -209,8 +221,10 @@ def main(argv=None):
                   token_agreement=round(agree, 4), mfu={n: round(v, 5) for n, v in mfu.items()},
                   token_agreement_vs_fp32=round(agree_fp32, 4) if agree_fp32 is not None else None,
                   teacher_forced_agreement_vs_fp32=round(forced_fp32, 4) if forced_fp32 is not None else None,
-                  ratio_vs_tendril_fp32_cpu_time={n: round(cpu_med["tendril_fp32"] / v, 3) for n, v in cpu_med.items()} if model_fp32 is not None else None,
-                  ratio_vs_tendril_fp32={n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()} if model_fp32 is not None else None,
+                  ratio_vs_tendril_fp32_cpu_time=({n: round(cpu_med["tendril_fp32"] / v, 3) for n, v in cpu_med.items()}
+                                                  if model_fp32 is not None else None),
+                  ratio_vs_tendril_fp32=({n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()}
+                                         if model_fp32 is not None else None),
                   mfu_datasheet={n: round(fwd_flops * v / datasheet, 5) for n, v in tps.items()} if datasheet else None,
                   matmul_peak_tflops=round(peak / 1e12, 4))
     print(json.dumps(result))

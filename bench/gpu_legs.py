@@ -1,10 +1,11 @@
-"""The legs of `bench/gpu.sh`, one per call: each writes one JSON object to the path it is given. `--smoke` runs the same
-code on the CPU at tiny shapes (gloo instead of NCCL, no torch.compile), so CI keeps the script from rotting.
+"""The legs of `bench/gpu.sh`, one per call: each writes one JSON object to the path it is given. `--smoke` runs the
+same code on the CPU at tiny shapes (gloo instead of NCCL, no torch.compile), so CI keeps the script from rotting.
 
     python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke]   # each leg writes OUTDIR/LEG.json (legs: see LEGS)
     python bench/gpu_legs.py summary OUTDIR [--smoke]         # one JSON line: every leg, MFU computed one way
     python bench/gpu_legs.py --smoke                          # the one-process legs into a temporary folder, then the
-                                                              # summary (fsdp2_124m and gg_train_124m: bash bench/gpu.sh --smoke)
+                                                              # summary (fsdp2_124m and gg_train_124m: bash
+                                                              # bench/gpu.sh --smoke)
 
 `bench/gpu.sh` runs each leg in a process of its own on a GPU; the CPU smoke run takes several in one process (one
 import of torch and the package instead of five).
@@ -31,7 +32,8 @@ def dtype(): return torch.float32 if SMOKE else torch.bfloat16
 def config(recipe: str, extra=()):
     "The recipe's config, shrunk to the smoke shapes on CPU."
     from gradient_garden.recipes import load_config
-    over = [f"runtime.device={device().type}"] + ([*TINY, "runtime.compile=false", "runtime.precision=fp32"] if SMOKE else [])
+    over = [f"runtime.device={device().type}"]
+    if SMOKE: over += [*TINY, "runtime.compile=false", "runtime.precision=fp32"]
     return load_config(recipe=str(ROOT/recipe), overrides=over + list(extra))[0]
 
 
@@ -55,7 +57,8 @@ def leg_step(recipe: str, micro: int) -> dict:
     from gradient_garden.models.registry import build_model, flops_per_token
     cfg = config(recipe, [] if SMOKE else ["runtime.compile=true"])
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    fsdp = "LOCAL_RANK" in os.environ   # started by torchrun: FSDP2 over every rank, even one (NCCL all-gathers for real)
+    # started by torchrun: FSDP2 over every rank, even one (NCCL all-gathers for real)
+    fsdp = "LOCAL_RANK" in os.environ
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if not SMOKE else device()
     if not SMOKE: torch.cuda.set_device(dev)
     torch.manual_seed(0)
@@ -91,7 +94,7 @@ def leg_step(recipe: str, micro: int) -> dict:
 
 
 def leg_train(recipe: str, out_dir: Path) -> dict:
-    "A short `gg train` of RECIPE on synthetic shards: loader, accumulation, clipping, logging, validation, a checkpoint."
+    "A short `gg train` of RECIPE on synthetic shards: loader, accumulation, clipping, logging, validation, checkpoint."
     from gradient_garden.models.registry import flops_per_token
     steps = 6 if SMOKE else 30
     from common import synthetic_pretraining_data
@@ -103,15 +106,16 @@ def leg_train(recipe: str, out_dir: Path) -> dict:
     sets += [*TINY, "runtime.compile=false", "runtime.precision=fp32", "training.total_batch_size=256"] if SMOKE else \
             ["training.total_batch_size=131072"]          # 8 micro-batches of 16 x 1024 a step
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "gradient_garden.cli", "train", "--recipe", str(ROOT/recipe), "--set", *sets],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "gradient_garden.cli", "train", "--recipe", str(ROOT/recipe),
+                        "--set", *sets], cwd=ROOT, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     if r.returncode != 0: raise RuntimeError(f"gg train failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
     from gradient_garden.recipes import load_config
     cfg, _ = load_config(recipe=str(ROOT/recipe), overrides=sets)
     rows = [json.loads(l) for l in (cfg.run_dir/"metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2]   # after compilation and warm-up
-    return dict(recipe=recipe, steps=steps, ranks=1, grad_accum=cfg.training.total_batch_size // (cfg.training.micro_batch_size * cfg.training.seq_len),
+    t = cfg.training
+    return dict(recipe=recipe, steps=steps, ranks=1, grad_accum=t.total_batch_size // (t.micro_batch_size * t.seq_len),
                 tokens_per_s=statistics.median(tps), flops_per_token=flops_per_token(cfg.model, cfg.training.seq_len),
                 final_loss=rows[-1].get("loss"), val_loss=next((r["val_loss"] for r in rows if "val_loss" in r), None),
                 checkpoint=any((cfg.run_dir/"checkpoints").iterdir()), wall_s=round(wall, 1))
@@ -130,17 +134,19 @@ def leg_decode() -> dict:
         def run():
             c = model.new_kv_cache(b, prompt_len + new)
             tok = model(prompt, kv_cache=c, start_pos=0)[:, -1].argmax(-1, keepdim=True)
-            for i in range(new - 1): tok = model(tok, kv_cache=c, start_pos=prompt_len + i)[:, -1].argmax(-1, keepdim=True)
+            for i in range(new - 1):
+                tok = model(tok, kv_cache=c, start_pos=prompt_len + i)[:, -1].argmax(-1, keepdim=True)
         run(); sync()
         t0 = time.perf_counter(); run(); sync()
         res[f"batch{b}_tokens_per_s"] = b * new / (time.perf_counter() - t0)
     res["tokens_per_s"] = res[f"batch{b}_tokens_per_s"]                      # the larger batch carries the MFU
-    res["flops_per_token"] = flops_per_token(cfg.model, prompt_len + new // 2) / 3   # a forward only: a third of training's
+    # a forward only: a third of training's
+    res["flops_per_token"] = flops_per_token(cfg.model, prompt_len + new // 2) / 3
     return res
 
 
 def leg_attention() -> dict:
-    "Causal SDPA (the Flash kernel on CUDA) forward + backward at the 124M attention shape; flex vs SDPA for packed documents."
+    "Causal SDPA (Flash kernel on CUDA) forward + backward at the 124M attention shape; flex vs SDPA, packed documents."
     B, H, T, D = (2, 4, 64, 16) if SMOKE else (16, 12, 1024, 64)
     q, k, v = (torch.randn(B, H, T, D, device=device(), dtype=dtype(), requires_grad=True) for _ in range(3))
     def run():
@@ -155,7 +161,8 @@ def leg_attention() -> dict:
     if SMOKE: res["flex_vs_sdpa"] = "skipped: torch has no flex_attention backward on CPU"
     else:
         r = subprocess.run([sys.executable, str(ROOT/"bench/flex_attention.py"), "--device", "cuda", "--dtype", "bf16",
-                            "--batch-size", "16", "--seq-len", "2048", "--dim", "768", "--n-layers", "12", "--doc-len", "300"],
+                            "--batch-size", "16", "--seq-len", "2048", "--dim", "768", "--n-layers", "12",
+                            "--doc-len", "300"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
         res["flex_vs_sdpa"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else \
             {"error": (r.stderr.strip().splitlines() or ["failed"])[-1][:300]}
@@ -165,7 +172,8 @@ def leg_attention() -> dict:
 def leg_rl() -> dict:
     """RL steps of the rl stage's own loader and loss at the 124M shape (random weights, plain prompts, bf16 autocast):
     32 prompts x G 8 sampled with the KV cache up to 64 new tokens, rewarded, then one AdamW step over the 256 rows.
-    `tokens_per_s` / `flops_per_token` are the update's (its MFU); rollouts are reported apart, as the stage logs them."""
+    `tokens_per_s` / `flops_per_token` are the update's (its MFU); rollouts are reported apart, as the stage logs
+    them."""
     from types import SimpleNamespace
     from gradient_garden.config import RLConfig
     from gradient_garden.models.registry import build_model, flops_per_token
@@ -177,12 +185,13 @@ def leg_rl() -> dict:
     precision = "fp32" if SMOKE else "bf16"
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device())
-    tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s, bos=False: [1] * bos + [3 + ord(c) % 500 for c in s],
+    tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0,
+                          encode=lambda s, bos=False: [1] * bos + [3 + ord(c) % 500 for c in s],
                           decode=lambda ids: "".join(chr(97 + i % 26) for i in ids))
     exs = [Problem("custom", "bench", "Q " + "w" * (i % 7) + f" {i}", "") for i in range(P * (steps + 1))]
     rl = RLConfig(group_size=G, loss_type="dapo", temperature=1.0, max_new_tokens=M, plain_prompts=True)
-    loader = RolloutLoader(model, tok, exs, rl, lambda ex, text, stopped: {"total": float(text.count("a") % 2)}, seq, P * G, 1,
-                           seed=0, precision=precision)
+    reward = lambda ex, text, stopped: {"total": float(text.count("a") % 2)}
+    loader = RolloutLoader(model, tok, exs, rl, reward, seq, P * G, 1, seed=0, precision=precision)
     task, opt = RLTask(rl), torch.optim.AdamW(model.parameters(), lr=1e-5)
     times, rollout, new_tokens, update_tokens = [], [], 0, 0
     for step in range(steps + 1):
@@ -244,9 +253,11 @@ if __name__ == "__main__":
         import tempfile
         out_dir = Path(tempfile.mkdtemp(prefix="gg_smoke_gpu_legs_"))
         for leg in ("fsdp2_124m", "gg_train_124m"):
-            (out_dir/f"{leg}.json").write_text(json.dumps({"skipped": "torchrun / gg train: run by bash bench/gpu.sh --smoke"}))
+            skipped = {"skipped": "torchrun / gg train: run by bash bench/gpu.sh --smoke"}
+            (out_dir/f"{leg}.json").write_text(json.dumps(skipped))
         args = [str(out_dir), *ONE_PROCESS]
-    elif not args: sys.exit("usage: python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke] | summary OUTDIR [--smoke] | --smoke")
+    elif not args:
+        sys.exit("usage: python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke] | summary OUTDIR [--smoke] | --smoke")
     if args[0] == "summary": print(json.dumps(summary(Path(args[1])))); sys.exit(0)
     out_dir, legs = Path(args[0]), args[1:]   # several legs in one process: one import of torch and the package
     for leg in legs:

@@ -3,9 +3,10 @@
 One step = forward with each model's own training loss + backward + AdamW step, on a fixed batch: Tendril's
 `model(x, labels=y)` (the fused, chunked head + cross-entropy that training uses) and Llama's
 `model(input_ids=x, labels=y, shift_labels=y).loss` (logits, then transformers' cross-entropy). `tendril_logits`
-is Tendril with the Llama-style loss (logits, then `F.cross_entropy`), to show what the fused loss adds. The contenders run
-side by side in one process, in alternating (rotated) order each round; figures are medians over rounds. Peak
-memory comes from a fresh child process per contender on CPU (growth of its peak RSS, VmHWM) and from the CUDA allocator on GPU.
+is Tendril with the Llama-style loss (logits, then `F.cross_entropy`), to show what the fused loss adds. The
+contenders run side by side in one process, in alternating (rotated) order each round; figures are medians over
+rounds. Peak memory comes from a fresh child process per contender on CPU (growth of its peak RSS, VmHWM) and from
+the CUDA allocator on GPU.
 MFU = flops_per_token x tokens/s / peak, against the matmul peak measured here (and the datasheet peak on GPU).
 
     python bench/model_step.py                       # CPU fp32, the issue's shape
@@ -53,13 +54,15 @@ def parse_args(argv=None):
                    help="torch.compile the whole model, or each block in place (as runtime.compile does in training)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "compiled", "liger"],
-                   help="the fused loss of the tendril contenders (auto: eager on CPU, Liger or compiled chunks on CUDA)")
+                   help="the fused loss of the tendril contenders "
+                        "(auto: eager on CPU, Liger or compiled chunks on CUDA)")
     p.add_argument("--against", default=None, help="another checkout of the project: time its Tendril beside this one")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
-    return apply_smoke(p.parse_args(argv), batch_size=1, seq_len=32, rounds=1, steps_per_round=1, warmup=1, no_compile=True)
+    return apply_smoke(p.parse_args(argv), batch_size=1, seq_len=32, rounds=1, steps_per_round=1, warmup=1,
+                       no_compile=True)
 
 def model_config(args) -> ModelConfig:
-    "The issue's shape: dim 256, 4 layers, 8 heads / 4 KV heads, SwiGLU 768, vocab 8192, untied (smoke: dim 64, 2 layers, vocab 1024)."
+    "The issue's shape: dim 256, 4 layers, 8 / 4 KV heads, SwiGLU 768, vocab 8192, untied (smoke: dim 64, 2 layers)."
     if args.smoke: return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, multiple_of=64,
                                       max_seq_len=max(64, args.seq_len), tie_embeddings=False)
     return ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
@@ -72,7 +75,8 @@ def other_tendril(path: str, cfg: ModelConfig, base: torch.nn.Module) -> torch.n
     try:
         from gradient_garden.config import ModelConfig as OtherConfig
         from gradient_garden.models.tendril import Tendril as OtherTendril
-        if not sys.modules["gradient_garden"].__file__.startswith(os.path.abspath(path)): raise SystemExit(f"--against: {path}: no gradient_garden there")
+        if not sys.modules["gradient_garden"].__file__.startswith(os.path.abspath(path)):
+            raise SystemExit(f"--against: {path}: no gradient_garden there")
         model = OtherTendril(OtherConfig(**{k: getattr(cfg, k) for k in OtherConfig.__dataclass_fields__}))
     finally:   # its modules stay alive through the objects that use them; ours come back under the package's name
         sys.path.remove(str(path))
@@ -162,9 +166,11 @@ def peak_memory_mb(name, args, contenders, x, y, autocast_dtype, dev_type):
                   [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda])
         step(model, opt, x, y, autocast_dtype, dev_type, own_loss=not name.endswith("_logits")); sync(args.device)
         return (torch.cuda.max_memory_allocated() - before + own) / 2**20
-    cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    cmd = [sys.executable, __file__, "--memory-child", name, "--batch-size", str(args.batch_size),
+           "--seq-len", str(args.seq_len)]
     if args.threads: cmd += ["--threads", str(args.threads)]
-    cmd += ["--compile-mode", args.compile_mode] + (["--dtype", args.dtype] if args.dtype else []) + ["--smoke"] * args.smoke
+    cmd += ["--compile-mode", args.compile_mode] + (["--dtype", args.dtype] if args.dtype else [])
+    cmd += ["--smoke"] * args.smoke
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode: raise RuntimeError(res.stderr[-2000:])
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -177,7 +183,8 @@ def main(argv=None):
     cfg = model_config(args)
     import gradient_garden.models.tendril as tendril_module
     if hasattr(tendril_module, "LOSS_IMPL"): tendril_module.LOSS_IMPL = args.loss_impl
-    names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"]) + (["llama_compiled"] if args.compile_llama else [])
+    names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"])
+    if args.compile_llama: names.append("llama_compiled")
     if dtype != "fp32": names.append("tendril_fp32")
     if dtype == "bf16" and dev_type == "cpu": names.insert(1, "tendril_sdpa")
     if args.against: names.insert(1, "tendril_against")
@@ -203,7 +210,8 @@ def main(argv=None):
             m, o = contenders[n]
             use_attention_of(n)
             sync(args.device); t, c = time.perf_counter(), time.process_time()
-            for _ in range(args.steps_per_round): step(m, o, x, y, dtype_of(n), dev_type, own_loss=not n.endswith("_logits"))
+            for _ in range(args.steps_per_round):
+                step(m, o, x, y, dtype_of(n), dev_type, own_loss=not n.endswith("_logits"))
             sync(args.device)
             times[n].append((time.perf_counter() - t) / args.steps_per_round)
             cpu_times[n].append((time.process_time() - c) / args.steps_per_round)
@@ -222,27 +230,35 @@ def main(argv=None):
     mem = {} if args.no_memory else {n: peak_memory_mb(n, args, contenders, x, y, dtype_of(n), dev_type) for n in names
                                      if n != "tendril_against"}   # a child process builds this checkout's models only
 
-    print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s} {'cpu ms':>8s} {'vs llama':>9s}  (IQR ms)")
+    print(f"\n{'contender':18s} {'step ms':>9s} {'tokens/s':>10s} {'vs llama':>9s} {'MFU':>7s} {'peak MB':>8s} "
+          f"{'cpu ms':>8s} {'vs llama':>9s}  (IQR ms)")
     for n in names:
         q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med[n]] * 3
         print(f"{n:18s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['llama']:8.2f}x {mfu[n]*100:6.2f}% "
-              f"{mem.get(n, float('nan')):8.0f} {cpu_med[n]*1e3:8.1f} {cpu_med['llama']/cpu_med[n]:8.2f}x  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
-    print("fastest step (a quiet-machine estimate): " + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['llama'])/min(v):.2f}x)" for n, v in times.items()))
+              f"{mem.get(n, float('nan')):8.0f} {cpu_med[n]*1e3:8.1f} {cpu_med['llama']/cpu_med[n]:8.2f}x  "
+              f"({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
+    print("fastest step (a quiet-machine estimate): "
+          + ", ".join(f"{n} {min(v)*1e3:.0f} ms ({min(times['llama'])/min(v):.2f}x)" for n, v in times.items()))
     print(f"params {count_parameters(contenders['tendril'][0]):,}; {fpt/1e6:.1f} MFLOP/token; "
-          f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s" + (f" (fp32 {peak_fp32/1e12:.3f})" if dtype != "fp32" else "")
+          f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s"
+          + (f" (fp32 {peak_fp32/1e12:.3f})" if dtype != "fp32" else "")
           + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
     against = None
     if args.against:   # per-round ratios: each round times both under the same load
         paired = lambda t: statistics.median(a / b for a, b in zip(t["tendril"], t["tendril_against"]))
-        against = dict(path=args.against, step_ratio=round(paired(times), 3), cpu_step_ratio=round(paired(cpu_times), 3))
-        print(f"tendril / tendril_against ({args.against}), median of per-round ratios: wall {against['step_ratio']:.3f}, "
-              f"CPU time {against['cpu_step_ratio']:.3f}")
+        against = dict(path=args.against, step_ratio=round(paired(times), 3),
+                       cpu_step_ratio=round(paired(cpu_times), 3))
+        print(f"tendril / tendril_against ({args.against}), median of per-round ratios: "
+              f"wall {against['step_ratio']:.3f}, CPU time {against['cpu_step_ratio']:.3f}")
     if "tendril_fp32" in names:
-        print("vs tendril_fp32 (median step): " + ", ".join(f"{n} {med['tendril_fp32']/med[n]:.2f}x" for n in names if n != "tendril_fp32"))
-    result = dict(bench="model_step", smoke=args.smoke, device=args.device, device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+        print("vs tendril_fp32 (median step): "
+              + ", ".join(f"{n} {med['tendril_fp32']/med[n]:.2f}x" for n in names if n != "tendril_fp32"))
+    result = dict(bench="model_step", smoke=args.smoke, device=args.device,
+                  device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
-                  shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, hidden=ffn_hidden_dim(cfg.dim, cfg.multiple_of),
-                             vocab=cfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
+                  shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                             hidden=ffn_hidden_dim(cfg.dim, cfg.multiple_of), vocab=cfg.vocab_size,
+                             seq_len=args.seq_len, batch_size=args.batch_size),
                   rounds=args.rounds, steps_per_round=args.steps_per_round, compile_mode=args.compile_mode,
                   step_ms={n: round(v * 1e3, 2) for n, v in med.items()},
                   step_ms_min={n: round(min(v) * 1e3, 2) for n, v in times.items()},
@@ -253,8 +269,10 @@ def main(argv=None):
                   ratio_vs_llama={n: round(v / tps["llama"], 3) for n, v in tps.items()},
                   mfu={n: round(v, 4) for n, v in mfu.items()},
                   mfu_datasheet={n: round(fpt * v / datasheet, 4) for n, v in tps.items()} if datasheet else None,
-                  matmul_peak_tflops=round(peak / 1e12, 4), matmul_peak_fp32_tflops=round(peak_fp32 / 1e12, 4), flops_per_token=fpt,
-                  ratio_vs_tendril_fp32={n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()} if "tendril_fp32" in med else None,
+                  matmul_peak_tflops=round(peak / 1e12, 4), matmul_peak_fp32_tflops=round(peak_fp32 / 1e12, 4),
+                  flops_per_token=fpt,
+                  ratio_vs_tendril_fp32=({n: round(med["tendril_fp32"] / v, 3) for n, v in med.items()}
+                                         if "tendril_fp32" in med else None),
                   peak_memory_mb={n: round(v, 1) for n, v in mem.items()},
                   first_loss=first, first_loss_max_diff=max(first.values()) - min(first.values()), against=against)
     print(json.dumps(result))

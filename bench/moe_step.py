@@ -26,22 +26,26 @@ def parse_args(argv=None):
     p = bench_parser(__doc__, rounds=8, steps_per_round=2, warmup=2)
     p.add_argument("--n-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="also time the capacity (padded bmm) path; 0 = skip")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="also time the capacity (padded bmm) path; 0 = skip")
     return apply_smoke(p.parse_args(argv), batch_size=1, seq_len=32, rounds=1, steps_per_round=1, warmup=1)
 
 
 def configs(args) -> dict[str, ModelConfig]:
-    "Dense Tendril (hidden 768) and TendrilMoE (experts of hidden 768 / k) with the same attention, head and active FFN."
-    base = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, max_seq_len=max(256, args.seq_len))
+    "Dense Tendril (hidden 768) and TendrilMoE (experts of hidden 768 / k), with the same attention, head, active FFN."
+    base = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192,
+                       max_seq_len=max(256, args.seq_len))
     dense_hidden = 768
     expert_hidden = dense_hidden // args.top_k
     dense = dataclasses.replace(base, architecture="tendril", multiple_of=dense_hidden)
-    moe = dataclasses.replace(base, architecture="tendril_moe", multiple_of=expert_hidden, ffn_dim_multiplier=expert_hidden / 682,
-                              n_experts=args.n_experts, n_experts_per_token=args.top_k)
+    moe = dataclasses.replace(base, architecture="tendril_moe", multiple_of=expert_hidden,
+                              ffn_dim_multiplier=expert_hidden / 682, n_experts=args.n_experts,
+                              n_experts_per_token=args.top_k)
     assert ffn_hidden_dim(dense.dim, dense.multiple_of) == dense_hidden
     assert ffn_hidden_dim(moe.dim, moe.multiple_of, moe.ffn_dim_multiplier) == expert_hidden
     out = {"dense": dense, "moe": moe}
-    if args.capacity_factor: out[f"moe_cap{args.capacity_factor:g}"] = dataclasses.replace(moe, capacity_factor=args.capacity_factor)
+    if args.capacity_factor:
+        out[f"moe_cap{args.capacity_factor:g}"] = dataclasses.replace(moe, capacity_factor=args.capacity_factor)
     return out
 
 
@@ -87,15 +91,18 @@ def main(argv=None):
     tps = {n: tokens / t for n, t in med.items()}
     params = {n: count_parameters(m) for n, (m, _) in contenders.items()}
     fpt = {n: flops_per_token(cfgs[n], args.seq_len) for n in names}
-    print(f"\n{'contender':14s} {'step ms':>9s} {'tokens/s':>10s} {'vs dense':>9s} {'params':>11s} {'GFLOP/token':>12s}  (IQR ms)")
+    print(f"\n{'contender':14s} {'step ms':>9s} {'tokens/s':>10s} {'vs dense':>9s} {'params':>11s} "
+          f"{'GFLOP/token':>12s}  (IQR ms)")
     for n in names:
         q = statistics.quantiles(times[n], n=4) if len(times[n]) > 1 else [med[n]] * 3
-        print(f"{n:14s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['dense']:8.2f}x {params[n]:11,d} {fpt[n]/1e9:12.4f}  "
-              f"({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
+        print(f"{n:14s} {med[n]*1e3:9.1f} {tps[n]:10.0f} {tps[n]/tps['dense']:8.2f}x {params[n]:11,d} "
+              f"{fpt[n]/1e9:12.4f}  ({q[0]*1e3:.0f}-{q[2]*1e3:.0f})")
     moe = cfgs["moe"]
-    result = dict(bench="moe_step", smoke=args.smoke, device=args.device, threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
-                  shape=dict(dim=moe.dim, n_layers=moe.n_layers, vocab=moe.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
-                             n_experts=moe.n_experts, top_k=moe.n_experts_per_token, expert_hidden=768 // args.top_k, dense_hidden=768,
+    result = dict(bench="moe_step", smoke=args.smoke, device=args.device, threads=torch.get_num_threads(), dtype=dtype,
+                  torch=torch.__version__,
+                  shape=dict(dim=moe.dim, n_layers=moe.n_layers, vocab=moe.vocab_size, seq_len=args.seq_len,
+                             batch_size=args.batch_size, n_experts=moe.n_experts, top_k=moe.n_experts_per_token,
+                             expert_hidden=768 // args.top_k, dense_hidden=768,
                              active_ffn_params_per_layer=moe_active_matmul_params(moe) - moe.dim * moe.n_experts),
                   rounds=args.rounds, steps_per_round=args.steps_per_round,
                   step_ms={n: round(v * 1e3, 2) for n, v in med.items()},

@@ -16,7 +16,7 @@ The last line of stdout is one JSON object: `ns_flops_per_rank_ratio` (busiest r
 distributed) and `step_time_ratio` (2 ranks FSDP2, distributed / gathered median step time), with the details.
 """
 from __future__ import annotations
-import argparse, json, os, statistics, sys, tempfile, time
+import argparse, json, os, statistics, tempfile, time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -91,7 +91,8 @@ def rank_main(rank, world, init_file, args, out_dir):
     if world > 1: dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     counts = []
     count_ns_flops(counts)
-    res = {layout: time_steps(args, layout, world, counts) for layout in (["fsdp2", "ddp"] if world > 1 else ["single"])}
+    layouts = ["fsdp2", "ddp"] if world > 1 else ["single"]
+    res = {layout: time_steps(args, layout, world, counts) for layout in layouts}
     with open(os.path.join(out_dir, f"w{world}_r{rank}.json"), "w") as f: json.dump(res, f)
     if world > 1:
         dist.barrier(); dist.destroy_process_group()
@@ -99,8 +100,8 @@ def rank_main(rank, world, init_file, args, out_dir):
 
 def main(argv=None):
     args = parse_args(argv)
-    out = {"bench": "muon", "smoke": args.smoke, "dim": args.dim, "layers": args.layers, "rounds": args.rounds, "ns_dtype": "fp32", "threads_per_rank": 1,
-           "machine": "shared CPU (gloo); medians", "worlds": {}}
+    out = {"bench": "muon", "smoke": args.smoke, "dim": args.dim, "layers": args.layers, "rounds": args.rounds,
+           "ns_dtype": "fp32", "threads_per_rank": 1, "machine": "shared CPU (gloo); medians", "worlds": {}}
     with tempfile.TemporaryDirectory() as d:
         for world in args.worlds:
             mp.spawn(rank_main, args=(world, os.path.join(d, f"pg{world}"), args, d), nprocs=world, join=True)
@@ -112,19 +113,20 @@ def main(argv=None):
                              for alg in ranks[0][layout]}
             out["worlds"][world] = w
             print(f"{world} rank(s): " + "; ".join(
-                f"{lay} {alg} {v['step_s'] * 1e3:.0f} ms, NS GFLOP per rank {[round(f / 1e9, 2) for f in v['ns_flops_per_rank']]}"
+                f"{lay} {alg} {v['step_s'] * 1e3:.0f} ms, "
+                f"NS GFLOP per rank {[round(f / 1e9, 2) for f in v['ns_flops_per_rank']]}"
                 for lay, algs in w.items() for alg, v in algs.items()), flush=True)
     one = max(out["worlds"][1]["single"]["gathered"]["ns_flops_per_rank"]) if 1 in out["worlds"] else None
     if one:
-        out["ns_flops_per_rank_ratio"] = {str(w): max(out["worlds"][w]["fsdp2"]["distributed"]["ns_flops_per_rank"]) / one
-                                          for w in out["worlds"] if w > 1}
-        out["gathered_ns_flops_per_rank_ratio"] = {str(w): max(out["worlds"][w]["fsdp2"]["gathered"]["ns_flops_per_rank"]) / one
-                                                   for w in out["worlds"] if w > 1}
+        ratio = lambda w, alg: max(out["worlds"][w]["fsdp2"][alg]["ns_flops_per_rank"]) / one
+        out["ns_flops_per_rank_ratio"] = {str(w): ratio(w, "distributed") for w in out["worlds"] if w > 1}
+        out["gathered_ns_flops_per_rank_ratio"] = {str(w): ratio(w, "gathered") for w in out["worlds"] if w > 1}
     for w in out["worlds"]:
         if w > 1:
             for lay in ("fsdp2", "ddp"):
                 r = out["worlds"][w][lay]
-                out.setdefault("step_time_ratios", {})[f"{lay}_{w}"] = r["distributed"]["step_s"] / r["gathered"]["step_s"]
+                ratios = out.setdefault("step_time_ratios", {})
+                ratios[f"{lay}_{w}"] = r["distributed"]["step_s"] / r["gathered"]["step_s"]
     if 2 in out["worlds"]: out["step_time_ratio"] = out["step_time_ratios"]["fsdp2_2"]
     print(json.dumps(out))
 

@@ -1,4 +1,4 @@
-"""Check `gg plan`'s memory model against measured peak memory of real CPU training steps.
+r"""Check `gg plan`'s memory model against measured peak memory of real CPU training steps.
 
 For three model sizes (about 10M, 50M and the 124M recipe, at micro batch 2 x 1024 tokens, fp32, the recipe's Muon +
 AdamW), with activation checkpointing `none` and `full`, in one process and on 2 FSDP2 ranks (gloo), one training
@@ -15,11 +15,13 @@ in which the peak was reached, and the innermost module running then.
 
     python bench/plan_memory.py               # all rows (about 10 minutes on 2 busy cores)
     python bench/plan_memory.py --sizes 10m   # one size
-    python bench/plan_memory.py --accum 4 --worlds 2 --modes none --accumulation reduce_scatter,no_sync --batch-size 1 --seq-len 512
-    python bench/plan_memory.py --smoke       # the `tiny` size (dim 64, 2 layers), checkpointing none, 1 and 2 ranks, 1 x 64
+    python bench/plan_memory.py --accum 4 --worlds 2 --modes none --accumulation reduce_scatter,no_sync \
+        --batch-size 1 --seq-len 512
+    # the `tiny` size (dim 64, 2 layers), checkpointing none, 1 and 2 ranks, 1 x 64
+    python bench/plan_memory.py --smoke
 """
 from __future__ import annotations
-import argparse, json, os, sys, tempfile, time
+import argparse, json, sys, tempfile, time
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -38,15 +40,17 @@ SIZES = {  # overrides of the 124M recipe's model
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, tie_embeddings=False),   # --smoke
 }
 
-def config(size: str, mode: str, batch: int, seq: int, accum: int = 1, world: int = 1, accumulation: str = "reduce_scatter"):
-    "The 124M recipe's config at `size`, fp32 on CPU, micro batch `batch` x `seq` x `accum` micro-steps, checkpointing `mode`."
+def config(size: str, mode: str, batch: int, seq: int, accum: int = 1, world: int = 1,
+           accumulation: str = "reduce_scatter"):
+    "The 124M recipe at `size`: fp32 on CPU, micro batch `batch` x `seq`, `accum` micro-steps, checkpointing `mode`."
     cfg = load_recipe(ROOT/"recipes"/"pretraining"/"tendril-124m.yaml").config
     for k, v in SIZES[size].items(): setattr(cfg.model, k, v)
     cfg.runtime = RuntimeConfig(device="cpu", precision="fp32", fsdp=True, activation_checkpointing=mode,
                                 fsdp_accumulation=accumulation)
     cfg.training.micro_batch_size, cfg.training.seq_len = batch, seq
     cfg.training.total_batch_size = batch * seq * accum * world
-    if accum > 1: cfg.optimizers.muon.enabled = False   # AdamW only: Muon's gathered matrices (not in this plan) peak in its step
+    # AdamW only: Muon's gathered matrices (not in this plan) peak in its step
+    if accum > 1: cfg.optimizers.muon.enabled = False
     return cfg
 
 def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
@@ -57,10 +61,12 @@ def measured_peak(cfg, rank: int, world: int, accum: int = 1) -> dict:
     from gradient_garden.parallel.distributed import DistEnv, parallelize, grad_sync
     from gradient_garden.train.optim import build_optimizers
     torch.manual_seed(0)
-    model = parallelize(build_model(cfg.model), cfg.runtime, DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world))
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    model = parallelize(build_model(cfg.model), cfg.runtime, env)
     opts = build_optimizers(model, cfg.optimizers, "cpu")
     t = cfg.training
-    toks = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    toks = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1),
+                         generator=torch.Generator().manual_seed(rank))
     def step():
         (model(toks[:, :-1], labels=toks[:, 1:]) / toks[:, 1:].numel()).backward()
         for o in opts: o.step()
@@ -111,7 +117,8 @@ def measure(cfg, world: int, accum: int = 1) -> dict:
         mp.spawn(_rank, args=(world, f"{d}/init", cfg, f"{d}/out", accum), nprocs=world, join=True)
         ranks = [json.loads(Path(f"{d}/out.{r}").read_text()) for r in range(world)]
     worst = max(ranks, key=lambda r: r["total"])
-    return dict(total=worst["total"], seconds=max(r["seconds"] for r in ranks), breakdown=worst["breakdown"], peak_at=worst["peak_at"])
+    return dict(total=worst["total"], seconds=max(r["seconds"] for r in ranks), breakdown=worst["breakdown"],
+                peak_at=worst["peak_at"])
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -123,8 +130,10 @@ def main(argv=None):
     p.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--accumulation", default="reduce_scatter", help="FSDP2 accumulation modes, comma-separated")
     p.add_argument("--out", default=None)
-    args = apply_smoke(add_smoke(p).parse_args(argv), sizes="tiny", modes="none", worlds="1,2", batch_size=1, seq_len=64)
-    args.out = args.out or str(ROOT/"bench"/"results"/("plan_memory.json" if args.accum == 1 else "plan_memory_accum.json"))
+    args = apply_smoke(add_smoke(p).parse_args(argv), sizes="tiny", modes="none", worlds="1,2", batch_size=1,
+                       seq_len=64)
+    name = "plan_memory.json" if args.accum == 1 else "plan_memory_accum.json"
+    args.out = args.out or str(ROOT/"bench"/"results"/name)
     if args.smoke: args.out = str(results_path(args.out, True))
     from gradient_garden.train.plan import memory_plan, parameter_counts
     rows = []
@@ -136,11 +145,13 @@ def main(argv=None):
                     mp_ = memory_plan(cfg, "fsdp2" if world > 1 else "single", world, device_type="cpu")
                     plan = mp_["total"][mode]
                     got = measure(cfg, world, args.accum)
-                    row = dict(size=size, parameters=parameter_counts(cfg)["total"], ranks=world, activation_checkpointing=mode,
-                               measured_mib=round(got["total"] / 2**20, 1), plan_mib=round(plan / 2**20, 1),
-                               plan_over_measured=round(plan / got["total"], 3), step_s=round(got["seconds"], 1))
-                    if args.accum > 1: row |= dict(measured_breakdown_mib=got["breakdown"], peak_at=got["peak_at"])
-                    if args.accum > 1: row |= dict(accumulation=acc, unsharded_gradients_mib=round(mp_["unsharded_gradients"] / 2**20, 1))
+                    row = dict(size=size, parameters=parameter_counts(cfg)["total"], ranks=world,
+                               activation_checkpointing=mode, measured_mib=round(got["total"] / 2**20, 1),
+                               plan_mib=round(plan / 2**20, 1), plan_over_measured=round(plan / got["total"], 3),
+                               step_s=round(got["seconds"], 1))
+                    if args.accum > 1:
+                        row |= dict(measured_breakdown_mib=got["breakdown"], peak_at=got["peak_at"], accumulation=acc,
+                                    unsharded_gradients_mib=round(mp_["unsharded_gradients"] / 2**20, 1))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     res = dict(smoke=args.smoke, batch_size=args.batch_size, seq_len=args.seq_len, precision="fp32", rows=rows) | (

@@ -8,7 +8,7 @@ with the fused loss, backward, fused AdamW on fp32 weights; the two run in alter
 
 The last line of stdout is one JSON object with the figures.
 """
-import argparse, json, sys, torch, time, statistics, copy
+import argparse, json, torch, time, statistics, copy
 import model_step as ms
 from common import add_smoke
 from gradient_garden.config import ModelConfig
@@ -26,7 +26,8 @@ g = torch.Generator().manual_seed(1)
 xy = torch.randint(0, 4096, (B, T + 1), generator=g); x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 runs = {}
 for n in ["fp32", "bf16"]:
-    m = copy.deepcopy(base); runs[n] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), torch.bfloat16 if n == "bf16" else None)
+    m = copy.deepcopy(base)
+    runs[n] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), torch.bfloat16 if n == "bf16" else None)
     for _ in range(1 if args.smoke else 3): ms.step(*runs[n][:2], x, y, runs[n][2], "cpu")
 ts, cs = {n: [] for n in runs}, {n: [] for n in runs}
 for r in range(args.rounds):
@@ -35,9 +36,14 @@ for r in range(args.rounds):
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps): ms.step(m, o, x, y, ad, "cpu")
         ts[n].append((time.perf_counter() - t) / steps); cs[n].append((time.process_time() - c) / steps)
-for n in runs: print(f"{n}: median {statistics.median(ts[n])*1e3:.1f} ms (cpu {statistics.median(cs[n])*1e3:.1f}), min {min(ts[n])*1e3:.1f}")
-print(f"fp32/bf16: median {statistics.median(ts['fp32'])/statistics.median(ts['bf16']):.2f}x, cpu {statistics.median(cs['fp32'])/statistics.median(cs['bf16']):.2f}x, min {min(ts['fp32'])/min(ts['bf16']):.2f}x")
-print(json.dumps(dict(bench="precision_step", smoke=args.smoke, threads=args.threads, rounds=args.rounds, batch_size=B, seq_len=T,
+for n in runs:
+    print(f"{n}: median {statistics.median(ts[n])*1e3:.1f} ms (cpu {statistics.median(cs[n])*1e3:.1f}), "
+          f"min {min(ts[n])*1e3:.1f}")
+print(f"fp32/bf16: median {statistics.median(ts['fp32'])/statistics.median(ts['bf16']):.2f}x, "
+      f"cpu {statistics.median(cs['fp32'])/statistics.median(cs['bf16']):.2f}x, "
+      f"min {min(ts['fp32'])/min(ts['bf16']):.2f}x")
+print(json.dumps(dict(bench="precision_step", smoke=args.smoke, threads=args.threads, rounds=args.rounds,
+                      batch_size=B, seq_len=T,
                       step_ms={n: round(statistics.median(v) * 1e3, 2) for n, v in ts.items()},
                       step_cpu_ms={n: round(statistics.median(v) * 1e3, 2) for n, v in cs.items()},
                       fp32_over_bf16=round(statistics.median(ts["fp32"]) / statistics.median(ts["bf16"]), 3),

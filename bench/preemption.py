@@ -40,10 +40,11 @@ sys.exit(main(sys.argv[1:]))
 
 def sets(data: Path, out: Path, steps: int) -> list[str]:
     s = {"paths.datasets": data/"datasets", "tokenizer.path": data/"tokenizer", "paths.evals": data/"evals",
-         "paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64, "model.n_layers": 2,
-         "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
-         "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.enabled": False,
-         "generation.every": 0, "checkpointing.every": 1000, "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu"}
+         "paths.runs": out/"runs", "training.max_steps": steps, "training.log_every": 1, "model.dim": 64,
+         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
+         "training.seq_len": 64, "training.micro_batch_size": 4, "training.total_batch_size": 1024,
+         "validation.enabled": False, "generation.every": 0, "checkpointing.every": 1000,
+         "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu"}
     return [f"{k}={v}" for k, v in s.items()]
 
 
@@ -58,7 +59,8 @@ def gg(launcher, args, **kw):
     r = subprocess.run(launcher + ["-m", "gradient_garden.cli", "train", "--recipe", RECIPE, *args], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=900, **kw)
     if r.returncode != 0:   # the ranks' own error lines, not only the launcher's traceback that follows them
-        raise RuntimeError("\n".join([l for l in r.stderr.splitlines() if "error" in l.lower()][:5]) + "\n" + r.stderr[-2000:])
+        errors = [l for l in r.stderr.splitlines() if "error" in l.lower()][:5]
+        raise RuntimeError("\n".join(errors) + "\n" + r.stderr[-2000:])
 
 
 def trial(data, base: Path, steps: int, full: dict, at: int, with_plain: bool = False) -> dict:
@@ -101,10 +103,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--data", default=None, help="a `gg prepare` of recipes/pretraining/debug.yaml (datasets/, tokenizer/)")
+    ap.add_argument("--data", default=None,
+                    help="a `gg prepare` of recipes/pretraining/debug.yaml (datasets/, tokenizer/)")
     ap.add_argument("--out", default="/tmp/gg_preemption")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plain-trials", type=int, default=3, help="trials that also resume in the plain one-process order")
+    ap.add_argument("--plain-trials", type=int, default=3,
+                    help="trials that also resume in the plain one-process order")
     a = apply_smoke(add_smoke(ap).parse_args(), trials=1, steps=6, plain_trials=1)
     if a.smoke:   # random-token shards and a small BPE in `gg prepare`'s layout, everything in a temporary folder
         a.out = str(smoke_dir("preemption"))
@@ -119,14 +123,18 @@ def main():
     for i in range(a.trials):
         rows.append(trial(data, out/f"t{i}", a.steps, full, rng.randint(2, a.steps - 4), with_plain=i < a.plain_trials))
         print(json.dumps(rows[-1]), flush=True)
-    summary = dict(bench="preemption", smoke=a.smoke, trials=len(rows), checkpoint_at_signalled_or_next=sum(r["checkpoint_ok"] for r in rows),
+    summary = dict(bench="preemption", smoke=a.smoke, trials=len(rows),
+                   checkpoint_at_signalled_or_next=sum(r["checkpoint_ok"] for r in rows),
                    lost=sum(r["checkpoint_step"] is None for r in rows),
                    resumed_2_ranks_exact=sum(r.get("resume_2_ranks_exact", False) for r in rows),
                    resumed_1_rank_exact=sum(r.get("resume_1_rank_exact", False) for r in rows),
                    resumed_1_rank_max_rel=max((r.get("resume_1_rank_max_rel", 1.0) for r in rows), default=None),
-                   plain_1_rank_exact=sum(r.get("resume_1_rank_plain_exact", False) for r in rows if "resume_1_rank_plain_exact" in r),
-                   plain_1_rank_max_rel=max((r["resume_1_rank_plain_max_rel"] for r in rows if "resume_1_rank_plain_max_rel" in r), default=None),
-                   checkpoint_minus_signalled=sorted(r["checkpoint_step"] - r["signalled_step"] for r in rows if r["checkpoint_step"]))
+                   plain_1_rank_exact=sum(r.get("resume_1_rank_plain_exact", False) for r in rows
+                                          if "resume_1_rank_plain_exact" in r),
+                   plain_1_rank_max_rel=max((r["resume_1_rank_plain_max_rel"] for r in rows
+                                             if "resume_1_rank_plain_max_rel" in r), default=None),
+                   checkpoint_minus_signalled=sorted(r["checkpoint_step"] - r["signalled_step"] for r in rows
+                                                     if r["checkpoint_step"]))
     print(json.dumps(summary))
 
 

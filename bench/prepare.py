@@ -36,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--no-embedded", action="store_true", help="skip the end-to-end embedded default run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = apply_smoke(add_smoke(p).parse_args(argv), base_mb=0.05, scale=2, repeats=1)
-    if args.smoke and args.tokenizer == p.get_default("tokenizer"): args.tokenizer = None   # a small one, trained in the work folder
+    # a small one, trained in the work folder
+    if args.smoke and args.tokenizer == p.get_default("tokenizer"): args.tokenizer = None
     return args
 
 
@@ -75,8 +76,9 @@ def child(spec: dict) -> dict:
         t0 = time.perf_counter()
         from gradient_garden.cli.prepare import add_prepare_args, run_prepare
         os.chdir(spec["cwd"])
-        args = add_prepare_args(argparse.ArgumentParser()).parse_args(["--recipe", spec["recipe"], "--no-progress",
-                                                                       *(["--set", *spec["overrides"]] if spec.get("overrides") else [])])
+        sets = ["--set", *spec["overrides"]] if spec.get("overrides") else []
+        argv = ["--recipe", spec["recipe"], "--no-progress", *sets]
+        args = add_prepare_args(argparse.ArgumentParser()).parse_args(argv)
         run_prepare(args)
         meta = json.loads(Path("data/datasets/pretraining/meta.json").read_text())
         wall = time.perf_counter() - t0
@@ -154,7 +156,8 @@ def main(args) -> dict:
     if args.tokenizer is None:   # smoke: a 1k BPE on a few standard-library files, in seconds
         from gradient_garden.data.prepare import stdlib_files
         from gradient_garden.tokenizer import train_bpe
-        args.tokenizer = str(train_bpe([Path(f).read_text(errors="replace") for f in stdlib_files()[:40]], 1024, root/"tok"))
+        texts = [Path(f).read_text(errors="replace") for f in stdlib_files()[:40]]
+        args.tokenizer = str(train_bpe(texts, 1024, root/"tok"))
     else: ensure_bench_tokenizer(args.tokenizer)
     try:
         base, large = build_corpora(root, args.base_mb, args.scale)
@@ -173,21 +176,25 @@ def main(args) -> dict:
                     shutil.rmtree(out, ignore_errors=True)
         figures = {k: summary(v) for k, v in results.items()}
         big = f"{args.scale}x"
-        figures["stream_peak_ratio"] = round(figures[f"stream_{big}"]["peak_rss_mb"] / figures["stream_1x"]["peak_rss_mb"], 3)
+        peak = lambda kind: figures[kind]["peak_rss_mb"]
+        figures["stream_peak_ratio"] = round(peak(f"stream_{big}") / peak("stream_1x"), 3)
         if not args.no_naive:
-            figures["naive_peak_ratio"] = round(figures[f"naive_{big}"]["peak_rss_mb"] / figures["naive_1x"]["peak_rss_mb"], 3)
+            figures["naive_peak_ratio"] = round(peak(f"naive_{big}") / peak("naive_1x"), 3)
         if not args.no_embedded:
             cwd = root / "embedded"; cwd.mkdir()
-            r = run_child({"kind": "embedded", "cwd": str(cwd), "recipe": str(REPO / "recipes" / "pretraining" / "debug.yaml"),
+            r = run_child({"kind": "embedded", "cwd": str(cwd),
+                           "recipe": str(REPO / "recipes" / "pretraining" / "debug.yaml"),
                            "overrides": ["data.target_tokens=50000"] if args.smoke else []})
-            figures["embedded_default"] = {"wall_s": round(r["process_wall_s"], 2), "prepare_s": round(r["prepare_s"], 2),
+            figures["embedded_default"] = {"wall_s": round(r["process_wall_s"], 2),
+                                           "prepare_s": round(r["prepare_s"], 2),
                                            "tokens": r["tokens"], "tokens_per_s": round(r["tokens"] / r["prepare_s"]),
                                            "mb_per_s": round(r["bytes"] / 1e6 / r["prepare_s"], 2),
                                            "peak_rss_mb": round(r["peak_rss_mb"], 1)}
             print(f"embedded default end to end (BPE training included): {r['process_wall_s']:.1f}s, "
                   f"{r['tokens']:,} tokens, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
         figures["targets"] = {"stream_peak_ratio_max": 1.5, "stream_peak_ratio_ok": figures["stream_peak_ratio"] <= 1.5,
-                              **({"embedded_default_max_s": 60, "embedded_default_ok": figures["embedded_default"]["wall_s"] < 60}
+                              **({"embedded_default_max_s": 60,
+                                  "embedded_default_ok": figures["embedded_default"]["wall_s"] < 60}
                                  if not args.no_embedded else {})}
         figures["cpus"], figures["smoke"] = os.cpu_count(), args.smoke
         return figures

@@ -34,7 +34,7 @@ def parse():
 
 
 def smoke_checkpoint(tmp: Path) -> str:
-    "A randomly initialised chat checkpoint of the debug recipe shrunk to dim 64, 2 layers, with a 1k BPE on verifiable chats."
+    "A randomly initialised chat checkpoint of the debug recipe at dim 64, 2 layers, with a 1k BPE on verifiable chats."
     from gradient_garden.checkpoint.checkpoints import save_checkpoint
     from gradient_garden.config import TokenizerConfig, to_plain
     from gradient_garden.recipes import load_config
@@ -47,8 +47,9 @@ def smoke_checkpoint(tmp: Path) -> str:
     texts = [m["content"] for c in sample_conversations(500, seed=0) for m in c] + [" ".join(WORDS)] * 3
     cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(train_bpe(texts, 1024, tmp/"tok")))
     torch.manual_seed(0)
-    return str(save_checkpoint(dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
-                                    model=build_model(cfg.model).state_dict()), tmp/"random"/"step_0000000.pt"))
+    state = dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
+                 model=build_model(cfg.model).state_dict())
+    return str(save_checkpoint(state, tmp/"random"/"step_0000000.pt"))
 
 
 def setup(args):
@@ -88,7 +89,8 @@ def bench_ours(args, cfg, model, tok, exs) -> dict:
         opt.step(); opt.zero_grad(set_to_none=True)
         if step: times.append(time.perf_counter() - t0); rollout.append(t1 - t0)
     step_s = statistics.median(times)
-    return dict(completions_per_s=rows / step_s, step_s=step_s, rollout_share=statistics.median(r / t for r, t in zip(rollout, times)))
+    return dict(completions_per_s=rows / step_s, step_s=step_s,
+                rollout_share=statistics.median(r / t for r, t in zip(rollout, times)))
 
 
 def bench_trl(args, cfg, model, tok, exs) -> dict:
@@ -104,7 +106,8 @@ def bench_trl(args, cfg, model, tok, exs) -> dict:
     hf_tok.pad_token_id = tok.pad_id
     hf_tok.padding_side = "left"
     texts = [tok.decode(encode_prompt(tok, e.prompt)) for e in exs]   # the same chat-formatted prompts, as text
-    assert hf_tok(texts[0], add_special_tokens=False)["input_ids"] == encode_prompt(tok, exs[0].prompt), "prompt tokens differ"
+    first = encode_prompt(tok, exs[0].prompt)
+    assert hf_tok(texts[0], add_special_tokens=False)["input_ids"] == first, "prompt tokens differ"
     ds = Dataset.from_dict({"prompt": texts, "answer": [e.answer for e in exs]})
     def reward(completions, answer, **kw): return [float(exact_match(c, a)) for c, a in zip(completions, answer)]
     stamps = []
@@ -113,10 +116,12 @@ def bench_trl(args, cfg, model, tok, exs) -> dict:
         def on_step_begin(self, *a, **k):
             if not stamps: stamps.append(time.perf_counter())
     rows = args.prompts * args.group
-    gargs = GRPOConfig(output_dir=str(out.parent/"trl"), per_device_train_batch_size=rows, gradient_accumulation_steps=1,
-                       num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0,
+    gargs = GRPOConfig(output_dir=str(out.parent/"trl"), per_device_train_batch_size=rows,
+                       gradient_accumulation_steps=1, num_generations=args.group,
+                       max_completion_length=args.max_new_tokens, temperature=1.0,
                        learning_rate=1e-5, max_steps=args.steps + 1, loss_type="dapo", beta=0.0, use_cpu=True,
-                       report_to=[], logging_steps=1000, gradient_checkpointing=False, save_strategy="no", shuffle_dataset=False, seed=0,
+                       report_to=[], logging_steps=1000, gradient_checkpointing=False, save_strategy="no",
+                       shuffle_dataset=False, seed=0,
                        generation_kwargs={"eos_token_id": [tok.eot_id]}, dataloader_num_workers=0)
     hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     trainer = GRPOTrainer(model=hf, reward_funcs=reward, args=gargs, train_dataset=ds, processing_class=hf_tok,
@@ -141,10 +146,11 @@ def main():
     for k, r in res.items():
         print(f"{k:>5}: {r['completions_per_s']:8.1f} completions/s  step {r['step_s']:.2f} s"
               + (f"  rollout share {r['rollout_share']:.0%}" if "rollout_share" in r else ""))
-    if len(res) == 2: print(f"ratio ours / TRL: {res['ours']['completions_per_s'] / res['trl']['completions_per_s']:.2f}x")
-    print(json.dumps(dict(bench="rl", smoke=args.smoke, prompts=args.prompts, group=args.group, max_new_tokens=args.max_new_tokens,
-                          steps=args.steps, threads=torch.get_num_threads(), **res,
-                          ours_over_trl=res["ours"]["completions_per_s"] / res["trl"]["completions_per_s"] if len(res) == 2 else None)))
+    ratio = res["ours"]["completions_per_s"] / res["trl"]["completions_per_s"] if len(res) == 2 else None
+    if ratio is not None: print(f"ratio ours / TRL: {ratio:.2f}x")
+    print(json.dumps(dict(bench="rl", smoke=args.smoke, prompts=args.prompts, group=args.group,
+                          max_new_tokens=args.max_new_tokens, steps=args.steps, threads=torch.get_num_threads(), **res,
+                          ours_over_trl=ratio)))
 
 
 if __name__ == "__main__":

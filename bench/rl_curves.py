@@ -13,7 +13,8 @@ import argparse, json
 from pathlib import Path
 from common import add_smoke, smoke_dir
 
-TRAIN = ("reward_mean", "reward_std", "zero_std_groups", "sampling_rounds", "completion_len", "entropy", "clip_fraction", "kl")
+TRAIN = ("reward_mean", "reward_std", "zero_std_groups", "sampling_rounds", "completion_len", "entropy",
+         "clip_fraction", "kl")
 
 
 def read(run: Path) -> list[dict]:
@@ -54,10 +55,12 @@ def main():
     if val:
         tasks = sorted({k for r in val for k in r if k.startswith("val_exact_match/")})
         print()
-        print(table([{"step": r["step"], **{k.removeprefix("val_"): r.get(k) for k in ["val_exact_match", *tasks]}} for r in val],
-                    ["step", "exact_match"] + [t.removeprefix("val_") for t in tasks]))
-    print(json.dumps(dict(bench="rl_curves", smoke=a.smoke, run=str(a.run), train_records=len(train), validations=len(val),
-                          train_keys=keys[1:], last_val_exact_match=val[-1]["val_exact_match"] if val else None)))
+        rows = [{"step": r["step"], **{k.removeprefix("val_"): r.get(k) for k in ["val_exact_match", *tasks]}}
+                for r in val]
+        print(table(rows, ["step", "exact_match"] + [t.removeprefix("val_") for t in tasks]))
+    print(json.dumps(dict(bench="rl_curves", smoke=a.smoke, run=str(a.run), train_records=len(train),
+                          validations=len(val), train_keys=keys[1:],
+                          last_val_exact_match=val[-1]["val_exact_match"] if val else None)))
 
 
 if __name__ == "__main__":

@@ -19,23 +19,28 @@ from common import add_smoke, results_path
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "recipes/pretraining/tendril-124m.yaml"
 GG = [sys.executable, "-m", "gradient_garden.cli"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gradient_garden.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "gradient_garden.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 STEPS = 4
+# --smoke: appended to the overrides
 SMOKE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=4096",
-         "model.max_seq_len=64", "training.seq_len=64", "training.total_batch_size=128"]   # --smoke: appended to the overrides
+         "model.max_seq_len=64", "training.seq_len=64", "training.total_batch_size=128"]
 
 def run(cmd, timeout=3600) -> tuple[float, subprocess.CompletedProcess]:
     "Run `cmd` in the repository; raise with its output tail on failure; return (seconds, process)."
     t0 = time.perf_counter()
     r = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if r.returncode: raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n"
+                           f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return time.perf_counter() - t0, r
 
 def overrides(work: Path, runs: Path, smoke: bool = False) -> list[str]:
     "The recipe's model at CPU size of batch: fp32, FSDP2, selective checkpointing, 4 steps, checkpoint every 2."
-    s = {"paths.datasets": work/"datasets", "tokenizer.path": work/"tokenizer", "paths.evals": work/"evals", "paths.runs": runs,
-         "runtime.device": "cpu", "runtime.precision": "fp32", "runtime.compile": "false", "runtime.fsdp": "true",
+    s = {"paths.datasets": work/"datasets", "tokenizer.path": work/"tokenizer", "paths.evals": work/"evals",
+         "paths.runs": runs, "runtime.device": "cpu", "runtime.precision": "fp32", "runtime.compile": "false",
+         "runtime.fsdp": "true",
          "runtime.activation_checkpointing": "selective", "training.micro_batch_size": 1, "training.seq_len": 1024,
          "training.total_batch_size": 2048, "training.max_steps": STEPS, "training.log_every": 1,
          "optimizers.adamw.warmup_steps": 1, "validation.enabled": "false", "evals.every": 0, "generation.every": 0,
@@ -43,7 +48,8 @@ def overrides(work: Path, runs: Path, smoke: bool = False) -> list[str]:
     return [f"{k}={v}" for k, v in s.items()] + (SMOKE if smoke else [])
 
 def losses(runs: Path) -> dict:
-    recs = [json.loads(l) for l in (runs/"pretraining"/"tendril-124m"/"metrics.jsonl").read_text().splitlines() if l.strip()]
+    lines = (runs/"pretraining"/"tendril-124m"/"metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(l) for l in lines if l.strip()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 def step_checkpoint(ckpt_dir: Path, step: int) -> Path:
@@ -59,7 +65,8 @@ def hf_logits_match(ckpt: Path, out: Path) -> float:
     run([*GG, "export", "--checkpoint", ckpt, "--out", out])
     ours, cfg = load_model_from_checkpoint(ckpt, "cpu", torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    toks = torch.randint(0, cfg.model.vocab_size, (1, min(256, cfg.model.max_seq_len)), generator=torch.Generator().manual_seed(0))
+    toks = torch.randint(0, cfg.model.vocab_size, (1, min(256, cfg.model.max_seq_len)),
+                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad(): return float((ours.eval()(toks) - hf(toks).logits).abs().max())
 
 def main(argv=None) -> dict:
@@ -71,15 +78,16 @@ def main(argv=None) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="gg_scale_"))
     res = {"bench": "scale_124m", "smoke": args.smoke}
     base = [f"paths.datasets={work/'datasets'}", f"tokenizer.path={work/'tokenizer'}", f"paths.evals={work/'evals'}"]
-    res["prepare_s"], _ = run([*GG, "prepare", "--recipe", "recipes/pretraining/debug.yaml", "--no-progress", "--set", *base]
-                              + (["data.target_tokens=200000", "data.val_fraction=0.1"] if args.smoke else []))
+    prepare = [*GG, "prepare", "--recipe", "recipes/pretraining/debug.yaml", "--no-progress", "--set", *base]
+    res["prepare_s"], _ = run(prepare + (["data.target_tokens=200000", "data.val_fraction=0.1"] if args.smoke else []))
     sets = lambda runs: overrides(work, runs, args.smoke)
     res["train_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--set", *sets(work/"full")])
     res["peak_rss_largest_rank_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     full = losses(work/"full")
     ckpt_dir = work/"full"/"pretraining"/"tendril-124m"/"checkpoints"
     mid = step_checkpoint(ckpt_dir, 2)   # sharded: 2 ranks write their own shards, resumed on 2 and on 1
-    res["resume_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *sets(work/"r2")])
+    res["resume_2ranks_s"], _ = run([*TORCHRUN, "train", "--recipe", RECIPE, "--checkpoint", mid,
+                                     "--set", *sets(work/"r2")])
     res["resume_1rank_s"], _ = run([*GG, "train", "--recipe", RECIPE, "--checkpoint", mid, "--set", *sets(work/"r1")])
     r2, r1 = losses(work/"r2"), losses(work/"r1")
     res["losses"] = dict(full=full, resumed_2ranks=r2, resumed_1rank=r1)

@@ -21,7 +21,8 @@ the CPU the benchmark got.
 
     python bench/serve.py --checkpoint debug=runs/pretraining/debug --checkpoint sft=runs/instruct/debug
     python bench/serve.py --device cuda --max-batch-size 64 --concurrency 1 8 32 64
-    python bench/serve.py --smoke     # a random debug-shape model, 1 and 2 clients, one request of 4 tokens each, one round
+    # a random debug-shape model, 1 and 2 clients, one request of 4 tokens each, one round
+    python bench/serve.py --smoke
 
 Prints a table per model and, last, one JSON object with the figures (also written to `--out`). Target: 8 clients
 >= 4x the tokens/s of one.
@@ -52,8 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--stream-interval-ms", type=float, default=None, metavar="T",
                    help="the server's --stream-interval-ms (default: gg serve's); the same for every level")
     p.add_argument("--decoder", nargs="+", default=["process"], choices=["process", "thread"],
-                   help="gg serve --decoder: decoding in its own process (the default) or on a thread of the web server's; "
-                        "several: each model is measured with each, one after the other")
+                   help="gg serve --decoder: decoding in its own process (the default) or on a thread of the web "
+                        "server's; several: each model is measured with each, one after the other")
     p.add_argument("--out", default=str(ROOT/"bench/results/serve.json"), help="where the JSON goes")
     args = apply_smoke(add_smoke(p).parse_args(argv), concurrency=[1, 2], requests_per_client=1, max_tokens=4, rounds=1)
     if args.smoke: args.out = str(results_path(args.out, True))
@@ -61,7 +62,8 @@ def parse_args(argv=None):
 
 def default_checkpoints() -> dict[str, str]:
     "The debug runs of this checkout, where they exist."
-    found = {n: ROOT/p for n, p in (("debug", "runs/pretraining/debug"), ("sft", "runs/instruct/debug")) if (ROOT/p/"checkpoints").is_dir()}
+    runs = (("debug", "runs/pretraining/debug"), ("sft", "runs/instruct/debug"))
+    found = {n: ROOT/p for n, p in runs if (ROOT/p/"checkpoints").is_dir()}
     return {n: str(p) for n, p in found.items()}
 
 def random_debug_checkpoint(tmp: Path) -> str:
@@ -77,8 +79,9 @@ def random_debug_checkpoint(tmp: Path) -> str:
     cfg, _ = load_config(recipe=str(ROOT/"recipes/pretraining/debug.yaml"))
     cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(train_bpe(texts, cfg.model.vocab_size, tmp/"tok")))
     torch.manual_seed(0)
-    return str(save_checkpoint(dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
-                                    model=build_model(cfg.model).state_dict()), tmp/"random"/"step_0000000.pt"))
+    state = dict(step=0, stage="pretraining", architecture=cfg.model.architecture, config=to_plain(cfg),
+                 model=build_model(cfg.model).state_dict())
+    return str(save_checkpoint(state, tmp/"random"/"step_0000000.pt"))
 
 def cpu_seconds(pid: int) -> float:
     "User + system CPU time of process `pid` so far (Linux /proc)."
@@ -94,12 +97,12 @@ def start_server(ckpt: str, args, decoder: str = "process") -> tuple[subprocess.
     "`gg serve` on a free port; returns (process, base url) once it answers."
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", ckpt, "--port", str(port),
-                             "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--threads", str(args.threads),
-                             "--decoder", decoder, "--log-level", "warning"]
-                            + (["--stream-interval", str(args.stream_interval)] if args.stream_interval is not None else [])
-                            + (["--stream-interval-ms", str(args.stream_interval_ms)] if args.stream_interval_ms is not None else []),
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "gradient_garden.cli", "serve", "--checkpoint", ckpt, "--port", str(port),
+           "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--threads", str(args.threads),
+           "--decoder", decoder, "--log-level", "warning"]
+    if args.stream_interval is not None: cmd += ["--stream-interval", str(args.stream_interval)]
+    if args.stream_interval_ms is not None: cmd += ["--stream-interval-ms", str(args.stream_interval_ms)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None: raise SystemExit(f"gg serve exited:\n{proc.stdout.read()}")
@@ -141,7 +144,8 @@ class Connection:
             raise SystemExit(f"stream did not end with a usage chunk and [DONE]: {tail[-300:]!r}")
         return first, events[-1]["usage"]["completion_tokens"]
 
-async def level(url: str, model: str, clients: int, args, server_pid: int | None = None, decoder_pid: int | None = None) -> dict:
+async def level(url: str, model: str, clients: int, args, server_pid: int | None = None,
+                decoder_pid: int | None = None) -> dict:
     "`clients` closed-loop clients, `requests_per_client` requests each, one connection each: tokens/s and TTFT."
     async def client_loop(i, conn):
         out = []
@@ -163,9 +167,11 @@ async def level(url: str, model: str, clients: int, args, server_pid: int | None
     finally:
         for c in conns: await c.__aexit__()
     flat = [r for rs in res for r in rs]
-    if any(n != args.max_tokens for _, n in flat): raise SystemExit(f"a stream had {min(n for _, n in flat)} tokens, not {args.max_tokens}")
+    if any(n != args.max_tokens for _, n in flat):
+        raise SystemExit(f"a stream had {min(n for _, n in flat)} tokens, not {args.max_tokens}")
     ttft, tokens = sorted(f for f, _ in flat), sum(n for _, n in flat)
-    return dict(tokens_per_s=tokens / wall, ttft_median_s=statistics.median(ttft), ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))],
+    return dict(tokens_per_s=tokens / wall, ttft_median_s=statistics.median(ttft),
+                ttft_p90_s=ttft[int(0.9 * (len(ttft) - 1))],
                 tokens=tokens, server_cpu_ms_per_token=1000 * (cpu1[0] - cpu0[0] + cpu1[2] - cpu0[2]) / tokens,
                 decoder_cpu_ms_per_token=1000 * (cpu1[2] - cpu0[2]) / tokens,
                 client_cpu_ms_per_token=1000 * (cpu1[1] - cpu0[1]) / tokens)
@@ -176,8 +182,10 @@ def bench_model(name: str, ckpt: str, args, decoder: str = "process") -> dict:
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         health = httpx.get(f"{url}/health").json()
-        interval, decoder_pid = health["stream_interval"], health.get("pid")     # what the server really uses; where it decodes
-        asyncio.run(level(url, model, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1})))   # warm-up
+        # what the server really uses; where it decodes
+        interval, decoder_pid = health["stream_interval"], health.get("pid")
+        # warm-up
+        asyncio.run(level(url, model, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1})))
         runs = {c: [] for c in args.concurrency}
         for r in range(args.rounds):
             order = args.concurrency[r % len(args.concurrency):] + args.concurrency[:r % len(args.concurrency)]
@@ -187,19 +195,22 @@ def bench_model(name: str, ckpt: str, args, decoder: str = "process") -> dict:
         proc.terminate(); proc.wait(timeout=30)
     out = {}
     for c, rs in runs.items():
-        out[c] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "ttft_median_s", "ttft_p90_s",
-                                                                   "server_cpu_ms_per_token", "decoder_cpu_ms_per_token",
-                                                                   "client_cpu_ms_per_token")}
+        keys = ("tokens_per_s", "ttft_median_s", "ttft_p90_s", "server_cpu_ms_per_token", "decoder_cpu_ms_per_token",
+                "client_cpu_ms_per_token")
+        out[c] = {k: statistics.median(r[k] for r in rs) for k in keys}
         out[c]["tokens_per_round"] = rs[0]["tokens"]
     base = out[args.concurrency[0]]["tokens_per_s"]
     for c in out: out[c]["speedup"] = out[c]["tokens_per_s"] / base
     out["stream_interval"], out["decoder"] = interval, decoder
-    print(f"\n{name} ({ckpt}); --decoder {decoder}; stream interval {interval['tokens']} tokens or {interval['ms']:g} ms (all levels); decoder: {health['steps']} decoding steps, {health['prefills']} prefills, {health['realigns']} realigns")
+    print(f"\n{name} ({ckpt}); --decoder {decoder}; stream interval {interval['tokens']} tokens or "
+          f"{interval['ms']:g} ms (all levels); decoder: {health['steps']} decoding steps, "
+          f"{health['prefills']} prefills, {health['realigns']} realigns")
     print(f"{'clients':>8} {'tokens/s':>10} {'x one':>7} {'TTFT median':>12} {'TTFT p90':>9} {'server CPU/token':>17} "
           f"{'(decoder process)':>17} {'client CPU/token':>17}")
     for c, r in ((c, r) for c, r in out.items() if isinstance(c, int)):
-        print(f"{c:>8} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x {r['ttft_median_s'] * 1000:>10.0f}ms {r['ttft_p90_s'] * 1000:>7.0f}ms"
-              f" {r['server_cpu_ms_per_token']:>15.3f}ms {r['decoder_cpu_ms_per_token']:>15.3f}ms {r['client_cpu_ms_per_token']:>15.3f}ms")
+        print(f"{c:>8} {r['tokens_per_s']:>10,.0f} {r['speedup']:>6.2f}x {r['ttft_median_s'] * 1000:>10.0f}ms "
+              f"{r['ttft_p90_s'] * 1000:>7.0f}ms {r['server_cpu_ms_per_token']:>15.3f}ms "
+              f"{r['decoder_cpu_ms_per_token']:>15.3f}ms {r['client_cpu_ms_per_token']:>15.3f}ms")
     return out
 
 def main(argv=None):
@@ -218,11 +229,12 @@ def main(argv=None):
     for n, r in results.items():
         if 8 in r and 1 in r:
             iv = r["stream_interval"]
-            print(f"{n}: 8 clients {r[8]['speedup']:.2f}x one client, both at a stream interval of {iv['tokens']} tokens or "
-                  f"{iv['ms']:g} ms (target >= 4x: {'met' if target[n] else 'not met'})")
-    out = dict(bench="serve", smoke=args.smoke, results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target,
-               settings={k: v for k, v in vars(args).items() if k != "out"}, load_average=dict(before=load0, after=load1),
-               cpu_count=os.cpu_count())
+            print(f"{n}: 8 clients {r[8]['speedup']:.2f}x one client, both at a stream interval of "
+                  f"{iv['tokens']} tokens or {iv['ms']:g} ms (target >= 4x: {'met' if target[n] else 'not met'})")
+    out = dict(bench="serve", smoke=args.smoke,
+               results={n: {str(c): v for c, v in r.items()} for n, r in results.items()}, target_8x_ge_4=target,
+               settings={k: v for k, v in vars(args).items() if k != "out"},
+               load_average=dict(before=load0, after=load1), cpu_count=os.cpu_count())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))

@@ -14,7 +14,7 @@ over rounds of (supervised tokens in the round / time of the round).
 The last line of stdout is one JSON object with the figures.
 """
 from __future__ import annotations
-import json, statistics, sys, tempfile, time
+import json, statistics, tempfile, time
 from pathlib import Path
 import torch
 from common import apply_smoke, bench_parser, setup, sync
@@ -33,8 +33,10 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--conversations", type=int, default=4000)
-    p.add_argument("--pad-to-max", action="store_true", help="padding contender pads to --seq-len, not to the batch's longest")
-    p.add_argument("--tokenizer", default=None, help=f"tokenizer folder (default: {DEFAULT_TOKENIZER} if present, else a BPE trained here)")
+    p.add_argument("--pad-to-max", action="store_true",
+                   help="padding contender pads to --seq-len, not to the batch's longest")
+    p.add_argument("--tokenizer", default=None,
+                   help=f"tokenizer folder (default: {DEFAULT_TOKENIZER} if present, else a BPE trained here)")
     return apply_smoke(p.parse_args(argv), conversations=200, batch_size=2, seq_len=128, dim=64, n_layers=1, rounds=1,
                        steps_per_round=1, warmup=1)
 
@@ -60,12 +62,12 @@ def main(argv=None):
     dev_type, dtype, autocast_dtype = setup(args)
     tmp = Path(tempfile.mkdtemp(prefix="sft_packing_"))
     tok = get_tokenizer(args, tmp)
-    mcfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=max(2, args.dim // 64), n_kv_heads=max(1, args.dim // 128),
-                       vocab_size=tok.vocab_size, max_seq_len=args.seq_len)
+    mcfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=max(2, args.dim // 64),
+                       n_kv_heads=max(1, args.dim // 128), vocab_size=tok.vocab_size, max_seq_len=args.seq_len)
     cfg = GlobalConfig(model=mcfg, tokenizer=TokenizerConfig(path=tok.path))
     t = time.perf_counter()
-    meta = prepare_instruct({"sources": [{"type": "verifiable", "train": args.conversations, "val": 10, "seed": 0}]}, cfg,
-                            tmp/"instruct", tokenizer=tok, progress=False)["train"]
+    sources = {"sources": [{"type": "verifiable", "train": args.conversations, "val": 10, "seed": 0}]}
+    meta = prepare_instruct(sources, cfg, tmp/"instruct", tokenizer=tok, progress=False)["train"]
     print(f"prepared {meta['n_conversations']} chats, {meta['n_tokens']} tokens ({meta['n_supervised']} supervised) "
           f"in {time.perf_counter() - t:.1f}s", flush=True)
 
@@ -79,14 +81,16 @@ def main(argv=None):
         if n == "padding" and args.pad_to_max: loader.collate_to_max = True
         contenders[n] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4), loader)
     dev = lambda b: {k: v.to(args.device, non_blocking=True) for k, v in b.items()}
-    fetch = lambda loader: pad_to_max(loader.next_batch(), args.seq_len, loader.pad_id) if getattr(loader, "collate_to_max", False) else loader.next_batch()
+    fetch = lambda loader: (pad_to_max(loader.next_batch(), args.seq_len, loader.pad_id)
+                            if getattr(loader, "collate_to_max", False) else loader.next_batch())
 
     for n in names:
         m, o, loader = contenders[n]
         for _ in range(args.warmup): step(m, o, task, dev(fetch(loader)), autocast_dtype, dev_type)
     sync(args.device)
 
-    rates, positions, sup_total, docs = {n: [] for n in names}, {n: 0 for n in names}, {n: 0 for n in names}, {n: 0 for n in names}
+    rates = {n: [] for n in names}
+    positions, sup_total, docs = {n: 0 for n in names}, {n: 0 for n in names}, {n: 0 for n in names}
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for n in order:
@@ -103,15 +107,19 @@ def main(argv=None):
     eff = {n: sup_total[n] / positions[n] for n in names}
     steps = args.rounds * args.steps_per_round
 
-    print(f"\n{'contender':10s} {'sup tok/s':>10s} {'vs padding':>10s} {'sup/positions':>14s} {'chats/step':>11s} {'positions/step':>15s}")
+    print(f"\n{'contender':10s} {'sup tok/s':>10s} {'vs padding':>10s} {'sup/positions':>14s} {'chats/step':>11s} "
+          f"{'positions/step':>15s}")
     for n in names:
-        print(f"{n:10s} {med[n]:10.0f} {med[n]/med['padding']:9.2f}x {eff[n]:14.3f} {docs[n]/steps:11.1f} {positions[n]/steps:15.0f}")
+        print(f"{n:10s} {med[n]:10.0f} {med[n]/med['padding']:9.2f}x {eff[n]:14.3f} {docs[n]/steps:11.1f} "
+              f"{positions[n]/steps:15.0f}")
     print(f"Tendril {count_parameters(contenders['packing'][0]):,} params, {dtype}, device {args.device}, "
           f"{torch.get_num_threads()} threads")
     result = dict(bench="sft_packing", smoke=args.smoke, device=args.device,
-                  device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu", threads=torch.get_num_threads(),
-                  dtype=dtype, torch=torch.__version__, padding_to="max" if args.pad_to_max else "longest_in_batch",
-                  shape=dict(dim=mcfg.dim, n_layers=mcfg.n_layers, vocab=mcfg.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size),
+                  device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
+                  threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
+                  padding_to="max" if args.pad_to_max else "longest_in_batch",
+                  shape=dict(dim=mcfg.dim, n_layers=mcfg.n_layers, vocab=mcfg.vocab_size, seq_len=args.seq_len,
+                             batch_size=args.batch_size),
                   rounds=args.rounds, steps_per_round=args.steps_per_round,
                   supervised_tokens_per_s={n: round(v, 1) for n, v in med.items()},
                   speedup_packing_vs_padding=round(med["packing"] / med["padding"], 3),
@@ -125,7 +133,8 @@ def pad_to_max(batch: dict, seq_len: int, pad_id: int) -> dict:
     extra = seq_len - batch["input_ids"].shape[1]
     if extra <= 0: return batch
     f = torch.nn.functional.pad
-    return {"input_ids": f(batch["input_ids"], (0, extra), value=pad_id), "labels": f(batch["labels"], (0, extra), value=-100)}
+    return {"input_ids": f(batch["input_ids"], (0, extra), value=pad_id),
+            "labels": f(batch["labels"], (0, extra), value=-100)}
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Peak host memory per rank while building the 124M model under 2-rank FSDP2 (gloo, CPU): today's start against the meta-device start.
+"""Peak host memory per rank building the 124M model under 2-rank FSDP2 (gloo, CPU): today's start vs a meta-device one.
 
 `whole`: every rank builds and initialises the whole fp32 model on its CPU, then FSDP2 shards it (the start before
 the meta device). `meta`: every rank builds the model on the meta device, FSDP2 shards it there, and
@@ -9,7 +9,8 @@ host memory the start itself took (tracemalloc would see none of it: torch alloc
 Writes bench/results/startup_memory.json; the last stdout line is the same JSON.
 
     python bench/startup_memory.py
-    python bench/startup_memory.py --smoke     # the model shrunk to dim 64, 2 layers; the JSON goes to a temporary folder
+    # the model shrunk to dim 64, 2 layers; the JSON goes to a temporary folder
+    python bench/startup_memory.py --smoke
 """
 from __future__ import annotations
 import argparse, json, sys, tempfile, time
@@ -67,10 +68,14 @@ def main(argv=None):
     args = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     mib = lambda b: round(b / 2**20, 1)
     res = {mode: measure(mode, smoke=args.smoke) for mode in ("whole", "meta")}
-    out = dict(bench="startup_memory", smoke=args.smoke, model="tendril-124m" + (" (dim 64, 2 layers)" if args.smoke else ""), ranks=2, **{f"{m}_{k}_mib": mib(v) for m, r in res.items() for k, v in r.items() if k != "seconds"},
+    out = dict(bench="startup_memory", smoke=args.smoke,
+               model="tendril-124m" + (" (dim 64, 2 layers)" if args.smoke else ""), ranks=2,
+               **{f"{m}_{k}_mib": mib(v) for m, r in res.items() for k, v in r.items() if k != "seconds"},
                **{f"{m}_seconds": round(r["seconds"], 2) for m, r in res.items()})
     out["peak_ratio"] = round(res["meta"]["peak"] / res["whole"]["peak"], 3) if res["whole"]["peak"] else None
-    for m in res: print(f"{m:6s} peak {mib(res[m]['peak']):8.1f} MiB above the baseline, shards {mib(res[m]['shards']):7.1f} MiB, {res[m]['seconds']:.1f} s")
+    for m in res:
+        print(f"{m:6s} peak {mib(res[m]['peak']):8.1f} MiB above the baseline, "
+              f"shards {mib(res[m]['shards']):7.1f} MiB, {res[m]['seconds']:.1f} s")
     print(f"meta / whole peak: {out['peak_ratio']}")
     results_path(ROOT/"bench"/"results"/"startup_memory.json", args.smoke).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))

@@ -1,4 +1,4 @@
-"""End-to-end training throughput vs the bare model step with the same shapes.
+r"""End-to-end training throughput vs the bare model step with the same shapes.
 
 The bare step is `--accum` forward + cross-entropy + backward passes on a fixed micro-batch, clipping and AdamW. The
 trainer step is `Trainer.train_step` with everything it does around that: reading `--accum` micro-batches from the
@@ -12,8 +12,10 @@ time (which a busy machine's waiting leaves out; a prefetch thread's work is in 
 bare over trainer seconds per step (= trainer over bare tokens/s) on the medians; `pair_ratio` the median of the
 rounds' own ratios. Target: trainer >= 0.95 x bare at accumulation 8. Last line: one JSON object.
 
-    python bench/train_loop.py [--rounds 5] [--warmup 2] [--accum 8] [--workers 0] [--device cpu] [--set KEY=VALUE ...]
-    python bench/train_loop.py --smoke      # synthetic shards, dim 64, 2 layers, 2 x 32 tokens, accumulation 2, one round
+    python bench/train_loop.py [--rounds 5] [--warmup 2] [--accum 8] [--workers 0] [--device cpu] \
+        [--set KEY=VALUE ...]
+    # synthetic shards, dim 64, 2 layers, 2 x 32 tokens, accumulation 2, one round
+    python bench/train_loop.py --smoke
 
 The recipe's prepared data is read (`gg prepare` it first); `--smoke` writes random-token shards of its own instead.
 """
@@ -31,7 +33,8 @@ from gradient_garden.data.loaders import pretraining_loaders
 
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024", "model.max_seq_len=64"]
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024",
+        "model.max_seq_len=64"]
 
 
 def parse():
@@ -41,7 +44,8 @@ def parse():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each before the rounds")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--accum", type=int, default=8, help="micro-batches per optimizer step")
-    ap.add_argument("--workers", type=int, default=0, help="runtime.num_workers: micro-batches prepared ahead by a thread")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="runtime.num_workers: micro-batches prepared ahead by a thread")
     ap.add_argument("--set", nargs="*", default=[], dest="overrides")
     return apply_smoke(add_smoke(ap).parse_args(), rounds=1, warmup=1, accum=2)
 
@@ -53,9 +57,11 @@ def main():
         data = synthetic_pretraining_data(smoke_dir("train_loop"), 1024, 20_000)
         a.overrides = TINY + [f"tokenizer.path={data['tokenizer']}", f"paths.datasets={data['datasets']}",
                               f"paths.runs={data['datasets'].parent/'runs'}"] + a.overrides
-    cfg, _ = load_config(recipe=a.recipe, overrides=a.overrides + [f"runtime.device={a.device}", f"training.total_batch_size={a.accum * micro * seq}",
+    cfg, _ = load_config(recipe=a.recipe, overrides=a.overrides + [f"runtime.device={a.device}",
+                                                                   f"training.total_batch_size={a.accum * micro * seq}",
                                                                    f"runtime.num_workers={a.workers}",
-                                                                   f"training.micro_batch_size={micro}", f"training.seq_len={seq}"])
+                                                                   f"training.micro_batch_size={micro}",
+                                                                   f"training.seq_len={seq}"])
     dev = resolve_device(a.device)
     t = cfg.training
     tokens_per_step = a.accum * t.micro_batch_size * t.seq_len
@@ -100,7 +106,8 @@ def main():
     res = dict(bench="train_loop", smoke=a.smoke, device=str(dev), model_dim=cfg.model.dim, n_layers=cfg.model.n_layers,
                micro_batch=t.micro_batch_size, seq_len=t.seq_len, grad_accum=trainer.grad_accum, workers=a.workers,
                rounds=a.rounds, warmup=a.warmup, threads=torch.get_num_threads(),
-               bare_tokens_per_s=tokens_per_step / med["bare"][0], trainer_tokens_per_s=tokens_per_step / med["trainer"][0],
+               bare_tokens_per_s=tokens_per_step / med["bare"][0],
+               trainer_tokens_per_s=tokens_per_step / med["trainer"][0],
                ratio=med["bare"][0] / med["trainer"][0], cpu_ratio=med["bare"][1] / med["trainer"][1],
                bare_cpu_s=med["bare"][1], trainer_cpu_s=med["trainer"][1],
                pair_ratio=statistics.median(b[0] / tr[0] for b, tr in zip(runs["bare"], runs["trainer"])),
