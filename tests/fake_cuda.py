@@ -144,8 +144,8 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
 
 
 def run_fit(precision: str) -> dict:
-    """A whole `fit()` of the dense model on fake CUDA: 8 steps, logging every 4, validation at 3 and 8, a checkpoint at 6.
-    Per step: `torch.cuda.synchronize` calls and host reads of a device value (`.item()`, `float()`, ...)."""
+    """A whole `fit()` of the dense model on fake CUDA: 8 steps, logging every 4, validation at 3 and 8, a checkpoint at
+    6. Per step: `torch.cuda.synchronize` calls and host reads of a device value (`.item()`, `float()`, ...)."""
     import torch
     from unittest import mock
     from torch._subclasses import fake_impls
@@ -159,7 +159,8 @@ def run_fit(precision: str) -> dict:
     tendril.LOSS_IMPL, tendril.LOSS_COMPILE_BACKEND = "compiled", "aot_eager"
     cfg, model, task, loader, val_loader = make_parts("dense", max_steps=8, log_every=4)
     cfg.runtime.device, cfg.runtime.precision = "cuda", precision
-    cfg.validation.enabled, cfg.validation.every, cfg.checkpointing.every, cfg.checkpointing.save_final = True, 3, 6, False
+    cfg.validation.enabled, cfg.validation.every = True, 3
+    cfg.checkpointing.every, cfg.checkpointing.save_final = 6, False
     mode = FakeTensorMode()
     to_fake_cuda(model, mode)
     for ld in (loader, val_loader): ld.batches = [{k: mode.from_tensor(v) for k, v in b.items()} for b in ld.batches]

@@ -1,5 +1,5 @@
-"""Every script in bench/ runs with `--smoke` (tiny shapes, one or two repeats, the same code as the real run) and ends in
-its one JSON line, so that none rots between the times someone measures with it. The scripts are found by listing
+"""Every script in bench/ runs with `--smoke` (tiny shapes, one or two repeats, the same code as the real run) and ends
+in its one JSON line, so that none rots between the times someone measures with it. The scripts are found by listing
 bench/*.py: a new script fails here until it has a smoke mode and an entry in `EXPECTED`. `bench/gpu.sh --smoke` has its
 own test (tests/test_gpu_bench.py). Each run's working and temporary folders are the test's own; nothing may be written
 into the repository."""

@@ -1,5 +1,6 @@
-"""The book's house style, checked by tools/check_style.py: no code cell over 40 lines (the book itself: none, reason or not), and every
-exported piece followed within three cells by a check (and the checker shown to catch a notebook that breaks both)."""
+"""The book's house style, checked by tools/check_style.py: no code cell over 40 lines (the book itself: none, reason or
+not), and every exported piece followed within three cells by a check (and the checker shown to catch a notebook that
+breaks both)."""
 import json, re, subprocess, sys
 from pathlib import Path
 

@@ -11,7 +11,8 @@ from gradient_garden.evals import benchmarks as D
 from gradient_garden.evals import multiple_choice as E
 from gradient_garden.cli import evaluate as CE, prepare as CP
 
-LLAMA3_MODEL = Path(sys.prefix)/"lib"/f"python{sys.version_info.major}.{sys.version_info.minor}"/"site-packages"/"llama_models"/"llama3"/"tokenizer.model"
+LLAMA3_MODEL = (Path(sys.prefix)/"lib"/f"python{sys.version_info.major}.{sys.version_info.minor}"/"site-packages"
+                /"llama_models"/"llama3"/"tokenizer.model")
 
 # -- fixtures: a byte-level BPE trained on the fixture texts and a tiny random Llama ------------------------------
 
@@ -204,7 +205,8 @@ def test_prepare_offline_and_hub_path(tmp_path, monkeypatch):
                                                                          "--evals-dir", str(tmp_path)])
     assert CP.run_prepare_evals(args) == 0
     manifest = json.loads((tmp_path/"manifest.json").read_text())
-    assert manifest["winogrande"]["source"] == "fixture" and manifest["hellaswag"]["source"].startswith("hub:Rowan/hellaswag")
+    assert manifest["winogrande"]["source"] == "fixture"
+    assert manifest["hellaswag"]["source"].startswith("hub:Rowan/hellaswag")
 
 # -- gg evaluate -----------------------------------------------------------------------------------------------------
 
@@ -222,7 +224,8 @@ def test_evaluate_hf_checkpoint_end_to_end(tmp_path, model, tok):
         assert set(m) >= {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n", "source"} and 0 <= m["acc"] <= 1
     # the same numbers straight from the library, on the same seeded subset
     direct = E.evaluate_benchmarks(model, tok, ["hellaswag"], 10, 4, data_dir=tmp_path/"evals", seed=3)["hellaswag"]
-    assert direct["acc"] == res["tasks"]["hellaswag"]["acc"] and direct["acc_norm"] == res["tasks"]["hellaswag"]["acc_norm"]
+    assert direct["acc"] == res["tasks"]["hellaswag"]["acc"]
+    assert direct["acc_norm"] == res["tasks"]["hellaswag"]["acc_norm"]
     with pytest.raises(ConfigError, match="--validation needs --checkpoint"):
         CE.run_evaluate(CE.add_evaluate_args(argparse.ArgumentParser()).parse_args(["--hf-checkpoint", "x",
                                                                                     "--validation"]))
@@ -253,7 +256,8 @@ WORKER = textwrap.dedent('''
     import test_evals as T
     from gradient_garden.evals import multiple_choice as E
     dist.init_process_group("gloo")
-    tok = PreTrainedTokenizerFast(tokenizer_object=T._train_bpe(), bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=T._train_bpe(), bos_token="<|begin_of_text|>",
+                                  eos_token="<|end_of_text|>")
     model = T._tiny_llama(len(tok))
     for layer in model.model.model.layers: fully_shard(layer)
     fully_shard(model)
@@ -262,8 +266,8 @@ WORKER = textwrap.dedent('''
     out = {{}}
     for share in (False, True):
         calls.clear()
-        res = E.evaluate_benchmarks(model, tok, ["arc_challenge", "winogrande"], {{"arc_challenge": 7, "winogrande": 5}},
-                               batch_size=2, share_context=share)
+        res = E.evaluate_benchmarks(model, tok, ["arc_challenge", "winogrande"],
+                                    {{"arc_challenge": 7, "winogrande": 5}}, batch_size=2, share_context=share)
         out[str(share)] = {{"res": res, "forwards": len(calls)}}
     json.dump(out, open(os.path.join({out!r}, f"rank{{dist.get_rank()}}.json"), "w"))
     dist.barrier()  # no rank tears down the store while the other still uses it
@@ -419,7 +423,8 @@ def test_default_shares_contexts_and_runs_the_head_at_scored_positions_only(tok)
     from gradient_garden.evals.lm_eval import GardenLM
     # the platform tokenizer surface GardenLM reads
     class Tok:
-        eos_id, bos_id, pad_id, special_ids, markup_tokens, identity = tok.eos_token_id, tok.bos_token_id, 0, {}, {}, "bpe"
+        eos_id, bos_id, pad_id = tok.eos_token_id, tok.bos_token_id, 0
+        special_ids, markup_tokens, identity = {}, {}, "bpe"
         def encode(self, s): return tok.encode(s, add_special_tokens=False)
         def decode(self, ids): return tok.decode(ids)
         def encode_markup(self, s): return self.encode(s)

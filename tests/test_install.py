@@ -91,5 +91,5 @@ def test_a_missing_template_is_one_line(installed, prepared, tmp_path):
                            cwd=tmp_path, env=env(installed), capture_output=True, text=True, timeout=300)
     finally: where.with_suffix(".gone").rename(where)
     assert r.returncode == 2 and r.stderr.strip() == (f"error: the report notebook template {where} is missing from "
-                                                      "this "
-                                                     "install of gradient_garden; reinstall it, or pass --notebook"), r.stderr
+                                                      "this install of gradient_garden; reinstall it, or pass "
+                                                      "--notebook"), r.stderr

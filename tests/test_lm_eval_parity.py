@@ -230,7 +230,8 @@ def test_lm_eval_tasks_under_torchrun_equal_one_process(setup, tmp_path):
         assert abs(two[name]["acc"] - one[name]["acc"]) < 1e-12, (name, one[name], two[name])
 
 
-TURN = "<|start_header_id|>user<|end_header_id|>\\n\\n{{question}}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n"
+TURN = ("<|start_header_id|>user<|end_header_id|>\\n\\n{{question}}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\\n\\n")
 
 
 @pytest.fixture(scope="module")

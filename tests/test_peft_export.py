@@ -1,5 +1,6 @@
-"""`gg export --lora-adapter` end to end: a LoRA checkpoint becomes a Llama base folder plus a `peft` adapter folder that
-`peft.PeftModel.from_pretrained` loads, with the platform's LoRA logits (fp32, within 1e-4); the merged export too."""
+"""`gg export --lora-adapter` end to end: a LoRA checkpoint becomes a Llama base folder plus a `peft` adapter folder
+that `peft.PeftModel.from_pretrained` loads, with the platform's LoRA logits (fp32, within 1e-4); the merged export
+too."""
 import json
 from pathlib import Path
 

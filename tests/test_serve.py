@@ -540,7 +540,8 @@ def test_a_failing_request_ends_alone_and_sigterm_still_stops(tiny):
                     and "\n" not in msg), msg
             events = [l for l in httpx.post(f"{url}/v1/completions", json={**bad, "stream": True},
                                             timeout=60).text.splitlines() if l.startswith("data: ")]
-            assert json.loads(events[-1][6:])["error"]["message"].startswith("generation failed for this request"), events[-2:]
+            message = json.loads(events[-1][6:])["error"]["message"]
+            assert message.startswith("generation failed for this request"), events[-2:]
             assert good.result().usage.completion_tokens == MAX_LEN - 8        # the other request ran to its end
         h = httpx.get(f"{url}/health").json()
         assert (h["failed"], h["running"]) == (2, 0), h

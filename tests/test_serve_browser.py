@@ -59,7 +59,8 @@ def test_page_streams_a_reply(page_server, tmp_path):
             page.fill("#temperature", "0")
             page.fill("#max_tokens", "64")
             page.evaluate("""() => { window.updates = 0;            // count how often the reply's text changes
-                new MutationObserver(ms => ms.forEach(m => { if (m.target.classList && m.target.classList.contains("assistant")) window.updates++; }))
+                new MutationObserver(ms => ms.forEach(m => {
+                    if (m.target.classList && m.target.classList.contains("assistant")) window.updates++; }))
                   .observe(document.getElementById("log"), {childList: true, subtree: true, characterData: true}); }""")
             page.fill("#input", page_server["msgs"][1]["content"])
             page.press("#input", "Enter")

@@ -54,7 +54,8 @@ def signalled_then_resumed(prepared, out, start, pick_pid, sig, launcher):
     step = int(line.split(" at step ")[1].split(":")[0])
     layout = ".pt" if launcher == GG else ""  # checkpointing.format: auto — one file on one process, shards on several
     assert line == (f"stopped by {signal.Signals(sig).name} at step {step}: checkpoint "
-                    f"{run_dir(out)/'checkpoints'/f'step_{step:07d}{layout}'}; resume with --checkpoint {run_dir(out)}"), line
+                    f"{run_dir(out)/'checkpoints'/f'step_{step:07d}{layout}'}; "
+                    f"resume with --checkpoint {run_dir(out)}"), line
     assert 3 <= step < STEPS, step
     assert f"{start}: stopped by {signal.Signals(sig).name}" in stdout  # the summary table says so too
     r = subprocess.run(launcher + ["train", "--recipe", RECIPE, "--checkpoint", run_dir(out), "--set",
@@ -142,7 +143,8 @@ FAIL_SECOND_SHARDED_WRITE = """
 import errno, sys
 from torch.distributed.checkpoint import FileSystemWriter
 real, calls, kind = FileSystemWriter.write_data, [], sys.argv.pop(1)
-def write_data(self, plan, planner):  # every shard file of a sharded save goes through here (a background thread: async)
+# every shard file of a sharded save goes through here (a background thread: async)
+def write_data(self, plan, planner):
     calls.append(1)
     if len(calls) > 1: raise KeyboardInterrupt if kind == "ctrl-c" else OSError(errno.ENOSPC, "No space left on device")
     return real(self, plan, planner)
@@ -209,8 +211,8 @@ def test_sigterm_to_gg_notebook_reaches_the_kernel(prepared, tmp_path):
 def test_a_sharded_write_failing_on_one_rank_stops_all(prepared, tmp_path, async_save):
     "2 gloo ranks, the disk fills on rank 1 only (in the background write): every rank stops, rank 0 says it once."
     script = tmp_path/"fail_on_rank_1.py"
-    script.write_text(FAIL_SECOND_SHARDED_WRITE.replace('if len(calls) > 1:', 'if len(calls) > 1 and '
-                                                                              '__import__("os").environ["RANK"] == "1":'))
+    script.write_text(FAIL_SECOND_SHARDED_WRITE.replace(
+        'if len(calls) > 1:', 'if len(calls) > 1 and __import__("os").environ["RANK"] == "1":'))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(script), "enospc",
                         "train", "--recipe", RECIPE, "--set",
@@ -223,7 +225,8 @@ def test_a_sharded_write_failing_on_one_rank_stops_all(prepared, tmp_path, async
     line = (f"error: checkpoint of step 8 not written{how}: rank 1: disk full (OSError: [Errno 28] No space left on "
             "device); "
             f"the last intact checkpoint is {ck/'step_0000004'}")
-    assert r.returncode != 0 and r.stderr.count(line) == 1 and r.stderr.count("step 8 not written") == 1, r.stderr[-4000:]
+    assert (r.returncode != 0 and r.stderr.count(line) == 1
+            and r.stderr.count("step 8 not written") == 1), r.stderr[-4000:]
     assert "exit status 1: a checkpoint was not written" in r.stderr  # torchrun's summary points at the line
     assert sorted(p.name for p in ck.iterdir()) == ["step_0000004"]
 
@@ -252,7 +255,8 @@ def test_a_second_ctrl_c_within_a_second_aborts_at_once(prepared, tmp_path):
     t0 = time.time()
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr[-3000:]
-    assert "stopped by" not in stderr and time.time() - t0 < 30 and not list((run_dir(tmp_path)/"checkpoints").glob("step_*"))
+    assert "stopped by" not in stderr and time.time() - t0 < 30
+    assert not list((run_dir(tmp_path)/"checkpoints").glob("step_*"))
 
 @pytest.mark.slow
 def test_sigterm_to_gg_launch_ends_with_our_line(prepared, tmp_path):

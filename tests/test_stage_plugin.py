@@ -50,7 +50,8 @@ RECIPE = textwrap.dedent('''
     description: a stage from the user's own module
     config:
       model: {dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, vocab_size: 4096, multiple_of: 32, max_seq_len: 64}
-      training: {stage: "copy_stage:copy", total_batch_size: 1024, micro_batch_size: 8, seq_len: 64, max_steps: 8, log_every: 1}
+      training: {stage: "copy_stage:copy", total_batch_size: 1024, micro_batch_size: 8, seq_len: 64, max_steps: 8,
+                 log_every: 1}
       optimizers: {adamw: {warmup_steps: 2}}
       stage_options: {period: 4}
       validation: {every: 4, steps: 1}
@@ -95,7 +96,8 @@ def test_a_plugin_stage_trains_resumes_exactly_and_plans(prepared, tmp_path):
     a = {r["step"]: r["loss"] for r in recs if "loss" in r}
     b = {r["step"]: r["loss"] for r in metrics(resumed/"copy"/"copy") if "loss" in r}
     assert sorted(b) == [4, 5, 6, 7, 8] and all(a[s] == b[s] for s in b), (a, b)
-    wa, wb = weights(run_dir/"checkpoints"/"step_0000008.pt"), weights(resumed/"copy"/"copy"/"checkpoints"/"step_0000008.pt")
+    wa = weights(run_dir/"checkpoints"/"step_0000008.pt")
+    wb = weights(resumed/"copy"/"copy"/"checkpoints"/"step_0000008.pt")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
     plan = run_gg("plan", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"plan"), env=env)
@@ -114,5 +116,6 @@ def test_a_plugin_stage_is_checked_in_one_line(prepared, tmp_path):
     assert r.returncode == 2 and "training.stage: got 'copy_stage:nope'; module 'copy_stage' has no 'nope'" in r.stderr
     r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, tmp_path/"c"), "training.stage=toy", env=env,
                check=False)
-    assert r.returncode == 2 and "training.stage: got 'toy'; registered stages are pretraining, instruct, dpo, rl" in r.stderr
+    assert r.returncode == 2
+    assert "training.stage: got 'toy'; registered stages are pretraining, instruct, dpo, rl" in r.stderr
     assert "Traceback" not in r.stderr

@@ -104,7 +104,8 @@ from pathlib import Path
 from gradient_garden.checkpoint.checkpoints import CheckpointManager
 meta = dict(stage="pretraining", architecture="tendril", config={})
 for async_save in (False, True):
-    m = CheckpointManager(Path(sys.argv[1])/str(async_save), keep_last=2, keep_best=False, async_save=async_save, raise_failures=True)
+    m = CheckpointManager(Path(sys.argv[1])/str(async_save), keep_last=2, keep_best=False, async_save=async_save,
+                          raise_failures=True)
     m.save_sharded(2, {"model": {"w": torch.ones(3)}}, meta); m.wait()
 print("saved")
 """

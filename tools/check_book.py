@@ -5,9 +5,9 @@ Usage: python tools/check_book.py COMMITTED_DIR EXECUTED_DIR   (outputs against 
 
 Both folders hold the same notebooks: COMMITTED_DIR as committed, EXECUTED_DIR after `nbdev-test --save`. Output
 values may differ between runs (timings, temporary paths), so what is compared is which code cells show something:
-a cell that shows a result when run (a display, a value or printed text; stderr aside) must show it in the committed notebook, a committed cell may not show output that
-a run no longer produces, and no committed cell may hold an error. Exit 1 with one line per problem, naming the
-notebook and the fix (`make book`).
+a cell that shows a result when run (a display, a value or printed text; stderr aside) must show it in the committed
+notebook, a committed cell may not show output that a run no longer produces, and no committed cell may hold an error.
+Exit 1 with one line per problem, naming the notebook and the fix (`make book`).
 
 The committed outputs must also be clean, as a reader sees them: no absolute path of the machine that ran them (print
 paths relative to the run or the repository), no stderr stream and no library warning (fix the cause, or silence it
@@ -16,7 +16,8 @@ with a sentence saying why), and no MFU above 100% (a figure measured against th
 import json, re, sys
 from pathlib import Path
 
-ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:tmp|home|root|work|Users|var|private|mnt|opt|usr|srv|scratch|media|workspace)/[\w.-]")
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:tmp|home|root|work|Users|var|private|mnt|opt|usr|srv|scratch|media"
+                           r"|workspace)/[\w.-]")
 WARNING = re.compile(r"\b(?:\w+Warning|WARNING|Warning):")
 MFU_PERCENT = re.compile(r"(?i)\bmfu\b\W{0,4}([0-9][0-9,]*(?:\.[0-9]+)?)\s*%")
 MFU_FRACTION = re.compile(r"['\"]mfu['\"]\s*:\s*([0-9.]+(?:e[+-]?[0-9]+)?)")

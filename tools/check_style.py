@@ -22,8 +22,8 @@ WINDOW = 3
 KEPT = re.compile(r"^#\s*Kept whole:\s*\S")
 DIRECTIVE = re.compile(r"^#\s*\|\s*([\w-]+):?\s*(.*)$")
 EXPORTS = {"export", "exporti", "exports"}
-CHECK_CALL = re.compile(r"\b(test_eq|test_ne|test_close|test_fail|test_is|test_warns|test_stdout|assert\w*|print|display"
-                        r"|show_doc|imshow|savefig)\b|\bplt\.|\.plot\(|\.hist\(|\.bar\(|\.scatter\(")
+CHECK_CALL = re.compile(r"\b(test_eq|test_ne|test_close|test_fail|test_is|test_warns|test_stdout|assert\w*|print"
+                        r"|display|show_doc|imshow|savefig)\b|\bplt\.|\.plot\(|\.hist\(|\.bar\(|\.scatter\(")
 
 def source(cell) -> list[str]:
     "The cell's source lines, trailing blank lines dropped."
