@@ -44,14 +44,18 @@ class RolloutLoader:
         self.seq_len, self.micro, self.grad_accum, self.precision = seq_len, micro_batch_size, grad_accum, precision
         self.rank, self.world_size, self.seed = rank, world_size, seed
         ids = [encode_prompt(tokenizer, e.prompt, rl.plain_prompts) for e in examples]
-        room = min(seq_len + 1, model.cfg.max_seq_len if hasattr(model, "cfg") else unwrap_model(model).cfg.max_seq_len) - rl.max_new_tokens
+        max_len = model.cfg.max_seq_len if hasattr(model, "cfg") else unwrap_model(model).cfg.max_seq_len
+        room = min(seq_len + 1, max_len) - rl.max_new_tokens
         keep = [i for i, p in enumerate(ids) if len(p) <= room]
-        if not keep: raise ConfigError(f"training.seq_len: got {seq_len}; no prompt leaves room for rl.max_new_tokens = {rl.max_new_tokens}")
+        if not keep:
+            raise ConfigError(f"training.seq_len: got {seq_len}; "
+                              f"no prompt leaves room for rl.max_new_tokens = {rl.max_new_tokens}")
         self.examples, self.prompt_ids = [examples[i] for i in keep], [ids[i] for i in keep]
         self.n_dropped = len(examples) - len(keep)
         rows = micro_batch_size * grad_accum
         if rows % rl.group_size:
-            raise ConfigError(f"rl.group_size: got {rl.group_size}; a rank's {rows} rows per step (micro_batch_size x accumulation) must be whole groups")
+            raise ConfigError(f"rl.group_size: got {rl.group_size}; a rank's {rows} rows per step "
+                              "(micro_batch_size x accumulation) must be whole groups")
         self.prompts_per_rank = rows // rl.group_size
         self.epoch, self.cursor, self.round = 0, 0, 0
         self.focus = TaskFocus([e.task for e in self.examples], rl.task_focus) if rl.task_focus else None   # below
@@ -64,16 +68,20 @@ class RolloutLoader:
         self._order = {}
 
     def _order_for(self, epoch: int) -> np.ndarray:
-        if epoch not in self._order: self._order = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))}
+        if epoch not in self._order:
+            self._order = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))}
         return self._order[epoch]
 
 # %% ../../nbs/47_rl.ipynb #0b3ae876
 @patch
 def _sample(self: RolloutLoader, idx: list[int]) -> tuple:
-    "Completions of prompts `idx` (G each: `rl.off_policy_rows` of them the reference answer) from the current weights, which of them stopped, the seconds it took, and each row's summed token entropy (adaptive entropy control only)."
+    ("Completions of prompts `idx` (G each: `rl.off_policy_rows` of them the reference answer) from the current "
+     "weights, which of them stopped, the seconds it took, and each row's summed token entropy (adaptive entropy "
+     "control only).")
     model, rl = plain_module(self.model), self.rl
     dev = next(model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(int(np.random.SeedSequence([self.seed, self.round, self.rank]).generate_state(1)[0]))
+    seed = int(np.random.SeedSequence([self.seed, self.round, self.rank]).generate_state(1)[0])
+    gen = torch.Generator(device=dev).manual_seed(seed)
     was = model.training
     model.eval()
     n_sampled = rl.group_size - rl.off_policy_rows
@@ -99,7 +107,8 @@ def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tu
         r = self.rewarder(self.examples[idx[j // G]], text, s)
         rewards.append(r["total"])
         for k, v in r.items():
-            if k != "total" and j % G < G - self.rl.off_policy_rows: parts[k] = parts.get(k, 0.0) + v   # the sampled rows' parts
+            # the sampled rows' parts
+            if k != "total" and j % G < G - self.rl.off_policy_rows: parts[k] = parts.get(k, 0.0) + v
     return torch.tensor(rewards, dtype=torch.float32), parts
 
 # %% ../../nbs/47_rl.ipynb #af806801
@@ -108,7 +117,8 @@ def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tens
     "Step figures over every rank's rollouts: reward mean/std, zero-variance groups, lengths, rollout tokens/s."
     n = rewards.numel()
     sums = torch.tensor([n, rewards.double().sum(), (rewards.double() ** 2).sum(), zero.double().sum() / group_size,
-                         lengths.double().sum(), (~stopped).double().sum()] + [parts[k] for k in sorted(parts)], dtype=torch.float64)
+                         lengths.double().sum(), (~stopped).double().sum()] + [parts[k] for k in sorted(parts)],
+                         dtype=torch.float64)
     sums = all_reduce(sums)
     secs = all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")
     N = sums[0].item()
@@ -126,14 +136,17 @@ def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
     dev = next(self.model.parameters()).device
     b = {k: v.to(dev) for k, v in batch.items() if torch.is_tensor(v)} | {"labels_from": batch.get("labels_from", 0)}
     with autocast_context(dev, self.precision):
-        if self.rl.num_iterations > 1: batch["old_logps"] = completion_logps(self.model, b, temperature=self.rl.temperature)[0].cpu()
-        if self.reference is not None: batch["ref_logps"] = completion_logps(self.reference, b, temperature=self.rl.temperature)[0].cpu()
+        if self.rl.num_iterations > 1:
+            batch["old_logps"] = completion_logps(self.model, b, temperature=self.rl.temperature)[0].cpu()
+        if self.reference is not None:
+            batch["ref_logps"] = completion_logps(self.reference, b, temperature=self.rl.temperature)[0].cpu()
     return batch
 
 # %% ../../nbs/47_rl.ipynb #a9070f2f
 @patch
 def _next_prompts(self: RolloutLoader) -> list[int]:
-    "This rank's share of the next `prompts_per_rank x world_size` prompts of the global stream (with `rl.task_focus`, of those kept)."
+    ("This rank's share of the next `prompts_per_rank x world_size` prompts of the global stream (with "
+     "`rl.task_focus`, of those kept).")
     if self.focus is not None: return self._focused_prompts()
     mine, self.epoch, self.cursor = stream_positions(self.epoch, self.cursor, self.prompts_per_rank, self.rank,
                                                      self.world_size, lambda e: len(self.examples))
@@ -146,7 +159,8 @@ def differs(rewards: torch.Tensor) -> bool:
 # %% ../../nbs/47_rl.ipynb #5650dbe6
 @patch
 def _sample_groups(self: RolloutLoader) -> tuple:
-    "Groups `(prompt, completions, stopped, rewards, entropies)` of up to `rl.sampling_rounds` rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose sampled rows' rewards differ."
+    ("Groups `(prompt, completions, stopped, rewards, entropies)` of up to `rl.sampling_rounds` rounds, the reward "
+     "parts, the seconds, rounds, and whether any rank found a group whose sampled rows' rewards differ.")
     G, P, groups, parts, secs = self.rl.group_size, self.prompts_per_rank, [], {}, 0.0
     S = G - self.rl.off_policy_rows                                  # the sampled rows judge a group
     for n in range(1, self.rl.sampling_rounds + 1):
@@ -155,9 +169,10 @@ def _sample_groups(self: RolloutLoader) -> tuple:
         rewards, p = self._score(idx, outs, stopped)
         self.round, secs = self.round + 1, secs + s
         parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
-        new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G], ent[j * G:(j + 1) * G])
-               for j, i in enumerate(idx)]
-        if self.focus is not None: self.focus.update(all_reduce(self.focus.counts(self.examples, [g[:3] + (g[3][:S],) for g in new])))
+        new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G],
+                ent[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+        if self.focus is not None:
+            self.focus.update(all_reduce(self.focus.counts(self.examples, [g[:3] + (g[3][:S],) for g in new])))
         groups += new
         if self.rl.off_policy_prompts == "failed": self._note_failures(new)   # below
         good = sum(differs(g[3][:S]) for g in groups)
@@ -167,7 +182,8 @@ def _sample_groups(self: RolloutLoader) -> tuple:
 
 # %% ../../nbs/47_rl.ipynb #aba3b2c1
 def choose_groups(groups: list, n: int, rounds: int, n_sampled: Optional[int] = None) -> tuple[list, list[bool]]:
-    "The step's `n` groups and which are fillers: all in order for one round, else differing ones (judged on the first `n_sampled` rows) first, then equal ones."
+    ("The step's `n` groups and which are fillers: all in order for one round, else differing ones (judged on the "
+     "first `n_sampled` rows) first, then equal ones.")
     if rounds == 1: return groups[:n], [False] * len(groups[:n])
     good = [g for g in groups if differs(g[3][:n_sampled])][:n]
     rest = [g for g in groups if not differs(g[3][:n_sampled])][:n - len(good)]
@@ -177,7 +193,8 @@ def choose_groups(groups: list, n: int, rounds: int, n_sampled: Optional[int] = 
 @patch
 def _batch_std(self: RolloutLoader, rewards: torch.Tensor) -> torch.Tensor:
     "The standard deviation of the step's rewards over every rank (`rl.scale_rewards: batch`)."
-    s = all_reduce(torch.tensor([rewards.numel(), rewards.double().sum(), (rewards.double() ** 2).sum()], dtype=torch.float64))
+    s = all_reduce(torch.tensor([rewards.numel(), rewards.double().sum(), (rewards.double() ** 2).sum()],
+                                dtype=torch.float64))
     m = s[1] / s[0]
     return torch.sqrt((s[2] / s[0] - m ** 2).clamp(min=0) * s[0] / (s[0] - 1)).float()
 
@@ -193,8 +210,10 @@ def _rollout_round(self: RolloutLoader):
     bstd = self._batch_std(rewards.view(-1, G)[:, :S]) if rl.scale_rewards == "batch" else None
     adv, _ = group_advantages(rewards, G, rl.scale_rewards, bstd, rl.off_policy_rows)
     every = torch.cat([g[3][:S] for g in groups])
-    stats = _global_stats(every, group_advantages(every, S)[1], torch.tensor([len(o) for g in groups for o in g[1][:S]]),
-                          torch.tensor([s for g in groups for s in g[2][:S]]), parts, secs, S) | {"sampling_rounds": rounds}
+    lengths, ended = (torch.tensor([len(o) for g in groups for o in g[1][:S]]),
+                      torch.tensor([s for g in groups for s in g[2][:S]]))
+    stats = _global_stats(every, group_advantages(every, S)[1], lengths, ended, parts, secs, S)
+    stats["sampling_rounds"] = rounds
     if rl.off_policy_rows: stats |= self._reference_stats(groups)   # below
     if self.focus is not None:
         skipped = self.skipped - skipped
@@ -203,7 +222,8 @@ def _rollout_round(self: RolloutLoader):
     rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
     if rl.off_policy_prompts == "failed": self._swap_in_failures(len(chosen), rows, outs, stopped, adv, bstd)   # below
     off = (torch.arange(G) >= S).repeat(len(chosen))                  # the reference rows
-    fill = torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G) & ~off   # a filler's reference rows stay
+    # a filler's reference rows stay
+    fill = torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G) & ~off
     keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~fill
     coef = self._control_entropy(chosen, outs, keep & ~off) if self.control is not None else {}
     self.buffer = []
@@ -227,26 +247,33 @@ def next_batch(self: RolloutLoader) -> dict:
 @patch
 def state_dict(self: RolloutLoader) -> dict:
     "Where the prompt stream and the sampling stand, and the rollouts still to be trained on (several passes)."
+    ref = ({} if self.reference is None
+           else {"reference": {k: v.detach().cpu() for k, v in self.reference.model.state_dict().items()}})
     return dict(kind="rl", stream="global", epoch=self.epoch, cursor=self.cursor, round=self.round, seed=self.seed,
                 rank=self.rank, world_size=self.world_size, n_prompts=len(self.examples), group_size=self.rl.group_size,
                 pos=self.pos, passes_left=self.passes_left, buffer=self.buffer if self.passes_left else [],
-                skipped=self.skipped, failed=[list(f) for f in self.failed], focus=None if self.focus is None else dict(self.focus.rate),
-                entropy_control=None if self.control is None else self.control.state_dict()) | (
-                {"reference": {k: v.detach().cpu() for k, v in self.reference.model.state_dict().items()}} if self.reference is not None else {})
+                skipped=self.skipped, failed=[list(f) for f in self.failed],
+                focus=None if self.focus is None else dict(self.focus.rate),
+                entropy_control=None if self.control is None else self.control.state_dict()) | ref
 
+# %% ../../nbs/47_rl.ipynb #aaa9e78a
 @patch
 def load_state_dict(self: RolloutLoader, d: dict):
-    "Resume exactly where the saved loader stood (the same prompts and group size; a round in progress needs the same ranks)."
+    ("Resume exactly where the saved loader stood (the same prompts and group size; a round in progress needs the same "
+     "ranks).")
     for k in ("kind", "seed", "n_prompts", "group_size"):
         if d.get(k) != self.state_dict()[k]:
-            raise ConfigError(f"loader state: {k} was {d.get(k)!r} when saved, is {self.state_dict()[k]!r} now; exact resume "
-                              "needs the same prompts and settings (or resume with --reset-loader)")
+            raise ConfigError(f"loader state: {k} was {d.get(k)!r} when saved, is {self.state_dict()[k]!r} now; "
+                              "exact resume needs the same prompts and settings (or resume with --reset-loader)")
     if d.get("passes_left") and d.get("world_size") != self.world_size:
-        raise ConfigError(f"loader state: saved in the middle of a rollout batch on {d.get('world_size')} ranks; resume on as many (or with --reset-loader)")
+        raise ConfigError(f"loader state: saved in the middle of a rollout batch on {d.get('world_size')} ranks; "
+                          "resume on as many (or with --reset-loader)")
     self.epoch, self.cursor, self.round = int(d["epoch"]), int(d["cursor"]), int(d["round"])
-    self.pos, self.passes_left, self.buffer = int(d.get("pos", 0)), int(d.get("passes_left", 0)), list(d.get("buffer", []))
+    self.pos, self.passes_left = int(d.get("pos", 0)), int(d.get("passes_left", 0))
+    self.buffer = list(d.get("buffer", []))
     self.skipped, self.failed = int(d.get("skipped", 0)), [(int(i), float(a)) for i, a in d.get("failed", [])]
-    if self.focus is not None and d.get("focus"): self.focus.rate = {t: float(d["focus"].get(t, 1.0)) for t in self.focus.tasks}
+    if self.focus is not None and d.get("focus"):
+        self.focus.rate = {t: float(d["focus"].get(t, 1.0)) for t in self.focus.tasks}
     if self.control is not None and d.get("entropy_control"): self.control.load_state_dict(d["entropy_control"])
     if self.reference is not None and d.get("reference"): self.reference.model.load_state_dict(d["reference"])
 
@@ -263,7 +290,8 @@ class TaskFocus:
         return 1.0 if top <= 0 else max(self.floor, self.rate[task] / top)
 
     def counts(self, examples: list, groups: list) -> torch.Tensor:
-        "One rank's `[2, n_tasks]` counts of `groups` `(prompt, completions, stopped, rewards)`: groups, and those that differ."
+        ("One rank's `[2, n_tasks]` counts of `groups` `(prompt, completions, stopped, rewards)`: groups, and those "
+         "that differ.")
         c, col = torch.zeros(2, len(self.tasks), dtype=torch.float64), {t: i for i, t in enumerate(self.tasks)}
         for g in groups:
             t = col[examples[g[0]].task]
@@ -296,7 +324,8 @@ def _focused_prompts(self: RolloutLoader) -> list[int]:
 
 # %% ../../nbs/47_rl.ipynb #1fcf5aca
 class EntropyControl:
-    "The adaptive entropy coefficient (Skywork-OR1; TRL's `use_adaptive_entropy`): stepped toward `target` after each step, applied while at or below it."
+    ("The adaptive entropy coefficient (Skywork-OR1; TRL's `use_adaptive_entropy`): stepped toward `target` after each "
+     "step, applied while at or below it.")
     def __init__(self, coef: float, target: float, delta: float, lo: float = 0.0, hi: float = 1.0):
         self.coef, self.target, self.delta, self.lo, self.hi = coef, target, delta, lo, hi
         self.last = math.inf                      # no measurement yet: the first step applies no bonus
@@ -311,11 +340,13 @@ class EntropyControl:
 
     def update(self, entropy: float):
         "Fold in a step's mean token entropy."
-        self.coef = min(self.coef + self.delta, self.hi) if entropy <= self.target else max(self.coef - self.delta, self.lo)
+        if entropy <= self.target: self.coef = min(self.coef + self.delta, self.hi)
+        else: self.coef = max(self.coef - self.delta, self.lo)
         self.last = entropy
 
     def state_dict(self) -> dict: return {"coef": self.coef, "last": None if math.isinf(self.last) else self.last}
-    def load_state_dict(self, d: dict): self.coef, self.last = float(d["coef"]), math.inf if d["last"] is None else float(d["last"])
+    def load_state_dict(self, d: dict):
+        self.coef, self.last = float(d["coef"]), math.inf if d["last"] is None else float(d["last"])
 
 # %% ../../nbs/47_rl.ipynb #4cde3842
 @patch
@@ -330,9 +361,11 @@ def _control_entropy(self: RolloutLoader, chosen: list, outs: list, keep: torch.
 
 # %% ../../nbs/47_rl.ipynb #b5326bd4
 def reference_completion(tokenizer, example: Problem, plain: bool = False) -> list[int]:
-    "The example's answer as completion ids: the assistant turn's supervised tokens (content and `<|eot_id|>`), or (plain) its text and EOS."
+    ("The example's answer as completion ids: the assistant turn's supervised tokens (content and `<|eot_id|>`), or "
+     "(plain) its text and EOS.")
     if plain: return tokenizer.encode(example.answer) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
-    ids, supervised = tokenizer.render_chat([{"role": "user", "content": example.prompt}, {"role": "assistant", "content": example.answer}])
+    ids, supervised = tokenizer.render_chat([{"role": "user", "content": example.prompt},
+                                             {"role": "assistant", "content": example.answer}])
     return [t for t, m in zip(ids, supervised) if m]
 
 # %% ../../nbs/47_rl.ipynb #6f0d9ca6
@@ -340,12 +373,14 @@ def reference_completion(tokenizer, example: Problem, plain: bool = False) -> li
 def _reference(self: RolloutLoader, i: int) -> list[int]:
     "Prompt `i`'s reference completion (computed once)."
     if not hasattr(self, "_references"): self._references = {}
-    if i not in self._references: self._references[i] = reference_completion(self.tok, self.examples[i], self.rl.plain_prompts)
+    if i not in self._references:
+        self._references[i] = reference_completion(self.tok, self.examples[i], self.rl.plain_prompts)
     return self._references[i]
 
 @patch
 def _add_references(self: RolloutLoader, idx: list[int], outs: list, stopped: list, ent: torch.Tensor) -> tuple:
-    "Each prompt's sampled rows followed by `rl.off_policy_rows` copies of its reference completion (cut at `rl.max_new_tokens`)."
+    ("Each prompt's sampled rows followed by `rl.off_policy_rows` copies of its reference completion (cut at "
+     "`rl.max_new_tokens`).")
     k, n = self.rl.off_policy_rows, self.rl.group_size - self.rl.off_policy_rows
     o, s = [], []
     for j, i in enumerate(idx):
@@ -362,32 +397,38 @@ def _reference_stats(self: RolloutLoader, groups: list) -> dict:
     return {"reference_reward": (s[0] / s[1]).item()}
 
 # %% ../../nbs/47_rl.ipynb #cc229232
-def reference_losses(logps: torch.Tensor, advantages: torch.Tensor, loss: str = "shaped", shaping: float = 0.1) -> torch.Tensor:
-    "Per-token losses `[B, T]` of reference rows: minus the advantage times the shaped probability p / (p + shaping), or (log_likelihood) times log p."
+def reference_losses(logps: torch.Tensor, advantages: torch.Tensor, loss: str = "shaped",
+                     shaping: float = 0.1) -> torch.Tensor:
+    ("Per-token losses `[B, T]` of reference rows: minus the advantage times the shaped probability p / (p + shaping), "
+     "or (log_likelihood) times log p.")
     if loss == "log_likelihood": return -logps * advantages[:, None]
     p = logps.exp()
     return -(p / (p + shaping)) * advantages[:, None]
 
 def with_references(per_token: torch.Tensor, ratio: torch.Tensor, kl, logps: torch.Tensor, advantages: torch.Tensor,
                     off: torch.Tensor, rl) -> tuple:
-    "Per-token losses and ratios with the reference rows' (`off`) swapped for their term, times `rl.off_policy_weight` (and the KL when beta > 0); their ratio is 1: nothing to clip."
+    ("Per-token losses and ratios with the reference rows' (`off`) swapped for their term, times "
+     "`rl.off_policy_weight` (and the KL when beta > 0); their ratio is 1: nothing to clip.")
     off = off.to(logps.device)[:, None]
-    shaped = rl.off_policy_weight * reference_losses(logps, advantages, rl.off_policy_loss, rl.off_policy_shaping) + (0.0 if kl is None else rl.beta * kl)
+    ref = reference_losses(logps, advantages, rl.off_policy_loss, rl.off_policy_shaping)
+    shaped = rl.off_policy_weight * ref + (0.0 if kl is None else rl.beta * kl)
     return torch.where(off, shaped, per_token), ratio.masked_fill(off, 1.0)
 
 # %% ../../nbs/47_rl.ipynb #00cf882f
 @patch
 def _note_failures(self: RolloutLoader, groups: list, limit: int = 4096):
-    "Put each group whose sampled rows all scored below its reference on the stack of failures, with the reference's advantage."
+    ("Put each group whose sampled rows all scored below its reference on the stack of failures, with the reference's "
+     "advantage.")
     S = self.rl.group_size - self.rl.off_policy_rows
     for g in groups:
         if not differs(g[3][:S]) and g[3][S] > g[3][0]: self.failed.append((g[0], float(g[3][S] - g[3][0])))
     del self.failed[:-limit]
 
 @patch
-def _swap_in_failures(self: RolloutLoader, n_groups: int, rows: list, outs: list, stopped: torch.Tensor, adv: torch.Tensor,
-                      batch_std: Optional[torch.Tensor] = None):
-    "Give the step's reference slots, in place, the references of the newest failures (ReLIFT); slots left over keep the group's own."
+def _swap_in_failures(self: RolloutLoader, n_groups: int, rows: list, outs: list, stopped: torch.Tensor,
+                      adv: torch.Tensor, batch_std: Optional[torch.Tensor] = None):
+    ("Give the step's reference slots, in place, the references of the newest failures (ReLIFT); slots left over keep "
+     "the group's own.")
     rl, G = self.rl, self.rl.group_size
     scale = {"group": 1.0, "batch": float(batch_std) if batch_std is not None else 1.0, "none": None}[rl.scale_rewards]
     for r in [j * G + c for j in range(n_groups) for c in range(G - rl.off_policy_rows, G)]:
@@ -405,7 +446,8 @@ class RLTask:
     reports_val_metrics = True
 
     def __init__(self, rl, tokenizer=None, heldout: Optional[list] = None, lockstep: bool = False, seed: int = 0):
-        if rl.loss_type not in RL_LOSSES: raise ConfigError(f"rl.loss_type: got {rl.loss_type!r}; allowed: {', '.join(RL_LOSSES)}")
+        if rl.loss_type not in RL_LOSSES:
+            raise ConfigError(f"rl.loss_type: got {rl.loss_type!r}; allowed: {', '.join(RL_LOSSES)}")
         self.rl, self.tok, self.heldout, self.lockstep, self.seed = rl, tokenizer, heldout or [], lockstep, seed
         self.chat_prompts = not rl.plain_prompts
 
@@ -435,8 +477,10 @@ def loss(self: RLTask, model, batch: dict):
     old = logps.detach() if old is None else old.to(logps)
     ref = batch.get("ref_logps")
     adv = batch["advantages"].to(logps)
-    per_token, ratio, kl = token_losses(logps, old, adv, rl.epsilon_low, rl.epsilon_high, rl.beta, None if ref is None else ref.to(logps))
-    if "off_policy" in batch: per_token, ratio = with_references(per_token, ratio, kl, logps, adv, batch["off_policy"], rl)
+    per_token, ratio, kl = token_losses(logps, old, adv, rl.epsilon_low, rl.epsilon_high, rl.beta,
+                                        None if ref is None else ref.to(logps))
+    if "off_policy" in batch:
+        per_token, ratio = with_references(per_token, ratio, kl, logps, adv, batch["off_policy"], rl)
     loss_sum, _ = loss_parts(per_token, mask, rl.loss_type, rl.max_new_tokens)
     count = self.count(batch)
     if coef: loss_sum = loss_sum - coef * entropy_sum(ent, mask, count)
@@ -444,22 +488,26 @@ def loss(self: RLTask, model, batch: dict):
     tokens = m.sum().clamp(min=1)
     a = adv[:, None]
     clipped = ((ratio < 1 - rl.epsilon_low) & (a < 0)) | ((ratio > 1 + rl.epsilon_high) & (a > 0))
-    metrics = {"entropy": (ent.double() * m).sum() / tokens * w, "clip_fraction": (clipped.double() * m).sum() / tokens * w}
+    metrics = {"entropy": (ent.double() * m).sum() / tokens * w,
+               "clip_fraction": (clipped.double() * m).sum() / tokens * w}
     if kl is not None: metrics["kl"] = (kl.detach().double() * m).sum() / tokens * w
     metrics |= {k: torch.tensor(float(v), dtype=torch.float64, device=w.device) * w for k, v in batch["stats"].items()}
     return loss_sum, metrics
 
+# %% ../../nbs/47_rl.ipynb #f18c6918
 @patch
 def _heldout(self: RLTask, model, batch: dict):
-    "Misses of this rank's held-out prompts (the validation 'loss'), with greedy hits (overall and per task) and pass@k as metrics."
+    ("Misses of this rank's held-out prompts (the validation 'loss'), with greedy hits (overall and per task) and "
+     "pass@k as metrics.")
     rl, exs = self.rl, [self.heldout[i] for i in batch["heldout"]]
     dev = next(model.parameters()).device
     if not exs and not self.lockstep: z = torch.zeros((), device=dev); return z, {}
-    hits, khits = heldout_hits(model, self.tok, exs, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p, rl.plain_prompts,
-                               self.seed, lockstep=self.lockstep, n_rows=batch.get("n_rows"))
+    hits, khits = heldout_hits(model, self.tok, exs, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p,
+                               rl.plain_prompts, self.seed, lockstep=self.lockstep, n_rows=batch.get("n_rows"))
     t = lambda x: torch.tensor(float(x), dtype=torch.float64, device=dev)
     out = {"exact_match": t(sum(hits)), f"pass@{rl.eval_k}": t(sum(k > 0 for k in khits))}
-    for task, n in sorted(Counter(e.task for e in self.heldout).items()):   # x all / n: the trainer divides by all prompts
+    # x all / n: the trainer divides by all prompts
+    for task, n in sorted(Counter(e.task for e in self.heldout).items()):
         out[f"exact_match/{task}"] = t(sum(h for e, h in zip(exs, hits) if e.task == task) * len(self.heldout) / n)
     return t(len(exs) - sum(hits)), out
 
@@ -479,7 +527,8 @@ import json
 from ..runtime import atomic_dir
 from ..tokenizer import init_tokenizer
 
-def _example_row(e: Problem) -> dict: return dict(kind=e.kind, task=e.task, prompt=e.prompt, answer=e.answer, fields=e.fields)
+def _example_row(e: Problem) -> dict:
+    return dict(kind=e.kind, task=e.task, prompt=e.prompt, answer=e.answer, fields=e.fields)
 
 def prepare_rl(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenizer=None, progress: bool = True) -> dict:
     "Write the recipe's train prompts and held-out prompts into `out_dir/{train,val}`; returns the two splits' meta."
@@ -500,12 +549,16 @@ def prepare_rl(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenize
 def read_prompts(folder) -> list[Problem]:
     "The examples `prepare_rl` wrote in `folder`, or one line saying how to prepare them."
     f = Path(folder)/"prompts.jsonl"
-    if not f.is_file(): raise ConfigError(f"paths.datasets: no prepared RL prompts in {Path(folder)}; run `gg prepare --recipe recipes/rl/debug.yaml` (or your RL recipe, or `gg prepare --rl` for the embedded prompts) first")
+    if not f.is_file():
+        raise ConfigError(f"paths.datasets: no prepared RL prompts in {Path(folder)}; "
+                          "run `gg prepare --recipe recipes/rl/debug.yaml` (or your RL recipe, "
+                          "or `gg prepare --rl` for the embedded prompts) first")
     return [Problem(**json.loads(l)) for l in f.read_text().splitlines() if l.strip()]
 
 # %% ../../nbs/47_rl.ipynb #ab45d731
 def check_rl_start(cfg: GlobalConfig, ckpt: Optional[dict], start: Optional[Stage]):
-    "An RL run starts from a chat model (a checkpoint of a stage that trains on chats), unless `rl.plain_prompts` says so."
+    ("An RL run starts from a chat model (a checkpoint of a stage that trains on chats), unless `rl.plain_prompts` "
+     "says so.")
     if cfg.rl.plain_prompts or (start is not None and start.chat): return
     got = "no --checkpoint" if ckpt is None else f"a {ckpt.get('stage')!r} checkpoint"
     raise ConfigError(f"--checkpoint: the rl stage got {got}; it starts from a chat model (an instruct, dpo or rl "
@@ -515,7 +568,9 @@ class ReferenceModel:
     "A frozen copy of the starting policy for the KL term; its weights ride in the loader state (rank 0's)."
     def __init__(self, model):
         import copy
-        if is_fsdp(model): raise ConfigError("rl.beta: a KL term needs a full reference copy per rank; with runtime.fsdp set rl.beta: 0")
+        if is_fsdp(model):
+            raise ConfigError("rl.beta: a KL term needs a full reference copy per rank; "
+                              "with runtime.fsdp set rl.beta: 0")
         self.model = copy.deepcopy(plain_module(model)).eval().requires_grad_(False)
     def __call__(self, *a, **kw): return self.model(*a, **kw)
     def parameters(self): return self.model.parameters()
@@ -533,11 +588,13 @@ def build_rl(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
     heldout = read_prompts(d/"val") if (d/"val"/"prompts.jsonl").is_file() else []
     lockstep = cfg.runtime.fsdp and env.world_size > 1
     ref = ReferenceModel(model) if rl.beta else None
-    loader = RolloutLoader(model, tokenizer, train, rl, Rewarder(rl.format_reward, tuple(rl.reward_functions)), t.seq_len,
-                           t.micro_batch_size, grad_accum_steps(cfg, env.world_size), env.rank, env.world_size, t.seed,
+    rewarder = Rewarder(rl.format_reward, tuple(rl.reward_functions))
+    loader = RolloutLoader(model, tokenizer, train, rl, rewarder, t.seq_len, t.micro_batch_size,
+                           grad_accum_steps(cfg, env.world_size), env.rank, env.world_size, t.seed,
                            cfg.runtime.precision, ref)
     task = RLTask(rl, tokenizer, heldout, lockstep, t.seed)
-    val = HeldoutLoader(len(heldout), env.rank, env.world_size, lockstep) if heldout and cfg.validation.enabled else None
+    val = (HeldoutLoader(len(heldout), env.rank, env.world_size, lockstep)
+           if heldout and cfg.validation.enabled else None)
     def held_out_exact_match(m):
         "Greedy exact match and sampled pass@k on the held-out prompts, overall and per task."
         return evaluate_generative(m, tokenizer, heldout, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p,
@@ -553,10 +610,12 @@ def rl_plan_transient(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
     "Per-rank bytes of an rl step's rollouts, freed before the update: a round's KV caches and logits."
     m, t, rl = cfg.model, cfg.training, cfg.rl
     rows = rl_rollout_rows(cfg, world)
-    length = min(t.seq_len + 1, m.max_seq_len)                      # prompt + completion: the loader keeps prompts within it
+    # prompt + completion: the loader keeps prompts within it
+    length = min(t.seq_len + 1, m.max_seq_len)
     kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * sizes["value_bytes"]
     cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
-    logits = 4 * rows * m.vocab_size * 4                            # fp32 logits and sampling's shifted, scaled, softmaxed copies
+    # fp32 logits and sampling's shifted, scaled, softmaxed copies
+    logits = 4 * rows * m.vocab_size * 4
     return {"RL rollouts (before the update)": cache + logits}
 
 # %% ../../nbs/47_rl.ipynb #13665347
@@ -567,14 +626,17 @@ def rl_plan_bytes(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
 def rl_plan_lines(cfg: GlobalConfig, world: int) -> list[str]:
     "What an rl step samples before its update, and what the plan's time line leaves out."
     rows, rl = rl_rollout_rows(cfg, world), cfg.rl
-    return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded together, up to "
-            f"{rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} round{'s' * (rl.sampling_rounds > 1)} a step; the time "
-            f"below is the update's alone (a short run's logged rollout tokens/s gives the sampling's)"]
+    return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded "
+            f"together, up to {rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} "
+            f"round{'s' * (rl.sampling_rounds > 1)} a step; the time below is the update's alone "
+            f"(a short run's logged rollout tokens/s gives the sampling's)"]
 
 # %% ../../nbs/47_rl.ipynb #37f59f89
 def prepare_rl_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False, progress: bool = True) -> dict:
-    "`gg prepare` of the rl stage: the recipe's prompts and held-out prompts into `paths.datasets/rl`, unless up to date."
+    ("`gg prepare` of the rl stage: the recipe's prompts and held-out prompts into `paths.datasets/rl`, unless up to "
+     "date.")
     return prepare_stage_dir(cfg, data, "rl", prepare_rl, DEFAULT_RL_SOURCES, overwrite, progress)
 
 STAGE = Stage("rl", build_rl, order=3, chat=True, section="rl", prepare=prepare_rl_stage, check=check_rl_section,
-              check_start=check_rl_start, plan_bytes=rl_plan_bytes, plan_transient=rl_plan_transient, plan_lines=rl_plan_lines)
+              check_start=check_rl_start, plan_bytes=rl_plan_bytes, plan_transient=rl_plan_transient,
+              plan_lines=rl_plan_lines)
