@@ -21,60 +21,74 @@ from ..parallel.distributed import destroy_distributed, init_distributed
 from .prepare import selected_benchmarks
 
 # %% auto #0
-__all__ = ['add_evaluate_args', 'add_generative_args', 'generative_sets', 'generative_exact_match', 'check_evaluate_args',
-           'evaluation_plan', 'load_hf_checkpoint', 'load_evaluation_model', 'evaluation_env', 'lm_eval_bridge',
-           'context_prefix_name', 'evaluate_model', 'samples_path', 'claim_results_file', 'write_evaluation',
-           'run_evaluate']
+__all__ = ['add_evaluate_args', 'add_lm_eval_args', 'add_generative_args', 'generative_sets', 'generative_exact_match',
+           'check_evaluate_args', 'evaluation_plan', 'load_hf_checkpoint', 'load_evaluation_model', 'evaluation_env',
+           'lm_eval_bridge', 'context_prefix_name', 'evaluate_model', 'samples_path', 'claim_results_file',
+           'write_evaluation', 'run_evaluate']
 
 # %% ../../nbs/73_cli_evaluate.ipynb #72f25576
 def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`gg evaluate` flags (the seed's `evaluate.py` options, plus --hf-checkpoint, --evals-dir, --share-context, lm-eval)."
+    ("`gg evaluate` flags (the seed's `evaluate.py` options, plus --hf-checkpoint, --evals-dir, --share-context, "
+     "lm-eval).")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", help="a gradient-garden checkpoint file (step_XXXXXXX.pt)")
     src.add_argument("--hf-checkpoint", help="a local Hugging Face model folder (AutoModelForCausalLM + AutoTokenizer)")
     parser.add_argument("--validation", action="store_true", help="report validation loss on the pretraining shards")
-    parser.add_argument("--validation-steps", type=int, default=None, help="validation batches (default: validation.steps)")
+    parser.add_argument("--validation-steps", type=int, default=None,
+                        help="validation batches (default: validation.steps)")
     for b in BENCHMARKS.values():
         parser.add_argument(f"--{b.flag}", action="store_true", help=f"evaluate {b.name}")
         parser.add_argument(f"--{b.flag}-examples", type=int, default=None,
                             help=f"random {b.name} examples (default: evals.{b.name}_examples or 100; 0 = all)")
     parser.add_argument("--evals-dir", default=None, help="folder of prepared eval files (default: paths.evals)")
-    parser.add_argument("--batch-size", type=int, default=None, help="examples per forward pass (default: evals.batch_size)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="examples per forward pass (default: evals.batch_size)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: runtime.precision")
     parser.add_argument("--seed", type=int, default=None, help="seed of the example subsets (default: evals.seed)")
     parser.add_argument("--share-context", action=argparse.BooleanOptionalAction, default=True,
-                        help="all choices of an example in one token-tree row (default); --no-share-context: one row per choice")
+                        help="all choices of an example in one token-tree row (default); --no-share-context: one row "
+                             "per choice")
     parser.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
                         help="BOS before every context (--no-add-bos: none); default: the tokenizer's default special "
                              "tokens, as lm-evaluation-harness's HF model (BOS for Llama 3-style tokenizers)")
     parser.add_argument("--log-samples", action="store_true",
                         help="also write every example's contexts, continuations, log-likelihoods and prediction")
-    g = parser.add_argument_group("lm-evaluation-harness")
-    g.add_argument("--lm-eval-tasks", default=None, help="comma-separated lm-eval task names, e.g. arc_easy,piqa")
-    g.add_argument("--lm-eval-include", default=None, help="folder of extra lm-eval task YAMLs (TaskManager include_path)")
-    g.add_argument("--lm-eval-limit", type=int, default=None, help="at most this many documents per lm-eval task")
-    g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples for the lm-eval tasks")
-    g.add_argument("--apply-chat-template", action="store_true", help="lm-eval prompts in the checkpoint's chat format")
-    g.add_argument("--fewshot-as-multiturn", action="store_true", help="with --apply-chat-template: each shot an earlier turn")
+    add_lm_eval_args(parser)
     add_generative_args(parser)
     parser.add_argument("--output-file-name", default=None,
                         help="where to write the results JSON (default: eval_results.json, or eval_results-2.json, ... "
                              "when it is taken: an evaluation never replaces another's results)")
     return parser
 
+# %% ../../nbs/73_cli_evaluate.ipynb #15603ac4
+def add_lm_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    "`gg evaluate` flags of lm-evaluation-harness tasks run on a native checkpoint, as one group."
+    g = parser.add_argument_group("lm-evaluation-harness")
+    g.add_argument("--lm-eval-tasks", default=None, help="comma-separated lm-eval task names, e.g. arc_easy,piqa")
+    g.add_argument("--lm-eval-include", default=None,
+                   help="folder of extra lm-eval task YAMLs (TaskManager include_path)")
+    g.add_argument("--lm-eval-limit", type=int, default=None, help="at most this many documents per lm-eval task")
+    g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples for the lm-eval tasks")
+    g.add_argument("--apply-chat-template", action="store_true", help="lm-eval prompts in the checkpoint's chat format")
+    g.add_argument("--fewshot-as-multiturn", action="store_true",
+                   help="with --apply-chat-template: each shot an earlier turn")
+    return parser
+
 # %% ../../nbs/73_cli_evaluate.ipynb #9808ad1d
 from ..evals.generative import GENERATIVE_SETS, evaluate_generative
 
 def add_generative_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    "`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k): one per registered set, and the sampling."
+    ("`gg evaluate` flags of generative exact match (greedy pass@1, sampled pass@k): one per registered set, and the "
+     "sampling.")
     g = parser.add_argument_group("generative exact match")
     for s in GENERATIVE_SETS.values():
         if s.metavar: g.add_argument(f"--{s.flag}", default=None, metavar=s.metavar, help=s.help or f"score {s.name}")
         else: g.add_argument(f"--{s.flag}", action="store_true", help=s.help or f"score {s.name}")
     budgets = ", ".join(f"{s.max_new_tokens} with --{s.flag}" for s in GENERATIVE_SETS.values())
     g.add_argument("--pass-k", type=int, default=4, help="sampled answers per prompt for pass@k (0: greedy only)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help=f"answer budget (default: the set's own; {budgets})")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"answer budget (default: the set's own; {budgets})")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of pass@k")
     return parser
 
@@ -85,7 +99,8 @@ def generative_sets(args) -> list[str]:
 
 # %% ../../nbs/73_cli_evaluate.ipynb #2ef9ac97
 def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
-    "Greedy exact match and pass@k of each asked set, split over ranks; the checkpoint's chat format unless it is a pretraining one."
+    ("Greedy exact match and pass@k of each asked set, split over ranks; the checkpoint's chat format unless it is a "
+     "pretraining one.")
     sets, out = generative_sets(args), {}
     if sets and args.hf_checkpoint:
         flags = "/".join(f"--{GENERATIVE_SETS[n].flag}" for n in sets)
@@ -94,7 +109,8 @@ def generative_exact_match(args, model, tokenizer, cfg, env) -> dict:
     plain = not get_stage(cfg.training.stage).chat
     for name in sets:
         s = GENERATIVE_SETS[name]
-        r = evaluate_generative(model, tokenizer, s.load(getattr(args, name)), args.pass_k, args.max_new_tokens or s.max_new_tokens,
+        r = evaluate_generative(model, tokenizer, s.load(getattr(args, name)), args.pass_k,
+                                args.max_new_tokens or s.max_new_tokens,
                                 args.temperature, 1.0, plain, args.seed or 0, env.rank, env.world_size)
         out[name] = r | {"source": "generative, chat" if not plain else "generative, plain"}
     return out
@@ -105,7 +121,8 @@ def check_evaluate_args(args) -> None:
     for flag, v, low in [("--batch-size", args.batch_size, 1), ("--validation-steps", args.validation_steps, 1),
                          ("--lm-eval-limit", getattr(args, "lm_eval_limit", None), 1),
                          ("--num-fewshot", getattr(args, "num_fewshot", None), 0)] + [
-                        (f"--{b.flag}-examples", getattr(args, f"{b.name}_examples", None), 0) for b in BENCHMARKS.values()]:
+                        (f"--{b.flag}-examples", getattr(args, f"{b.name}_examples", None), 0)
+                        for b in BENCHMARKS.values()]:
         if v is not None and v < low:
             hint = " (0 = all rows)" if flag.endswith("-examples") else ""
             raise ConfigError(f"gg evaluate {flag}: got {v}; must be >= {low}{hint}")
@@ -122,7 +139,8 @@ def evaluation_plan(args) -> tuple[list[str], list[str]]:
                           " ".join(f"--{x.flag}" for x in [*BENCHMARKS.values(), *GENERATIVE_SETS.values()]))
     check_evaluate_args(args)
     if args.validation and args.hf_checkpoint:
-        raise ConfigError("--validation needs --checkpoint: the validation shards are tokenized with the run's tokenizer")
+        raise ConfigError("--validation needs --checkpoint: the validation shards are tokenized with the run's "
+                          "tokenizer")
     if lm_tasks and args.hf_checkpoint:
         raise ConfigError("--lm-eval-tasks needs --checkpoint; for a Hugging Face folder use lm-eval's own model: "
                           "lm_eval --model hf --model_args pretrained=DIR --tasks ...")
@@ -137,7 +155,8 @@ def load_hf_checkpoint(path, device="cpu", dtype=torch.float32):
     "An `AutoModelForCausalLM` folder as (HFCausalLM, tokenizer)."
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: only --hf-checkpoint needs the auto classes
     p = Path(path)
-    if not (p/"config.json").is_file(): raise ConfigError(f"--hf-checkpoint {p}: no config.json; expected a model folder")
+    if not (p/"config.json").is_file(): raise ConfigError(f"--hf-checkpoint {p}: no config.json; expected a model "
+                                                          "folder")
     model = AutoModelForCausalLM.from_pretrained(p, dtype=dtype).to(device)
     return HFCausalLM(model).eval(), AutoTokenizer.from_pretrained(p)
 
@@ -155,7 +174,8 @@ def evaluation_env(device_flag: str):
     "The process group (torchrun's, or one process) and this rank's device for `--device`."
     name = device_flag.split(":")[0]
     env = init_distributed(RuntimeConfig(device=name if name in ("auto", "cpu", "cuda", "mps") else "auto"))
-    device = torch.device(device_flag) if ":" in device_flag else resolve_device(device_flag, env.local_rank, flag="--device")
+    device = torch.device(device_flag) if ":" in device_flag else resolve_device(device_flag, env.local_rank,
+                                                                                 flag="--device")
     return env, device
 
 # %% ../../nbs/73_cli_evaluate.ipynb #b5cf04dc
@@ -163,7 +183,8 @@ def lm_eval_bridge():
     "The `evals.lm_eval` module, imported on first use, or one line saying how to install lm-evaluation-harness."
     try: import gradient_garden.evals.lm_eval as lm  # lazy: lm-evaluation-harness is an optional dependency
     except ImportError as e:
-        raise ConfigError(f"--lm-eval-tasks needs lm-evaluation-harness ({e}); pip install 'gradient-garden[lm_eval]'") from None
+        raise ConfigError(f"--lm-eval-tasks needs lm-evaluation-harness ({e}); "
+                          "pip install 'gradient-garden[lm_eval]'") from None
     return lm
 
 # %% ../../nbs/73_cli_evaluate.ipynb #da73904c
@@ -205,7 +226,8 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
         k = getattr(ev, f"{name}_examples", 100) if k is None else k
         tasks.update(evaluate_benchmarks(model, tokenizer, [name], k, batch_size, device, data_dir=data_dir, seed=seed,
                                          share_context=args.share_context, add_bos=args.add_bos,
-                                         max_len=cfg.model.max_seq_len if args.checkpoint else None, progress=sys.stderr.isatty(),
+                                         max_len=cfg.model.max_seq_len if args.checkpoint else None,
+                                         progress=sys.stderr.isatty(),
                                          samples=samples))
     if lm_tasks:
         tasks.update(lm.run_lm_eval_tasks(model, tokenizer, lm_tasks, batch_size=batch_size, add_bos=args.add_bos,
@@ -221,7 +243,8 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
 def _fmt(v) -> str: return "-" if v is None else f"{v:.4f}"
 
 def _parts_table(scores: dict) -> str:
-    "Scores broken down by part (`metric/part` keys) as a table, a row a part and a column a metric; '' when there are none."
+    ("Scores broken down by part (`metric/part` keys) as a table, a row a part and a column a metric; '' when there "
+     "are none.")
     split = [k.split("/", 1) for k in scores if "/" in k]
     metrics, parts = list(dict.fromkeys(m for m, _ in split)), list(dict.fromkeys(p for _, p in split))
     if not parts: return ""
@@ -231,7 +254,8 @@ def _parts_table(scores: dict) -> str:
     return "\n" + "\n".join(rows)
 
 def _task_line(name: str, m: dict) -> str:
-    "A task's scores: acc/acc_norm with standard errors, or its other metrics, with a table below of any broken down by part."
+    ("A task's scores: acc/acc_norm with standard errors, or its other metrics, with a table below of any broken down "
+     "by part.")
     if "acc" in m and not m["source"].startswith("lm-eval"):
         return (f"{name:14s} acc {_fmt(m['acc'])} ± {_fmt(m['acc_stderr'])}  acc_norm {_fmt(m['acc_norm'])} "
                 f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
@@ -247,7 +271,8 @@ def samples_path(results_file, task: str) -> Path:
 
 # %% ../../nbs/73_cli_evaluate.ipynb #a1b2e47f
 def claim_results_file(name: Optional[str]) -> Path:
-    "`name`, or the first of eval_results.json, eval_results-2.json, ... in the working folder that is free, claimed by creating it."
+    ("`name`, or the first of eval_results.json, eval_results-2.json, ... in the working folder that is free, claimed "
+     "by creating it.")
     if name: return Path(name)
     for i in itertools.count(1):
         p = Path("eval_results.json" if i == 1 else f"eval_results-{i}.json")
@@ -261,12 +286,14 @@ def write_evaluation(results: dict, samples: Optional[dict], results_file) -> Pa
     for name, m in results["tasks"].items(): print(_task_line(name, m))
     print(f"results: {out}")
     for name, recs in (samples or {}).items():
-        path = write_text_atomic(samples_path(out, name), "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in recs))
+        path = write_text_atomic(samples_path(out, name),
+                                 "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in recs))
         print(f"samples: {path}")
     return out
 
 def run_evaluate(args) -> int:
-    "`gg evaluate`: validation loss, benchmarks, lm-eval tasks and generative sets of a checkpoint, written as one JSON file."
+    ("`gg evaluate`: validation loss, benchmarks, lm-eval tasks and generative sets of a checkpoint, written as one "
+     "JSON file.")
     names, lm_tasks = evaluation_plan(args)
     started_dist = int(os.environ.get("WORLD_SIZE", 1)) > 1 and not torch.distributed.is_initialized()
     env, device = evaluation_env(args.device)
