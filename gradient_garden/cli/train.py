@@ -5,7 +5,7 @@ FLOPs, tokens and time) before anything is allocated."""
 
 # %% ../../nbs/74_cli_train.ipynb #2e42ba2c
 from __future__ import annotations
-import argparse, contextlib, os, signal, subprocess, sys, threading, time
+import argparse, contextlib, os, signal, sys, threading, time
 from pathlib import Path
 from importlib import resources
 import psutil
@@ -21,7 +21,7 @@ from ..train.run import prepare_run_dir, run_training
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
            'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args', 'kernel_error',
-           'run_notebook', 'add_plan_args', 'run_plan']
+           'notebook_parameters', 'run_notebook', 'add_plan_args', 'run_plan']
 
 # %% ../../nbs/74_cli_train.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -32,13 +32,15 @@ def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
                    help="dotted overrides, e.g. --set training.max_steps=20 model.dim=128 (repeatable)")
     if stage_flags:
         g = p.add_mutually_exclusive_group()
-        for s in STAGES: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage", help=f"set the {s} stage")
+        for s in STAGES: g.add_argument(f"--{s}", action="store_const", const=s, dest="stage",
+                                        help=f"set the {s} stage")
 
 # %% ../../nbs/74_cli_train.ipynb #4c241e42
 def config_from_args(args) -> tuple:
     "Resolve `(GlobalConfig, Recipe | None)` from parsed shared flags (an error here is the same on every rank)."
     try:
-        cfg, recipe = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=getattr(args, "stage", None))
+        cfg, recipe = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides,
+                                  stage=getattr(args, "stage", None))
         check_stage(cfg, int(os.environ.get("WORLD_SIZE", 1)))   # a plugin's stage is imported here, before any work
         return cfg, recipe
     except ConfigError as e: e.same_on_every_rank = True; raise
@@ -48,18 +50,22 @@ def add_train_args(p: argparse.ArgumentParser):
     "Flags of `gg train` (and `gg notebook`)."
     add_config_args(p)
     p.add_argument("--checkpoint", help="resume from (or, for a new stage, start from) this checkpoint file")
-    p.add_argument("--reset-optimizers", action="store_true", help="ignore the optimizer state stored in the checkpoint")
+    p.add_argument("--reset-optimizers", action="store_true",
+                   help="ignore the optimizer state stored in the checkpoint")
     p.add_argument("--start-step", type=int, help="override the step counter")
     p.add_argument("--reset-loader", action="store_true", help="start the data loader from the beginning")
-    p.add_argument("--reset-val-history", action="store_true", help="forget validation history (best loss, early stopping)")
-    p.add_argument("--overwrite", action="store_true", help="replace the run already in the run directory (its metrics and checkpoints)")
+    p.add_argument("--reset-val-history", action="store_true",
+                   help="forget validation history (best loss, early stopping)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in the run directory (its metrics and checkpoints)")
 
 # %% ../../nbs/74_cli_train.ipynb #5279108b
 def run_train(args) -> int:
     "`gg train`: resolve the config and run its stage."
     cfg, _ = config_from_args(args)
-    res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
-                       reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite)
+    res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers,
+                       start_step=args.start_step, reset_loader=args.reset_loader,
+                       reset_val_history=args.reset_val_history, overwrite=args.overwrite)
     if int(os.environ.get("RANK", 0)) == 0 and not res.get("stopped_by"): print(f"done: {res['run_dir']}")
     destroy_distributed()
     return stopped_line(res)
@@ -75,7 +81,8 @@ def stopped_line(res: dict) -> int:
 
 # %% ../../nbs/74_cli_train.ipynb #730f57cd
 def forward_to_children(signum: int, received: list):
-    "Send `signum` on to this process's children (papermill's kernel, not the processes it started); name it in `received`."
+    ("Send `signum` on to this process's children (papermill's kernel, not the processes it started); name it in "
+     "`received`.")
     received.append(signal.Signals(signum).name)
     for child in psutil.Process().children():
         try: child.send_signal(signum)
@@ -84,7 +91,8 @@ def forward_to_children(signum: int, received: list):
 # %% ../../nbs/74_cli_train.ipynb #ffc23523
 @contextlib.contextmanager
 def forwarding_stop_signals(received: list):
-    "While inside, SIGTERM, SIGUSR1 and Ctrl-C go on to the children (`forward_to_children`) instead of ending this process."
+    ("While inside, SIGTERM, SIGUSR1 and Ctrl-C go on to the children (`forward_to_children`) instead of ending this "
+     "process.")
     if threading.current_thread() is not threading.main_thread(): yield; return  # handlers live in the main thread
     old = {s: signal.signal(s, lambda signum, frame: forward_to_children(signum, received))
            for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
@@ -108,13 +116,15 @@ def report_path(run_dir, rank: int) -> Path:
 def _is_kernel_startup_error(e: Exception) -> bool:
     "True for the transient failures of starting a kernel (port collisions, a kernel that died at birth)."
     txt = f"{type(e).__name__}: {e}"
-    return any(s in txt for s in ("Address already in use", "ZMQError", "Kernel died before replying", "Kernel didn't respond"))
+    return any(s in txt
+               for s in ("Address already in use", "ZMQError", "Kernel died before replying", "Kernel didn't respond"))
 
 # %% ../../nbs/74_cli_train.ipynb #f3e8c918
 def add_notebook_args(p: argparse.ArgumentParser):
     "Flags of `gg notebook`."
     add_train_args(p)
-    p.add_argument("--notebook", help="parameterised notebook to execute (default: the package's assets/runs/train.ipynb)")
+    p.add_argument("--notebook",
+                   help="parameterised notebook to execute (default: the package's assets/runs/train.ipynb)")
     p.add_argument("--output", help="executed notebook path (default: <run_dir>/report.ipynb)")
     p.add_argument("--retries", type=int, default=3, help="kernel start-up attempts")
 
@@ -133,13 +143,23 @@ def kernel_error(ename: str, evalue: str, report) -> int:
         raise CheckpointWriteError(evalue)
     first = (str(evalue).strip().splitlines() or [""])[0]
     print(f"error: {ename}: {first} (its traceback is in {report})", file=sys.stderr, flush=True)
-    tell_torchrun(1, f"exit status 1: {ename} in the report notebook's kernel; the 'error:' line above says where its traceback is")
+    tell_torchrun(1, f"exit status 1: {ename} in the report notebook's kernel; the 'error:' line above says "
+                     "where its traceback is")
     return 1
+
+# %% ../../nbs/74_cli_train.ipynb #2c9018d9
+def notebook_parameters(args) -> dict:
+    "The training notebook's papermill parameters from `gg notebook`'s flags."
+    return dict(recipe=args.recipe, config=args.config, overrides=list(args.overrides), max_steps=None,
+                stage=args.stage, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers,
+                start_step=args.start_step, reset_loader=args.reset_loader, reset_val_history=args.reset_val_history,
+                overwrite=args.overwrite, cwd=os.getcwd())
 
 # %% ../../nbs/74_cli_train.ipynb #77252f9a
 def run_notebook(args) -> int:
     "`gg notebook`: execute the training notebook with papermill, leaving the report in the run directory."
-    import papermill as pm  # lazy: papermill's Jupyter stack about doubles the verb's import time (measured), for `gg notebook` only
+    # lazy: papermill's Jupyter stack about doubles the verb's import time (measured), for `gg notebook` only
+    import papermill as pm
     from traitlets.config import Config
     cfg, _ = config_from_args(args)  # fail fast, before starting a kernel
     rank = int(os.environ.get("RANK", 0))
@@ -150,16 +170,15 @@ def run_notebook(args) -> int:
         except ConfigError as e: e.same_on_every_rank = True; raise
     out = Path(args.output) if args.output else report_path(cfg.run_dir, rank)
     out.parent.mkdir(parents=True, exist_ok=True)
-    params = dict(recipe=args.recipe, config=args.config, overrides=list(args.overrides), max_steps=None, stage=args.stage,
-                  checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers, start_step=args.start_step,
-                  reset_loader=args.reset_loader, reset_val_history=args.reset_val_history, overwrite=args.overwrite, cwd=os.getcwd())
+    params = notebook_parameters(args)
     time.sleep(0.5 * int(os.environ.get("LOCAL_RANK", 0)))
     received: list[str] = []
     for attempt in range(args.retries):
         try:
             with forwarding_stop_signals(received):  # the kernel runs in a session of its own: pass SIGTERM & co. on
                 pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                    stdout_file=sys.stdout, stderr_file=sys.stderr,   # the training's console, as `gg train` shows it
+                                    # the training's console, as `gg train` shows it
+                                    stdout_file=sys.stdout, stderr_file=sys.stderr,
                                     kernel_name="python3", language="python",
                                     coalesce_streams=True,  # one output per stream per cell, not one per progress line
                                     config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
@@ -184,13 +203,15 @@ def add_plan_args(p: argparse.ArgumentParser):
     p.add_argument("--gpu", default="H100", help="H100, H200, A100, L40S or cpu (default H100)")
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the time estimate (default 0.4)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="model FLOPs utilisation for the time estimate (default 0.4)")
     p.add_argument("--mfu-from", default=None, help="a run folder or metrics.jsonl whose median MFU to use instead")
 
 # %% ../../nbs/74_cli_train.ipynb #0380609e
 def run_plan(args) -> int:
     "`gg plan`: print the plan; exit status 1 (after printing it) when it does not fit."
-    cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage, world_size=1)
+    cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage,
+                         world_size=1)
     check_stage(cfg)
     p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from)
     print(format_plan(p))
