@@ -140,7 +140,8 @@ def test_compiled_training_step_matches_eager():
 
 def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatch):
     """Plain Tendril on CPU: every step after the prefill goes through `decode_step` and the tokens equal cache-free
-    decoding; a LoRA-adapted model and the MoE model decode through `forward` and agree with their cache-free decoding."""
+    decoding; a LoRA-adapted model and the MoE model decode through `forward` and agree with their cache-free
+    decoding."""
     import gradient_garden.generation as G
     from gradient_garden.config import LoraConfig
     from gradient_garden.models.lora import apply_lora

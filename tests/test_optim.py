@@ -1,5 +1,5 @@
-"""Optimizers beyond the notebook: Muon on 2 and 4 gloo ranks (FSDP2, HSDP 2 x 2, DDP; gathered and distributed Newton-Schulz)
-equal to one process, LoRA-only groups."""
+"""Optimizers beyond the notebook: Muon on 2 and 4 gloo ranks (FSDP2, HSDP 2 x 2, DDP; gathered and distributed
+Newton-Schulz) equal to one process, LoRA-only groups."""
 import copy, json, os
 import pytest
 import torch

@@ -252,7 +252,8 @@ def test_packed_loss_equals_documents_alone(data):
 def test_ranks_are_disjoint_and_resume_is_exact(data, kind):
     make = (lambda **kw: SFTLoader(data["instruct"], "train", 4, SEQ, **kw)) if kind == "sft" else \
            (lambda **kw: DPOLoader(data["dpo"], "train", 4, SEQ, **kw))
-    items = (lambda b: {tuple(r) for r in b["input_ids"].tolist()}) if kind == "sft" else (lambda b: set(b["pair_index"].tolist()))
+    items = ((lambda b: {tuple(r) for r in b["input_ids"].tolist()}) if kind == "sft"
+             else (lambda b: set(b["pair_index"].tolist())))
     r0, r1 = make(rank=0, world_size=2), make(rank=1, world_size=2)
     assert not set().union(*(items(r0.next_batch()) for _ in range(5))) & set().union(*(items(r1.next_batch()) for _ in range(5)))
     a = make()

@@ -1,5 +1,5 @@
-"""The RL stage beyond the notebook: the objective against TRL's own `GRPOTrainer._compute_loss` (loss and gradient, every
-normalisation), advantages against TRL's `nanstd`, one-line errors for bad input, and the rollout micro-batches
+"""The RL stage beyond the notebook: the objective against TRL's own `GRPOTrainer._compute_loss` (loss and gradient,
+every normalisation), advantages against TRL's `nanstd`, one-line errors for bad input, and the rollout micro-batches
 (whole groups, the trainer's division giving the batch mean)."""
 from collections import defaultdict
 from types import SimpleNamespace
@@ -278,8 +278,8 @@ def _fixed_loader(rank, world, seed=0):
 
 
 def _step_sums(model, loader, task, steps=2):
-    """Summed loss, count and gradient of `steps` steps' micro-batches on this rank (no update between them). The sampled
-    entropy is 0.3 a token, under the adaptive control's target: the second step's loss has the bonus, 0.05."""
+    """Summed loss, count and gradient of `steps` steps' micro-batches on this rank (no update between them). The
+    sampled entropy is 0.3 a token, under the adaptive control's target: the second step's loss has the bonus, 0.05."""
     total, count = 0.0, 0.0
     for _ in range(2 * steps):
         b = loader.next_batch()

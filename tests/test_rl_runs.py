@@ -72,8 +72,8 @@ ADAPTIVE = {"rl.use_adaptive_entropy": "true", "rl.entropy_target": 100.0, "rl.e
 
 
 def test_resume_is_bit_exact_weights_and_rollouts(rl_inputs, tmp_path):
-    """Resumed from its step-2 checkpoint, the run samples the same rollouts and ends with the same weights, bit for bit;
-    the adaptive entropy control (on here, its target above any entropy) continues where it stood."""
+    """Resumed from its step-2 checkpoint, the run samples the same rollouts and ends with the same weights, bit for
+    bit; the adaptive entropy control (on here, its target above any entropy) continues where it stood."""
     from gradient_garden.checkpoint.checkpoints import load_checkpoint
     full, resumed = tmp_path/"full", tmp_path/"resumed"
     train(small(rl_inputs, full, **ADAPTIVE))

@@ -1,4 +1,5 @@
-"""Fail when a notebook's module imports a module that a later notebook builds: the book is read in the order of its layers.
+"""Fail when a notebook's module imports a module that a later notebook builds: the book is read in the order of its
+layers.
 
 Usage: python tools/check_order.py [nbs_dir]   (exit status 1 and one line per inversion when the order is broken)
 """
