@@ -25,10 +25,11 @@ def parse_dtype(name: str, flag: str = "dtype") -> torch.dtype:
 
 # %% ../nbs/01_runtime.ipynb #052297dd
 def resolve_device(name: str = "auto", local_rank: int = 0, flag: str = "runtime.device") -> torch.device:
-    "Turn a device name (`auto`, `cpu`, `cuda`, `cuda:N`, `mps`) into a torch device; a bare `cuda` picks the local rank's GPU."
+    "A device name (`auto`, `cpu`, `cuda`, `cuda:N`, `mps`) as a torch device; a bare `cuda` is the local rank's GPU."
     if name == "auto": name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
-        if not torch.cuda.is_available(): raise ConfigError(f"{flag}: got {name!r}; no CUDA device is available (use 'cpu' or 'auto')")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{flag}: got {name!r}; no CUDA device is available (use 'cpu' or 'auto')")
         return torch.device("cuda", local_rank % torch.cuda.device_count()) if name == "cuda" else torch.device(name)
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{flag}: got 'mps'; MPS is not available (use 'cpu' or 'auto')")
@@ -45,10 +46,12 @@ def cpu_bf16_units() -> list[str]:
 # %% ../nbs/01_runtime.ipynb #4ca3b52f
 def resolve_precision(device: torch.device, precision: str) -> tuple[str, str]:
     "`runtime.precision` made concrete for `device`: (`fp32`|`bf16`|`fp16`, the reason)."
-    if precision == "fp32": return "fp32", "runtime.precision: fp32, the default; auto picks bf16 where the device has it"
+    if precision == "fp32":
+        return "fp32", "runtime.precision: fp32, the default; auto picks bf16 where the device has it"
     if precision != "auto": return precision, "set in runtime.precision"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported(including_emulation=False): return "bf16", f"auto: {torch.cuda.get_device_name(device)} has native bf16"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16", f"auto: {torch.cuda.get_device_name(device)} has native bf16"
         return "fp32", f"auto: {torch.cuda.get_device_name(device)} has no native bf16"
     if device.type == "cpu":
         units, isa = cpu_bf16_units(), torch.backends.cpu.get_cpu_capability()
@@ -75,7 +78,7 @@ def fsync_dir(d: Path):
 # %% ../nbs/01_runtime.ipynb #448a905a
 @contextlib.contextmanager
 def atomic_file(path, mode: str = "wb"):
-    "Yield a file open on a temporary file beside `path`; on success sync it and rename it over `path`, on error remove it."
+    "A file open on a temporary file beside `path`; on success synced and renamed over `path`, on error removed."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -114,7 +117,7 @@ def torch_save_atomic(obj, path) -> Path:
 # %% ../nbs/01_runtime.ipynb #ada43e69
 @contextlib.contextmanager
 def atomic_dir(path, overwrite: bool = True):
-    "Yield a fresh temporary folder beside `path` that replaces `path` on success (kept if `overwrite=False`); removed on error."
+    "A fresh temporary folder beside `path` that replaces it on success (kept if `overwrite=False`); removed on error."
     path = Path(path)
     tmp = path.parent/f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True); tmp.mkdir(parents=True)
