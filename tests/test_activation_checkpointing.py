@@ -1,6 +1,5 @@
 """Activation checkpointing composes with what the trainer applies around it: FSDP2 and DDP on 2 gloo ranks,
 torch.compile, LoRA and TendrilMoE, with gradients equal to the model without it (fp32); a bad setting is one line."""
-import copy
 import pytest
 import torch
 from gloo_ranks import run_ranks
@@ -22,7 +21,8 @@ def grads_of(model, toks, scale=1.0):
     if aux is not None: loss = loss + aux
     loss.backward()
     full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
-    return loss.detach(), {n.replace("module.", ""): full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {n.replace("module.", ""): full(p.grad).clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
 
 def fresh(cfg: dict, seed=0):
     torch.manual_seed(seed)
@@ -56,7 +56,8 @@ def test_compile_and_checkpointing(mode="selective"):
     # parallelize's order: checkpointing, then each block compiled in place; selective is the harder case for dynamo
     # (the policy's dispatch mode is traced into the graph); one mode keeps the test's compile time down
     _, ref = grads_of(fresh(SMALL), tokens())
-    model = parallelize(fresh(SMALL), RuntimeConfig(device="cpu", compile=True, activation_checkpointing=mode), DistEnv())
+    model = parallelize(fresh(SMALL), RuntimeConfig(device="cpu", compile=True, activation_checkpointing=mode),
+                        DistEnv())
     assert all(b.activation_checkpointing == mode for b in model.layers)
     assert_same_grads(ref, grads_of(model, tokens())[1], atol=1e-5, rtol=1e-4)
 
@@ -64,7 +65,8 @@ def _wrapped_rank(rank, world, out, cfg, fsdp, mode):
     "One rank: its half of the batch through parallelize (FSDP2 or DDP) with checkpointing; rank 0 saves the gradients."
     model = parallelize(fresh(cfg), RuntimeConfig(device="cpu", fsdp=fsdp, activation_checkpointing=mode),
                         DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world))
-    if fsdp:  # every rank on one node: FSDP2 shards each parameter over both ranks (not replicated, as HSDP over 2 nodes would)
+    # every rank on one node: FSDP2 shards each parameter over both ranks (not replicated, as HSDP over 2 nodes would)
+    if fsdp:
         for n, p in model.named_parameters():
             assert [type(q).__name__ for q in p.placements] == ["Shard"], f"{n}: {p.placements}"
             assert p.to_local().shape[0] == len(torch.arange(p.shape[0]).chunk(world)[rank]) < p.shape[0], n
@@ -74,7 +76,8 @@ def _wrapped_rank(rank, world, out, cfg, fsdp, mode):
     loss, grads = grads_of(model, toks[rank * half:(rank + 1) * half], scale=world)
     if rank == 0: torch.save(grads, out)
 
-MOE_NO_AUX = dict(MOE, load_balance_coef=0.0, z_loss_coef=0.0)   # router losses are per-rank means: not additive over ranks
+# router losses are per-rank means: not additive over ranks
+MOE_NO_AUX = dict(MOE, load_balance_coef=0.0, z_loss_coef=0.0)
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "ddp"])
 @pytest.mark.parametrize("cfg", [SMALL, MOE_NO_AUX], ids=["dense", "moe"])
@@ -85,11 +88,13 @@ def test_fsdp2_and_ddp_with_checkpointing(tmp_path, fsdp, cfg):
     assert_same_grads(ref, torch.load(tmp_path/"grads.pt", weights_only=True), atol=1e-5, rtol=1e-4)
 
 def test_bad_settings_are_one_line():
-    with pytest.raises(ConfigError, match=r"runtime.activation_checkpointing: got 'most' \(str\); expected one of 'none', 'full', 'selective'"):
+    with pytest.raises(ConfigError, match=r"runtime.activation_checkpointing: got 'most' \(str\); expected one of "
+                                          r"'none', 'full', 'selective'"):
         from_plain(GlobalConfig, {"runtime": {"activation_checkpointing": "most"}})
     with pytest.raises(ConfigError, match="no `layers` blocks to checkpoint"):
         apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
     m = fresh(SMALL)
     m.layers[1].compile()
-    with pytest.raises(ConfigError, match=r"model.layers\[1\] is already compiled; apply activation checkpointing before torch.compile"):
+    with pytest.raises(ConfigError, match=r"model.layers\[1\] is already compiled; apply activation checkpointing "
+                                          r"before torch.compile"):
         apply_activation_checkpointing(m, "selective")

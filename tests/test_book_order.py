@@ -27,11 +27,13 @@ def test_relative_imports_resolve_from_packages_and_modules(tmp_path):
     (lib/"top.py").write_text("y = 2\n")
     nbs = tmp_path/"nbs"; nbs.mkdir()
     def nb(name, module):
-        (nbs/f"{name}.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code", "source": [f"#| default_exp {module}"]}]}))
+        (nbs/f"{name}.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code",
+                                                                "source": [f"#| default_exp {module}"]}]}))
     nb("00_sub", "sub.__init__"); nb("01_leaf", "sub.leaf"); nb("02_top", "top")
     import check_order
     found = check_order.inversions(nbs, tmp_path/"lib"/"pkg")
-    assert sorted(found) == ["00_sub (sub) imports sub.leaf, built later in 01_leaf", "00_sub (sub) imports top, built later in 02_top"], found
+    assert sorted(found) == ["00_sub (sub) imports sub.leaf, built later in 01_leaf",
+                             "00_sub (sub) imports top, built later in 02_top"], found
 
 def test_the_index_lists_every_notebook_in_reading_order():
     import re

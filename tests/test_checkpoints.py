@@ -1,5 +1,5 @@
 "Checkpoint faults a notebook cannot stage: a writer killed mid-save, damaged files, and the real model builder."
-import copy, os, signal, subprocess, sys, textwrap, time
+import copy, os, subprocess, sys, textwrap
 from pathlib import Path
 import pytest
 import torch
@@ -126,7 +126,8 @@ def test_sharded_directory_that_carries_code_is_refused_without_running_it(tmp_p
     class Payload:
         def __reduce__(self): return (os.system, (f"touch {marker}",))
     (d/".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(ConfigError, match="not a Gradient Garden checkpoint .*posix.system is not allowed"): load_checkpoint(d)
+    with pytest.raises(ConfigError,
+                       match="not a Gradient Garden checkpoint .*posix.system is not allowed"): load_checkpoint(d)
     assert not marker.exists()
 
 
@@ -141,7 +142,8 @@ def test_damaged_sharded_directories_give_clear_errors(tmp_path, damage):
     msg = str(e.value)
     assert msg.startswith(str(d)) and "\n" not in msg, msg
     assert {"no_meta": "without meta.pt", "truncated_shard": "corrupted sharded checkpoint",
-            "no_metadata": "incomplete sharded checkpoint (no .metadata)", "foreign_meta": "not a Gradient Garden checkpoint"}[damage] in msg
+            "no_metadata": "incomplete sharded checkpoint (no .metadata)",
+            "foreign_meta": "not a Gradient Garden checkpoint"}[damage] in msg
 
 
 def test_sharded_checkpoint_of_another_architecture_or_stage_is_refused(tmp_path):
@@ -168,8 +170,10 @@ def test_a_shard_overwritten_in_place_is_corrupted_for_resume_and_load(tmp_path)
     meta = {k: v for k, v in _state().items() if k != "model"}
     d = save_sharded_checkpoint(sharded_state(m, [opt]), meta, tmp_path/"step_0000005")
     shard = d/"__0_0.distcp"
-    data = bytearray(shard.read_bytes()); data[-50:-42] = bytes(b ^ 0xFF for b in data[-50:-42]); shard.write_bytes(bytes(data))
+    data = bytearray(shard.read_bytes()); data[-50:-42] = bytes(b ^ 0xFF
+                                                                for b in data[-50:-42]); shard.write_bytes(bytes(data))
     with pytest.raises(ConfigError) as full: load_checkpoint(d)
     with pytest.raises(ConfigError) as resume: load_sharded_state(d, *(lambda m, o: (m, [o]))(*stepped()))
-    for e in (full, resume): assert str(e.value).startswith(f"{d}: corrupted sharded checkpoint (rank 0: "), str(e.value)
+    for e in (full,
+              resume): assert str(e.value).startswith(f"{d}: corrupted sharded checkpoint (rank 0: "), str(e.value)
     assert str(full.value) == str(resume.value)

@@ -1,6 +1,5 @@
 "Every `gg` verb: its --help, and one real invocation each on a short run of the debug recipe."
 import json
-from pathlib import Path
 import pytest
 from conftest import run_gg
 from gradient_garden.cli import VERBS, main
@@ -19,7 +18,8 @@ def checkpoint(prepared, tmp_path_factory):
     "A two-step pretraining run of the debug recipe and its last checkpoint."
     runs = tmp_path_factory.mktemp("verbs")
     run_gg("train", "--recipe", RECIPE, "--set", *prepared["sets"], f"paths.runs={runs}", "training.max_steps=2",
-           "training.total_batch_size=2048", "optimizers.adamw.warmup_steps=1", "validation.every=2", "validation.steps=1",
+           "training.total_batch_size=2048", "optimizers.adamw.warmup_steps=1", "validation.every=2",
+           "validation.steps=1",
            "checkpointing.every=2", "generation.every=0")
     (ckpt,) = sorted((runs/"pretraining"/"debug"/"checkpoints").glob("step_*"))
     return ckpt
@@ -51,13 +51,16 @@ def test_generate_bf16_on_cpu_decodes_fp32_weights_under_autocast(checkpoint, tm
         loaded.append(dtype); return load_model_from_checkpoint(path, device, dtype)
     monkeypatch.setattr(cli_generate, "load_model_from_checkpoint", spy)
     out = tmp_path/"gen.json"
-    assert main(["generate", "--checkpoint", str(checkpoint), "--max-gen-len", "6", "--device", "cpu", "--dtype", "bf16",
+    assert main(["generate", "--checkpoint", str(checkpoint), "--max-gen-len", "6", "--device", "cpu", "--dtype",
+                 "bf16",
                  "--output-file-name", str(out)]) == 0
     assert loaded == [torch.float32]                       # the weights stay fp32; the matmuls run in bf16
     model, cfg = load_model_from_checkpoint(checkpoint, torch.device("cpu"), torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = generate_text(model, init_tokenizer(cfg.tokenizer), PRETRAINING_TEST_PROMPTS, instruct=False, max_new_tokens=6,
-                            temperature=0.0, top_p=0.9, top_k=None, repetition_penalty=1.0, use_kv_cache=True, batch_size=4, seed=42)
+        ref = generate_text(model, init_tokenizer(cfg.tokenizer), PRETRAINING_TEST_PROMPTS, instruct=False,
+                            max_new_tokens=6,
+                            temperature=0.0, top_p=0.9, top_k=None, repetition_penalty=1.0, use_kv_cache=True,
+                            batch_size=4, seed=42)
     assert [r["completion"] for r in json.loads(out.read_text())["results"]] == ref
 
 @pytest.mark.parametrize("verb, modules", [("prepare", ["prepare"]), ("plan", ["train"]), ("generate", ["generate"]),

@@ -1,7 +1,7 @@
 """The GPU hot path, checked on CPU: no host-device synchronisation inside a training step, the attention kernel each
 path asks for, bounded torch.compile graphs, FSDP2 accumulation without per-micro-step reduce-scatters, per-rank CUDA
 RNG state, the GPU datasheet table, and the whole step on fake CUDA tensors without a device mismatch."""
-import copy, json, os, shutil, subprocess, sys, tempfile
+import json, os, shutil, subprocess, sys, tempfile
 from collections import Counter
 from pathlib import Path
 from unittest import mock
@@ -47,7 +47,8 @@ HOST_TENSORS: dict[int, torch.Tensor] = {}   # id -> tensor the test loaders han
 
 
 class BlockingCopyDetector(TorchFunctionMode):
-    "Counts host-to-device copies that block: Python data made a device tensor, a loader's tensor moved without non_blocking."
+    ("Counts host-to-device copies that block: Python data made a device tensor, a loader's tensor moved without "
+     "non_blocking.")
     def __init__(self, device, package_only: bool = True):
         super().__init__()
         self.device, self.found, self.package_only = torch.device(device), Counter(), package_only
@@ -80,7 +81,8 @@ class HostSyncs:
     @property
     def total(self) -> int: return sum(self.syncs.found.values()) + sum(self.copies.found.values())
     def report(self) -> str:
-        return "\n".join(f"{n} x {what} at {where}" for (what, where), n in (self.syncs.found + self.copies.found).items())
+        return "\n".join(f"{n} x {what} at {where}"
+                         for (what, where), n in (self.syncs.found + self.copies.found).items())
 
 
 def test_detector_catches_the_usual_syncs():
@@ -162,7 +164,8 @@ def make_parts(kind: str, n_layers: int = 2, **training):
     elif kind == "distillation":
         from transformers import LlamaConfig, LlamaForCausalLM
         from gradient_garden.stages.distillation import DistillationTask
-        teacher = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        teacher = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T))
         task = DistillationTask(cfg.distillation, teacher.eval().requires_grad_(False), CausalLMTask())
         for b in batches: b["labels"][:, :4] = -100
@@ -178,7 +181,8 @@ def make_trainer(kind: str, n_layers: int = 2, **training):
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "sft", "dpo", "distillation"])
 def test_training_step_never_syncs(kind):
-    "Between two logging intervals a training step reads nothing back from the device and copies nothing blocking to it."
+    ("Between two logging intervals a training step reads nothing back from the device and copies nothing blocking to "
+     "it.")
     tr = make_trainer(kind)
     tr.train_step()                                   # first step: lazy state (optimizer moments) is created
     with HostSyncs() as d: tr.train_step()
@@ -187,7 +191,8 @@ def test_training_step_never_syncs(kind):
 
 # -- FSDP2: reduce-scatters per unit per micro-step (the default) or once per optimizer step (no_sync) -----------------
 def _fsdp_reduce_scatters(rank, world, out_dir, mode):
-    "Two micro-steps of an FSDP2 Tendril under `runtime.fsdp_accumulation=mode`; write how many reduce-scatters each optimizer step ran."
+    ("Two micro-steps of an FSDP2 Tendril under `runtime.fsdp_accumulation=mode`; write how many reduce-scatters each "
+     "optimizer step ran.")
     import json
     import torch.distributed as dist
     from gradient_garden.parallel.distributed import DistEnv, apply_fsdp
@@ -217,7 +222,8 @@ def _fsdp_reduce_scatters(rank, world, out_dir, mode):
 
 @pytest.mark.parametrize("mode", ["reduce_scatter", "no_sync"])
 def test_fsdp2_reduce_scatters_per_accumulation_mode(tmp_path, mode):
-    "FSDP2 reduce-scatters each unit's gradients on every micro-step by default (sharded gradients), once per optimizer step under no_sync."
+    ("FSDP2 reduce-scatters each unit's gradients on every micro-step by default (sharded gradients), once per "
+     "optimizer step under no_sync.")
     import json
     from gloo_ranks import run_ranks
     run_ranks(_fsdp_reduce_scatters, 2, tmp_path / "pg", str(tmp_path), mode)
@@ -231,7 +237,8 @@ def test_fsdp2_reduce_scatters_per_accumulation_mode(tmp_path, mode):
 
 # -- torch.compile: a bounded number of graphs across train / validate / sample ----------------------------------
 def test_compiled_blocks_do_not_recompile_per_layer(monkeypatch):
-    "Blocks compiled as `parallelize` does: training, validation and KV-cached sampling need 4 graphs, not one per layer."
+    ("Blocks compiled as `parallelize` does: training, validation and KV-cached sampling need 4 graphs, not one per "
+     "layer.")
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
     import gradient_garden.generation as generation
@@ -255,7 +262,8 @@ def test_compiled_blocks_do_not_recompile_per_layer(monkeypatch):
 
 # -- the attention spy: which SDPA call (and so which GPU kernel) each path makes -----------------------------------
 class SDPASpy:
-    "Records each `F.scaled_dot_product_attention` call: is_causal, the mask's dtype (None without one), the kernel class."
+    ("Records each `F.scaled_dot_product_attention` call: is_causal, the mask's dtype (None without one), the kernel "
+     "class.")
     def __init__(self, monkeypatch):
         from gradient_garden.models.attention import sdpa_kernel_class
         self.calls, real = [], F.scaled_dot_product_attention
@@ -266,7 +274,8 @@ class SDPASpy:
 
 
 def test_attention_kernels_per_path(monkeypatch):
-    "Pretraining is causal without a mask (Flash); packed and padded batches pass the masks the memory-efficient kernel takes."
+    ("Pretraining is causal without a mask (Flash); packed and padded batches pass the masks the memory-efficient "
+     "kernel takes.")
     tr = make_trainer("dense")
     spy = SDPASpy(monkeypatch)
     tr.train_step()
@@ -336,7 +345,8 @@ def test_final_evaluation_runs_under_the_run_autocast():
     "The final evaluation (and the scheduled evals) see the run's precision, as training does."
     tr = make_trainer("dense", max_steps=1, log_every=1)
     tr.cfg.runtime.precision = "bf16"
-    tr.final_evaluate = lambda m: {"autocast_dtype": str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off"}
+    tr.final_evaluate = lambda m: {"autocast_dtype": str(torch.get_autocast_dtype("cpu"))
+                                   if torch.is_autocast_enabled("cpu") else "off"}
     tr.fit()
     from gradient_garden.train.telemetry import read_metrics
     assert read_metrics(tr.run_dir)[-1]["autocast_dtype"] == "torch.bfloat16"
@@ -357,7 +367,8 @@ def test_prefetching_trainer_trains_and_resumes_like_the_plain_one():
 
 
 def test_each_rank_restores_its_own_cuda_rng():
-    "With torch.cuda mocked: every rank's CUDA generator states are saved, and rank r gets rank r's back (rank 0's if fewer)."
+    ("With torch.cuda mocked: every rank's CUDA generator states are saved, and rank r gets rank r's back (rank 0's if "
+     "fewer).")
     from gradient_garden.checkpoint.checkpoints import rng_state, set_rng_state
     from gradient_garden.train.trainer import _rank_entry
     per_rank = [[torch.tensor([r, d], dtype=torch.uint8) for d in range(2)] for r in range(2)]   # 2 ranks x 2 devices
@@ -367,7 +378,8 @@ def test_each_rank_restores_its_own_cuda_rng():
         with mock.patch("torch.cuda.is_available", return_value=True), \
              mock.patch("torch.cuda.get_rng_state_all", return_value=per_rank[r]): states.append(rng_state())
     ckpt = dict(rngs=states, rng=states[0])
-    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.device_count", return_value=2), \
+    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.device_count",
+                                                                              return_value=2), \
          mock.patch("torch.cuda.set_rng_state", side_effect=lambda s, i: restored.update({i: s.tolist()})):
         set_rng_state(_rank_entry(ckpt, "rngs", "rng", 1))
         assert restored == {0: [1, 0], 1: [1, 1]}
@@ -376,7 +388,8 @@ def test_each_rank_restores_its_own_cuda_rng():
 
 
 # -- the step on CUDA without a GPU: FakeTensorMode's CUDA tensors through the real step --------------------------
-FAKE_CUDA_CASES = [f"{kind}:{precision}" for kind in ("dense", "moe", "sft", "dpo", "distillation") for precision in ("fp32", "bf16")]
+FAKE_CUDA_CASES = [f"{kind}:{precision}" for kind in ("dense", "moe", "sft", "dpo", "distillation")
+                   for precision in ("fp32", "bf16")]
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="builds a small C++ library that fakes CUDA for autograd")
 def test_training_step_on_fake_cuda_has_no_device_mismatch():
@@ -395,13 +408,16 @@ def test_training_step_on_fake_cuda_has_no_device_mismatch():
         assert devices == {"cuda:0"}, (case, got["devices"])
         assert got["loss_impl"] == "compiled" and got["compiled_loss_graphs"] == 1 and got["fused_adamw"], (case, got)
         assert ("torch.bfloat16" in got["activation_dtypes"]) == case.endswith("bf16"), (case, got["activation_dtypes"])
-        assert got["flex_attention_calls"] == (4 if case.startswith("sft") else 0), (case, got)   # 2 layers x 2 micro-steps
+        # 2 layers x 2 micro-steps
+        assert got["flex_attention_calls"] == (4 if case.startswith("sft") else 0), (case, got)
     assert res["dense:fp32:host"].startswith("FakeTensorDeviceMismatchError"), res["dense:fp32:host"]
 
 
-# -- packed documents on flex_attention ---------------------------------------------------------------------------------
+# -- packed documents on flex_attention
+# ---------------------------------------------------------------------------------
 def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
-    "`model.attention_backend: flex`: the BlockMask goes through compiled blocks, and the logits equal SDPA's dense mask."
+    ("`model.attention_backend: flex`: the BlockMask goes through compiled blocks, and the logits equal SDPA's dense "
+     "mask.")
     from gradient_garden.config import ModelConfig
     from gradient_garden.models import attention
     from gradient_garden.models.registry import build_model
@@ -409,11 +425,13 @@ def test_packed_forward_on_flex_equals_sdpa_with_compiled_blocks(monkeypatch):
     torch.manual_seed(0)
     sdpa = build_model(ModelConfig(**shape, attention_backend="sdpa"))
     flex = build_model(ModelConfig(**shape, attention_backend="flex")); flex.load_state_dict(sdpa.state_dict())
-    for block in flex.layers: block.compile(backend="aot_eager")    # as `parallelize` does, without Inductor's C++ build
+    # as `parallelize` does, without Inductor's C++ build
+    for block in flex.layers: block.compile(backend="aot_eager")
     calls, real = [], attention.flex_gqa
     monkeypatch.setattr(attention, "flex_gqa", lambda *a: calls.append(1) or real(*a))
     tokens, doc = torch.randint(0, VOCAB, (2, 32)), (torch.arange(32) >= 13).long().expand(2, 32).contiguous()
-    with torch.no_grad(): torch.testing.assert_close(flex(tokens, doc_ids=doc), sdpa(tokens, doc_ids=doc), rtol=1e-5, atol=1e-5)
+    with torch.no_grad(): torch.testing.assert_close(flex(tokens, doc_ids=doc), sdpa(tokens, doc_ids=doc), rtol=1e-5,
+                                                     atol=1e-5)
     assert len(calls) == 2                                          # one per layer: flex, not SDPA
     with pytest.raises(NotImplementedError, match="cannot train on CPU"): flex(tokens, doc_ids=doc, labels=tokens)
     torch._dynamo.reset()
@@ -424,7 +442,8 @@ def test_fit_on_fake_cuda_waits_on_the_device_only_when_asked():
     """A whole `fit()` on fake CUDA (8 steps; logging at 1, 4, 8; validation at 3, 8; a checkpoint at 6): no
     `torch.cuda.synchronize` and no host read of a device value on any other step (2, 5, 7)."""
     from fake_cuda import build_library
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("fake_cuda.py")), str(build_library()), "fit:fp32", "fit:bf16"],
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("fake_cuda.py")), str(build_library()), "fit:fp32",
+                        "fit:bf16"],
                        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     for case, got in json.loads(r.stdout.strip().splitlines()[-1]).items():

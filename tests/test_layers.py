@@ -19,7 +19,8 @@ def test_an_upward_import_breaks_the_build(tmp_path):
     shutil.copytree(ROOT/"gradient_garden", tmp_path/"gradient_garden", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT/"pyproject.toml", tmp_path/"pyproject.toml")
     tendril = tmp_path/"gradient_garden"/"models"/"tendril.py"
-    tendril.write_text(tendril.read_text() + "\nfrom gradient_garden.train import trainer  # a model reaching into the training loop\n")
+    tendril.write_text(tendril.read_text() + "\nfrom gradient_garden.train import trainer  # a model reaching into the "
+                                             "training loop\n")
     r = lint(tmp_path)
     assert r.returncode != 0 and "BROKEN" in r.stdout
     assert "gradient_garden.models.tendril -> gradient_garden.train.trainer" in r.stdout

@@ -1,6 +1,6 @@
 """What the model notebooks cannot show on their own: `gg generate` / `gg export` end to end on a real checkpoint and
 tokenizer, generation under autocast, meta-device construction, and torch.compile."""
-import json, sys
+import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,8 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")
     tok_dir = train_bpe(_corpus(), 640, base / "tok")
     cfg = GlobalConfig()
-    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32, max_seq_len=96, init_std=0.1)
+    cfg.model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=640, multiple_of=32, max_seq_len=96,
+                            init_std=0.1)
     cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(tok_dir))
     torch.manual_seed(0)
     model = Tendril(cfg.model)
@@ -66,7 +67,8 @@ def test_gg_generate_compiled_matches_eager(run):
     for flag in ([], ["--compile"]):
         out = base / "out" / f"gen{len(flag)}.json"
         args = _args(add_generate_args, ["--checkpoint", str(run["ckpt"]), "--prompts", str(base / "prompts_c.json"),
-                                         "--max-gen-len", "10", "--device", "cpu", "--output-file-name", str(out), *flag])
+                                         "--max-gen-len", "10", "--device", "cpu", "--output-file-name", str(out),
+                                         *flag])
         assert run_generate(args) == 0
         outs[len(flag)] = [r["completion"] for r in json.loads(out.read_text())["results"]]
     assert outs[1] == outs[0] and any(outs[0])
@@ -95,7 +97,8 @@ def test_gg_export(run):
 
 def test_generate_under_autocast_matches_cache_free():
     "Under bf16 autocast the KV cache takes the bf16 keys; cached and uncached greedy decoding still agree."
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=48, init_std=0.1)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=48,
+                      init_std=0.1)
     torch.manual_seed(0)
     model = Tendril(cfg).eval()
     prompts = [[5, 6, 7, 8], [9, 10]]
@@ -136,7 +139,8 @@ def test_compiled_training_step_matches_eager():
     compiled = torch.compile(model)                      # the model's own loss: fused, outside the compiled graph
     l3 = compiled(x[:, :-1], labels=x[:, 1:]) / x[:, 1:].numel()
     torch.testing.assert_close(l3, l1, rtol=1e-4, atol=1e-5)
-    for a, b in zip(torch.autograd.grad(l3, list(model.parameters())), g1): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(l3, list(model.parameters())), g1): torch.testing.assert_close(a, b, rtol=1e-3,
+                                                                                                       atol=1e-5)
 
 def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatch):
     """Plain Tendril on CPU: every step after the prefill goes through `decode_step` and the tokens equal cache-free
@@ -148,12 +152,15 @@ def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatc
     calls = []
     real_step = G.decode_step
     monkeypatch.setattr(G, "decode_step", lambda *a, **k: calls.append(1) or real_step(*a, **k))
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=48, init_std=0.1)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=48,
+                      init_std=0.1)
     prompts = [[5, 6, 7, 8, 9], [9, 10], [3]]
     torch.manual_seed(0)
     plain = Tendril(cfg).eval()
-    adapted = apply_lora(Tendril(cfg), LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["wq", "wv", "w1"])).eval()
-    moe = build_model(ModelConfig(**{**cfg.__dict__, "architecture": "tendril_moe", "n_experts": 4, "n_experts_per_token": 2})).eval()
+    adapted = apply_lora(Tendril(cfg),
+                         LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["wq", "wv", "w1"])).eval()
+    moe = build_model(ModelConfig(**{**cfg.__dict__, "architecture": "tendril_moe", "n_experts": 4,
+                                     "n_experts_per_token": 2})).eval()
     for model, expect_calls in ((plain, 9), (adapted, 0), (moe, 0)):
         calls.clear()
         cached = generate(model, None, prompts, max_new_tokens=10, stop_ids=[])

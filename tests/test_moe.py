@@ -1,5 +1,6 @@
-"TendrilMoE beyond the notebook: the router losses, dense equivalence, dispatch, no host sync, masks, KV cache, DDP/FSDP2."
-import copy, dataclasses, io, os
+("TendrilMoE beyond the notebook: the router losses, dense equivalence, dispatch, no host sync, masks, KV cache, "
+ "DDP/FSDP2.")
+import dataclasses, io, os
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,7 +54,8 @@ def test_aux_loss_is_the_weighted_sum_over_layers_on_supervised_tokens():
     tokens = torch.randint(0, 128, (2, 16))
     mask = torch.rand(2, 16) > 0.4
     captured = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append(inp[0].reshape(-1, 32))) for m in model.moe_layers()]
+    hooks = [m.register_forward_hook(lambda mod, inp, out: captured.append(inp[0].reshape(-1, 32)))
+             for m in model.moe_layers()]
     model(tokens, loss_mask=mask)
     for h in hooks: h.remove()
     expected = 0
@@ -75,7 +77,8 @@ def test_one_expert_top1_equals_dense_tendril_with_the_same_weights(router):
     dense = Tendril(dense_cfg).eval()
     model = TendrilMoE(dataclasses.replace(CFG, n_experts=1, n_experts_per_token=1, router=router)).eval()
     sd = {}
-    for k, v in dense.state_dict().items():   # explicit name mapping: feed_forward.w13.weight -> feed_forward.experts.w13.weight[0]
+    # explicit name mapping: feed_forward.w13.weight -> feed_forward.experts.w13.weight[0]
+    for k, v in dense.state_dict().items():
         sd[k.replace(".feed_forward.", ".feed_forward.experts.")] = v[None] if ".feed_forward." in k else v
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all(".router." in k for k in missing)
@@ -89,7 +92,8 @@ def test_flops_count_active_parameters_only():
     many = dataclasses.replace(CFG, n_experts=64)
     assert flops_per_token(many, 32) - flops_per_token(CFG, 32) == 6 * CFG.n_layers * CFG.dim * 60   # routers only
     dense = flops_per_token(dataclasses.replace(CFG, architecture="tendril"), 32)
-    assert flops_per_token(dataclasses.replace(CFG, n_experts_per_token=1), 32) == dense + 6 * CFG.n_layers * CFG.dim * 4
+    assert flops_per_token(dataclasses.replace(CFG, n_experts_per_token=1),
+                           32) == dense + 6 * CFG.n_layers * CFG.dim * 4
 
 
 # -- dispatch ---------------------------------------------------------------------------------------------------
@@ -112,7 +116,8 @@ def test_capacity_drops_tokens_only_in_training_and_gradients_flow():
     assert ff.capacity(32) == 8
     y = ff(x)
     y.square().sum().backward()
-    assert x.grad.abs().sum() > 0 and ff.experts.w2.weight.grad.abs().sum() > 0 and ff.router.weight.grad.abs().sum() > 0
+    assert (x.grad.abs().sum() > 0 and ff.experts.w2.weight.grad.abs().sum() > 0
+            and ff.router.weight.grad.abs().sum() > 0)
     ff.eval()
     assert ff.capacity(32) is None
     with torch.no_grad(): assert not torch.allclose(ff(x), y)   # eval keeps every assignment
@@ -145,7 +150,8 @@ def test_kv_cache_decoding_matches_the_full_forward_with_shared_experts():
     with torch.no_grad():
         full = model(seq)
         cache = model.new_kv_cache(2, 16)
-        parts = [model(seq[:, :7], kv_cache=cache)] + [model(seq[:, t:t + 1], kv_cache=cache, start_pos=t) for t in range(7, 12)]
+        parts = [model(seq[:, :7], kv_cache=cache)] + [model(seq[:, t:t + 1], kv_cache=cache, start_pos=t)
+                                                       for t in range(7, 12)]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 

@@ -30,7 +30,8 @@ def _fsdp_worker(rank, world_size, out_dir):
         if isinstance(layer, nn.Linear): fully_shard(layer)
     fully_shard(model)
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    opt, ref_opt = Muon(model.parameters(), lr=0.05, weight_decay=0.1), Muon(ref.parameters(), lr=0.05, weight_decay=0.1)
+    opt, ref_opt = Muon(model.parameters(), lr=0.05, weight_decay=0.1), Muon(ref.parameters(), lr=0.05,
+                                                                             weight_decay=0.1)
     g = torch.Generator().manual_seed(123)
     for _ in range(4):
         x = torch.randn(8, 6, generator=g)  # the same batch on every rank: averaged grads equal the reference
@@ -119,7 +120,8 @@ def _muon_worker(rank, world, out_dir):
     counts = []
     _ns_counter(counts)
     layouts = ["fsdp2", "ddp"] + (["hsdp"] if world == 4 else [])
-    res = {f"{lay}/{alg}": _run(lay, world, alg == "distributed", counts) for lay in layouts for alg in ("distributed", "gathered")}
+    res = {f"{lay}/{alg}": _run(lay, world, alg == "distributed", counts) for lay in layouts
+           for alg in ("distributed", "gathered")}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f: json.dump(res, f)
     print(rank, json.dumps(res))
 
@@ -186,11 +188,14 @@ def test_real_tendril_groups_and_lora():
     cfg.optimizers.muon.enabled = True
     model = registry.build_model(cfg.model)
     groups = classify_parameters(model)
-    assert {g: len(v) for g, v in groups.items()} == {"embeddings": 1, "output": 1, "matrices": 8, "vectors": 5, "adapters": 0}  # per block: wqkv, wo, w13, w2
+    # per block: wqkv, wo, w13, w2
+    assert {g: len(v) for g, v in groups.items()} == {"embeddings": 1, "output": 1, "matrices": 8, "vectors": 5,
+                                                      "adapters": 0}
     assert sum(p.numel() for v in groups.values() for _, p in v) == sum(p.numel() for p in model.parameters())
     opts = build_optimizers(model, cfg.optimizers, "cpu")
     assert [type(o).__name__ for o in opts] == ["AdamW", "Muon"]
     cfg.lora.enabled = True
     apply_lora(model, cfg.lora)
     opts = build_optimizers(model, cfg.optimizers, "cpu")
-    assert [(type(o).__name__, g["group"], len(g["params"])) for o in opts for g in o.param_groups] == [("AdamW", "adapters", 16)]
+    assert [(type(o).__name__, g["group"], len(g["params"])) for o in opts
+            for g in o.param_groups] == [("AdamW", "adapters", 16)]

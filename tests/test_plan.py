@@ -1,9 +1,7 @@
 """`gg plan` on every recipe, the one-line answers for a plan that does not fit or an unknown GPU, and `gg train`
 refusing a run that does not fit before it builds the model."""
-from pathlib import Path
 import pytest
 from conftest import ROOT, run_gg
-from gradient_garden.config import ConfigError
 from gradient_garden.recipes import load_recipe
 from gradient_garden.train.plan import plan, format_plan, fit_message
 
@@ -21,7 +19,8 @@ def test_every_recipe_plans(recipe):
 
 def test_gg_plan_hsdp_and_measured_mfu(tmp_path):
     metrics = tmp_path/"metrics.jsonl"
-    metrics.write_text('{"step": 1, "loss": 3.0, "mfu": 0.30}\n{"step": 2, "loss": 2.9, "mfu": 0.50}\n{"step": 3, "mfu": 0.52}\n')
+    metrics.write_text('{"step": 1, "loss": 3.0, "mfu": 0.30}\n{"step": 2, "loss": 2.9, "mfu": 0.50}\n{"step": 3, '
+                       '"mfu": 0.52}\n')
     r = run_gg("plan", "--recipe", "recipes/pretraining/tendril-1b.yaml", "--gpu", "H200", "--gpus-per-node", "8",
                "--nodes", "2", "--mfu-from", metrics)
     lines = r.stdout.splitlines()
@@ -31,7 +30,8 @@ def test_gg_plan_hsdp_and_measured_mfu(tmp_path):
 
 def test_plan_that_does_not_fit_says_what_would():
     r = run_gg("plan", "--recipe", "recipes/pretraining/tendril-1b.yaml", "--gpu", "L40S", "--set",
-               "runtime.activation_checkpointing=none", "training.micro_batch_size=32", "training.total_batch_size=1048576",
+               "runtime.activation_checkpointing=none", "training.micro_batch_size=32",
+               "training.total_batch_size=1048576",
                check=False)
     assert r.returncode == 1
     last = r.stdout.splitlines()[-1]
@@ -43,8 +43,10 @@ def test_unknown_gpu_is_one_line():
 
 def test_train_refuses_a_run_that_does_not_fit(prepared, tmp_path):
     # micro batch 32768 x 256 tokens of the debug model: ~1 TB of activations; refused before the model is built
-    r = run_gg("train", "--recipe", "recipes/pretraining/debug.yaml", "--set", *prepared["sets"], f"paths.runs={tmp_path}",
-               "runtime.device=cpu", "training.micro_batch_size=32768", "training.total_batch_size=8388608", check=False, timeout=300)
+    r = run_gg("train", "--recipe", "recipes/pretraining/debug.yaml", "--set", *prepared["sets"],
+               f"paths.runs={tmp_path}",
+               "runtime.device=cpu", "training.micro_batch_size=32768", "training.total_batch_size=8388608",
+               check=False, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     err = [l for l in r.stderr.splitlines() if l.strip()]
     assert err[-1].startswith("error: runtime: does not fit: needs") and "try " in err[-1], err[-3:]

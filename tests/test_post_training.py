@@ -17,7 +17,7 @@ from gradient_garden.models.lora import apply_lora, lora_state_dict, merge_lora,
 from gradient_garden.models.registry import build_model
 from gradient_garden.stages.distillation import DistillationTask, check_vocab, distillation_kl, load_teacher
 from gradient_garden.stages.dpo import (DPOLoader, DPOTask, ModelReference, PairDataset, PrecomputedReference, dpo_loss,
-                                       prepare_dpo, preference_accuracy, sequence_logps)
+                                       prepare_dpo, preference_accuracy)
 from gradient_garden.stages.sft import IGNORE_INDEX, SFTLoader, SFTTask, prepare_instruct, tokenize_chat
 from gradient_garden.cli.prepare import run_stage_prepare   # gg prepare of a stage with data of its own
 from gradient_garden.stages.registry import get_stage
@@ -42,8 +42,10 @@ def data(tmp_path_factory, tok, tok_dir):
     base = tmp_path_factory.mktemp("post")
     cfg = GlobalConfig(tokenizer=TokenizerConfig(path=str(tok_dir)), model=small_model_cfg())
     cfg.paths.datasets = str(base/"datasets")
-    prepare_instruct({"sources": [{"type": "verifiable", "train": 600, "val": 60}]}, cfg, base/"datasets"/"instruct", tok, progress=False)
-    prepare_dpo({"sources": [{"type": "verifiable", "train": 120, "val": 40}]}, cfg, base/"datasets"/"dpo", tok, progress=False)
+    prepare_instruct({"sources": [{"type": "verifiable", "train": 600, "val": 60}]}, cfg, base/"datasets"/"instruct",
+                     tok, progress=False)
+    prepare_dpo({"sources": [{"type": "verifiable", "train": 120, "val": 40}]}, cfg, base/"datasets"/"dpo", tok,
+                progress=False)
     return dict(base=base, cfg=cfg, instruct=base/"datasets"/"instruct", dpo=base/"datasets"/"dpo")
 
 
@@ -143,7 +145,8 @@ def _save_teacher(folder, vocab_size):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)).save_pretrained(folder)
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=SEQ)).save_pretrained(folder)
     return folder
 
 
@@ -169,8 +172,10 @@ def test_kl_against_direct_formula_and_temperature_scaling():
 
 
 def test_vocab_mismatch_refused_naming_both_sizes(tmp_path, tok):
-    with pytest.raises(ConfigError, match="700 tokens, fewer than the student's model.vocab_size = 768"): check_vocab(768, 700)
-    other = init_tokenizer(TokenizerConfig(path=str(train_bpe([" ".join(reversed(WORDS))] * 40 + ["x y z"] * 20, 600, tmp_path/"o"))))
+    with pytest.raises(ConfigError,
+                       match="700 tokens, fewer than the student's model.vocab_size = 768"): check_vocab(768, 700)
+    other = init_tokenizer(TokenizerConfig(path=str(train_bpe([" ".join(reversed(WORDS))] * 40 + ["x y z"] * 20, 600,
+                                                              tmp_path/"o"))))
     with pytest.raises(ConfigError, match="student vocab 600, teacher vocab 768"): check_vocab(600, 768, other, tok)
     with pytest.raises(ConfigError, match="distillation.teacher"): load_teacher(tmp_path/"missing")
 
@@ -178,7 +183,8 @@ def test_vocab_mismatch_refused_naming_both_sizes(tmp_path, tok):
 # -- LoRA --------------------------------------------------------------------------------------------------------------
 def test_merged_lora_logits_equal_unmerged_and_only_adapters_train():
     model = tiny_tendril()
-    apply_lora(model, LoraConfig(rank=4, alpha=8, dropout=0.1, target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3"]))
+    apply_lora(model,
+               LoraConfig(rank=4, alpha=8, dropout=0.1, target_modules=["wq", "wk", "wv", "wo", "w1", "w2", "w3"]))
     assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -255,7 +261,8 @@ def test_ranks_are_disjoint_and_resume_is_exact(data, kind):
     items = ((lambda b: {tuple(r) for r in b["input_ids"].tolist()}) if kind == "sft"
              else (lambda b: set(b["pair_index"].tolist())))
     r0, r1 = make(rank=0, world_size=2), make(rank=1, world_size=2)
-    assert not set().union(*(items(r0.next_batch()) for _ in range(5))) & set().union(*(items(r1.next_batch()) for _ in range(5)))
+    assert not set().union(*(items(r0.next_batch()) for _ in range(5))) & set().union(*(items(r1.next_batch())
+                                                                                        for _ in range(5)))
     a = make()
     for _ in range(3): a.next_batch()
     state = json.loads(json.dumps(a.state_dict()))
@@ -273,7 +280,8 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
     cfg = copy.deepcopy(data["cfg"]); cfg.paths.datasets = str(tmp_path)
     jsonl = tmp_path/"chats.jsonl"
     jsonl.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
-                                                      {"role": "assistant", "content": w}]}) + "\n" for w in WORDS[:60]))
+                                                      {"role": "assistant", "content": w}]}) + "\n"
+                                                      for w in WORDS[:60]))
     spec = {"sources": [{"type": "json", "path": str(jsonl), "val_fraction": 0.2}]}
     args = Namespace(overwrite=False, progress=False)
     assert run_stage_prepare(get_stage("instruct"), cfg, spec, args) == 0
@@ -283,20 +291,27 @@ def test_prepare_hooks_and_sources(data, tok, tmp_path, capsys):
     hub = tmp_path/"hub_dataset"; hub.mkdir()  # a dataset folder: the same load_dataset call as a hub id
     for split, words in (("train", WORDS[:50]), ("test", WORDS[50:60])):
         (hub/f"{split}.jsonl").write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"Say {w}."},
-                                                                               {"from": "gpt", "value": w}]}) + "\n" for w in words))
+                                                                               {"from": "gpt", "value": w}]}) + "\n"
+                                                                               for w in words))
     metas = prepare_instruct({"sources": [{"type": "hub", "path": str(hub), "split": "train", "val_split": "test",
                                            "column": "conversations"}]}, cfg, tmp_path/"hub_out", tok, progress=False)
     assert (metas["train"]["n_conversations"], metas["val"]["n_conversations"]) == (50, 10)
     pairs = tmp_path/"pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"Say {w}.", "chosen": w, "rejected": w[::-1]}) + "\n" for w in WORDS[:30]))
-    assert run_stage_prepare(get_stage("dpo"), cfg, {"sources": [{"type": "json", "path": str(pairs), "val_fraction": 0.3}]}, args) == 0
-    with pytest.raises(ConfigError, match=r"data.sources\[0\].type"): run_stage_prepare(get_stage("dpo"), cfg, {"sources": [{"type": "web"}]}, Namespace(overwrite=True))
+    pairs.write_text("".join(json.dumps({"prompt": f"Say {w}.", "chosen": w, "rejected": w[::-1]}) + "\n"
+                             for w in WORDS[:30]))
+    assert run_stage_prepare(get_stage("dpo"), cfg,
+                             {"sources": [{"type": "json", "path": str(pairs), "val_fraction": 0.3}]}, args) == 0
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].type"): run_stage_prepare(get_stage("dpo"), cfg,
+                                                                                        {"sources": [{"type": "web"}]},
+                                                                                        Namespace(overwrite=True))
     bad = tmp_path/"bad.jsonl"; bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
     with pytest.raises(ConfigError, match="row 0"):
-        prepare_instruct({"sources": [{"type": "json", "path": str(bad), "val_fraction": 0.0}]}, cfg, tmp_path/"x", tok, progress=False)
+        prepare_instruct({"sources": [{"type": "json", "path": str(bad), "val_fraction": 0.0}]}, cfg, tmp_path/"x", tok,
+                         progress=False)
 
 
-# -- DPO under FSDP2 on two ranks ---------------------------------------------------------------------------------------
+# -- DPO under FSDP2 on two ranks
+# ---------------------------------------------------------------------------------------
 def _dpo_fsdp_worker(rank, world, dpo_dir, out_dir):
     from gradient_garden.parallel.distributed import apply_fsdp
     policy = apply_fsdp(tiny_tendril())
@@ -305,7 +320,8 @@ def _dpo_fsdp_worker(rank, world, dpo_dir, out_dir):
     batch = loader.next_batch()
     loss_sum, _ = DPOTask(DPOConfig(beta=0.3), ref).loss(policy, batch)
     total = loss_sum.detach().clone(); dist.all_reduce(total)
-    torch.save({"table": ref.table("val"), "loss": total, "pairs": batch["pair_index"]}, os.path.join(out_dir, f"r{rank}.pt"))
+    torch.save({"table": ref.table("val"), "loss": total, "pairs": batch["pair_index"]},
+               os.path.join(out_dir, f"r{rank}.pt"))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -327,7 +343,8 @@ def test_dpo_reference_and_loss_under_fsdp2_match_one_process(data, tmp_path):
 
 # -- exact resume of whole runs ----------------------------------------------------------------------------------------
 def _run_cfg(data, stage, runs, steps=4, **over):
-    d = {"training": {"stage": stage, "max_steps": steps, "micro_batch_size": 4, "seq_len": SEQ, "total_batch_size": 4 * SEQ,
+    d = {"training": {"stage": stage, "max_steps": steps, "micro_batch_size": 4, "seq_len": SEQ,
+                      "total_batch_size": 4 * SEQ,
                       "log_every": 1, "seed": 7},
          "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": VOCAB, "max_seq_len": SEQ},
          "optimizers": {"adamw": {"warmup_steps": 1, "max_lr": 1e-3, "min_lr": 1e-4}},
@@ -341,7 +358,8 @@ def _run_cfg(data, stage, runs, steps=4, **over):
 
 def _losses(run_dir):
     recs = [json.loads(l) for l in (Path(run_dir)/"metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}, {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}, {r["step"]: r["val_loss"] for r in recs
+                                                                 if "val_loss" in r}
 
 
 @pytest.mark.parametrize("stage,over", [("instruct", {}), ("dpo", {}), ("dpo", {"dpo": {"reference": "copy"}})])

@@ -10,7 +10,7 @@ from gradient_garden.config import ConfigError, GlobalConfig, RLConfig, from_pla
 from gradient_garden.checks import validate
 from gradient_garden.evals.verifiers import Problem
 from gradient_garden.stages.grpo import RL_LOSSES, group_advantages, loss_parts, token_losses
-from gradient_garden.stages.rewards import Rewarder, call_reward, load_prompts, load_reward_function
+from gradient_garden.stages.rewards import Rewarder, load_prompts
 from gradient_garden.stages.rl import RLTask, check_rl_start
 from gradient_garden.stages.registry import check_stage, get_stage
 
@@ -22,19 +22,25 @@ def trl_trainer(loss_type, beta, eps_low, eps_high, max_len, entropy_coef=0.0, a
     t = trl_grpo.GRPOTrainer.__new__(trl_grpo.GRPOTrainer)
     acc = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x, gather=lambda x: x,
                           gather_for_metrics=lambda x: x)
-    t.__dict__.update(top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-                      args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1, **(adaptive or {})),
+    t.__dict__.update(top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+                      beta=beta,
+                      args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1,
+                                           **(adaptive or {})),
                       loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
                       vllm_importance_sampling_correction=False, current_gradient_accumulation_steps=1,
                       max_completion_length=max_len, accelerator=acc, entropy_coef=entropy_coef,
-                      _entropy_bonus_enabled=entropy_coef != 0.0 or adaptive is not None, use_adaptive_entropy=adaptive is not None,
+                      _entropy_bonus_enabled=entropy_coef != 0.0 or adaptive is not None,
+                      use_adaptive_entropy=adaptive is not None,
                       _last_world_entropy=float("inf"), _entropy_window_stats=None, aux_loss_enabled=False,
-                      _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, model=SimpleNamespace(training=True))
+                      _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+                      model=SimpleNamespace(training=True))
     return t
 
 
-def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len, entropies=None, entropy_coef=0.0, t=None):
-    "TRL's `_compute_loss` on given per-token log-probs and entropies (its model forward replaced by them; the rest is TRL's code)."
+def trl_loss(loss_type, logps, old, ref, adv, mask, beta, eps_low, eps_high, max_len, entropies=None, entropy_coef=0.0,
+             t=None):
+    ("TRL's `_compute_loss` on given per-token log-probs and entropies (its model forward replaced by them; the rest "
+     "is TRL's code).")
     t = t or trl_trainer(loss_type, beta, eps_low, eps_high, max_len, entropy_coef)
     d = t.__dict__
     ents = torch.zeros_like(logps) if entropies is None else entropies
@@ -71,7 +77,8 @@ def test_loss_and_gradient_equal_trl(loss_type, beta):
 
 @pytest.mark.parametrize("loss_type", RL_LOSSES)
 def test_entropy_bonus_equals_trl(loss_type):
-    "rl.entropy_coef: the loss minus coef x the mean completion-token entropy, and its gradient, as TRL's `entropy_coef`."
+    ("rl.entropy_coef: the loss minus coef x the mean completion-token entropy, and its gradient, as TRL's "
+     "`entropy_coef`.")
     from gradient_garden.stages.grpo import entropy_sum
     g = torch.Generator().manual_seed(2)
     B, T, coef = 8, 10, 0.03
@@ -119,12 +126,14 @@ def test_adaptive_entropy_equals_trl(loss_type):
         assert (ours_ent.grad - trl_ent.grad).abs().max().item() < 1e-7
         assert abs(ctl.coef - t.entropy_coef) < 1e-12 and ctl.last == t._last_world_entropy
         coefs.append(round(ctl.coef, 3))
-    assert 0.05 in coefs and 0.0 in coefs and len(set(coefs)) >= 4, coefs    # both bounds reached, several levels between
+    # both bounds reached, several levels between
+    assert 0.05 in coefs and 0.0 in coefs and len(set(coefs)) >= 4, coefs
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 def test_logps_at_the_sampling_temperature_equal_trl(temperature):
-    "completion_logps scores each label (and the entropy) under the logits / rl.temperature, as TRL's `selective_log_softmax_and_entropy`."
+    ("completion_logps scores each label (and the entropy) under the logits / rl.temperature, as TRL's "
+     "`selective_log_softmax_and_entropy`.")
     from trl.trainer.utils import selective_log_softmax_and_entropy
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.registry import build_model
@@ -169,17 +178,21 @@ def checked(cfg): return check_stage(validate(cfg))   # the config's checks, the
 
 
 def test_group_size_below_two_is_one_line():
-    cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
+    cfg = from_plain(GlobalConfig,
+                     {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
                                     "rl": {"group_size": 1}})
     with pytest.raises(ConfigError, match=r"rl.group_size: got 1; must be >= 2") as e: checked(cfg)
     _one_line(e)
 
 
 def test_rows_must_be_whole_groups_and_no_prefetch():
-    d = {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 12, "micro_batch_size": 4}, "rl": {"group_size": 8}}
+    d = {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 12, "micro_batch_size": 4},
+         "rl": {"group_size": 8}}
     with pytest.raises(ConfigError, match="whole groups"): checked(from_plain(GlobalConfig, d))
     d["training"]["total_batch_size"] = 64 * 16
-    with pytest.raises(ConfigError, match="runtime.num_workers"): checked(from_plain(GlobalConfig, d | {"runtime": {"num_workers": 2}}))
+    with pytest.raises(ConfigError,
+                       match="runtime.num_workers"): checked(from_plain(GlobalConfig,
+                                                                        d | {"runtime": {"num_workers": 2}}))
 
 
 @pytest.mark.parametrize("stage", [None, "pretraining"])
@@ -208,7 +221,8 @@ def test_missing_reward_function_is_one_line(name, match):
     _one_line(e)
 
 
-@pytest.mark.parametrize("fn,match", [("bad_reward_raises", "raised RuntimeError: boom"), ("bad_reward_nan", "returned nan"),
+@pytest.mark.parametrize("fn,match",
+                         [("bad_reward_raises", "raised RuntimeError: boom"), ("bad_reward_nan", "returned nan"),
                                       ("bad_reward_str", "returned '1.0'")])
 def test_bad_reward_values_are_one_line(fn, match):
     r = Rewarder(functions=(f"test_rl:{fn}",))
@@ -225,7 +239,8 @@ def test_user_reward_gets_prompt_completion_and_fields():
 
 def test_gsm8k_schema_rows_from_a_local_file(tmp_path):
     rows = [{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
-            {"question": "A box holds 1,200 pens; half are sold. How many are left?", "answer": "1200/2 = 600\n#### 600"}]
+            {"question": "A box holds 1,200 pens; half are sold. How many are left?",
+             "answer": "1200/2 = 600\n#### 600"}]
     import json
     f = tmp_path/"gsm8k.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -236,7 +251,9 @@ def test_gsm8k_schema_rows_from_a_local_file(tmp_path):
     assert r(exs[0], "8", True)["total"] == 0.0
     bad = tmp_path/"bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "no final"}) + "\n")
-    with pytest.raises(ConfigError, match=r"row 0 answer does not end in '#### <number>'"): load_prompts([{"type": "gsm8k", "path": str(bad)}])
+    with pytest.raises(ConfigError,
+                       match=r"row 0 answer does not end in '#### <number>'"): load_prompts([{"type": "gsm8k",
+                                                                                              "path": str(bad)}])
 
 
 def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
@@ -247,33 +264,40 @@ def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
     from gradient_garden.evals.verifiers import numeric_match
     cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
     assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
-    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                         "May. "
                          "How many clips did Natalia sell altogether in April and May?",
-             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"}]
+             "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                       "altogether in April and May.\n#### 72"}]
     for split in ("train", "test"): (tmp_path/f"{split}.jsonl").write_text(json.dumps(rows[0]) + "\n")
     src = dict(rec.data["sources"][0], path=str(tmp_path/"train.jsonl"), val_split=str(tmp_path/"test.jsonl"))
     train, val = load_prompts([src]), heldout_examples_for([src])
     assert len(train) == 1 and len(val) == 1 and numeric_match("They sold 72 clips.", val[0].answer)
 
 
-# -- ranks: a fixed set of rollouts gives one process's loss and gradient ------------------------------------------------
+# -- ranks: a fixed set of rollouts gives one process's loss and gradient
+# ------------------------------------------------
 def _fixed_loader(rank, world, seed=0):
-    "A rollout loader over 8 prompts (G 4, 32 rows per step) whose completions and rewards are fixed functions of the prompt."
+    ("A rollout loader over 8 prompts (G 4, 32 rows per step) whose completions and rewards are fixed functions of the "
+     "prompt.")
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.registry import build_model
     from gradient_garden.stages.rl import RolloutLoader
     torch.manual_seed(seed)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
     tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
-                          render_chat=lambda msgs, add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
+                          render_chat=lambda msgs,
+                          add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
     exs = [Problem("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
-    rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8, use_adaptive_entropy=True, entropy_target=0.5, entropy_coef_delta=0.05)
+    rl = RLConfig(group_size=4, loss_type="dapo", max_new_tokens=8, use_adaptive_entropy=True, entropy_target=0.5,
+                  entropy_coef_delta=0.05)
     loader = RolloutLoader(model, tok, exs, rl, None, 32, 32 // world // 2, 2, rank, world, seed=3)
     def sample(idx):
         outs = [[10 + (i * 7 + g * 3) % 50] * (1 + (i + g) % 5) + [2] for i in idx for g in range(4)]
         return outs, [True] * len(outs), 0.0, torch.tensor([0.3 * len(o) for o in outs], dtype=torch.float64)
     loader._sample = sample
-    loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0), "total": float(len(text) % 3 == 0)}
+    loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0),
+                                                 "total": float(len(text) % 3 == 0)}
     return model, loader, RLTask(rl)
 
 
@@ -320,7 +344,8 @@ def test_gg_evaluate_generative_flags():
     args = p.parse_args(["--checkpoint", "c.pt", "--exact-match", "--gsm8k", "g.jsonl", "--pass-k", "8"])
     assert generative_sets(args) == ["exact_match", "gsm8k"] and evaluation_plan(args) == ([], [])
     hf = p.parse_args(["--hf-checkpoint", "d", "--exact-match"])
-    with pytest.raises(ConfigError, match="need --checkpoint"): generative_exact_match(hf, None, None, GlobalConfig(), None)
+    with pytest.raises(ConfigError, match="need --checkpoint"): generative_exact_match(hf, None, None, GlobalConfig(),
+                                                                                       None)
 
 
 @pytest.mark.parametrize("setting,message", [({"sampling_rounds": 0}, r"rl.sampling_rounds: got 0"),
@@ -328,7 +353,8 @@ def test_gg_evaluate_generative_flags():
                                              ({"task_focus": -0.1}, r"rl.task_focus: got -0.1"),
                                              ({"temperature": 0.0}, r"rl.temperature: got 0.0; must be > 0")])
 def test_sampling_settings_out_of_range_are_one_line(setting, message):
-    cfg = from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
+    cfg = from_plain(GlobalConfig,
+                     {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8},
                                     "rl": setting})
     with pytest.raises(ConfigError, match=message) as e: checked(cfg)
     _one_line(e)
@@ -336,7 +362,9 @@ def test_sampling_settings_out_of_range_are_one_line(setting, message):
 
 # -- off-policy guidance (LUFFY): reference rows in the group ----------------------------------------------------------
 def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high, weight=1.0):
-    "LUFFY's mixed objective written out row by row: the sampled rows' mean and std (1 where they agree) as the baseline, clipped ratios on sampled rows, -w A p/(p+gamma) (or -w A log p) on reference rows, the mean over every token."
+    ("LUFFY's mixed objective written out row by row: the sampled rows' mean and std (1 where they agree) as the "
+     "baseline, clipped ratios on sampled rows, -w A p/(p+gamma) (or -w A log p) on reference rows, the mean over "
+     "every token.")
     import math
     total, tokens = 0.0, 0
     for g0 in range(0, len(rewards), G):
@@ -359,19 +387,24 @@ def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high
     return total / tokens
 
 
-@pytest.mark.parametrize("kind,gamma,weight", [("shaped", 0.1, 1.0), ("shaped", 0.5, 1.0), ("log_likelihood", 0.1, 1.0), ("log_likelihood", 0.1, 6.0)])
+@pytest.mark.parametrize("kind,gamma,weight",
+                         [("shaped", 0.1, 1.0), ("shaped", 0.5, 1.0), ("log_likelihood", 0.1, 1.0),
+                          ("log_likelihood", 0.1, 6.0)])
 def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
-    "rl.off_policy_rows: advantages, the shaped unclipped term on reference rows and the clipped one on sampled rows (dapo), loss and gradient."
+    ("rl.off_policy_rows: advantages, the shaped unclipped term on reference rows and the clipped one on sampled rows "
+     "(dapo), loss and gradient.")
     from gradient_garden.stages.rl import with_references
     g = torch.Generator().manual_seed(4)
     G, k, B, T = 4, 1, 12, 6
-    rewards = [0., 0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1]          # samples all fail / differ / all right (and the reference too)
+    # samples all fail / differ / all right (and the reference too)
+    rewards = [0., 0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1]
     mask = torch.arange(T)[None] < torch.tensor([6, 1, 3, 4, 6, 2, 5, 3, 2, 6, 4, 5])[:, None]
     base = (torch.randn(B, T, generator=g, dtype=torch.float64) * 0.8 - 1.2).clamp(max=-0.01)
     old = base + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
     adv, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, n_off=k)
     off = (torch.arange(G) >= G - k).repeat(B // G)
-    rl = RLConfig(group_size=G, off_policy_rows=k, off_policy_loss=kind, off_policy_shaping=gamma, off_policy_weight=weight)
+    rl = RLConfig(group_size=G, off_policy_rows=k, off_policy_loss=kind, off_policy_shaping=gamma,
+                  off_policy_weight=weight)
     ours_lp, plain_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
     per_token, ratio, kl = token_losses(ours_lp, old, adv, 0.2, 0.28)
     per_token, ratio = with_references(per_token, ratio, kl, ours_lp, adv, off, rl)
@@ -380,17 +413,22 @@ def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
     ours.backward(); plain.backward()
     assert abs(ours.item() - plain.item()) < 1e-12
     assert (ours_lp.grad - plain_lp.grad).abs().max().item() < 1e-12
-    assert ours_lp.grad[3].abs().sum() > 0 and (ours_lp.grad[:3] == 0).all()   # failed samples: only the reference teaches
+    # failed samples: only the reference teaches
+    assert ours_lp.grad[3].abs().sum() > 0 and (ours_lp.grad[:3] == 0).all()
     assert (ours_lp.grad[8:] == 0).all()                                        # all right, reference too: nothing
     assert (ratio[off] == 1).all()
 
 
 def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp_path):
-    "A GSM8K row's reference completion is its whole worked answer as the assistant turn; the numeric verifier accepts it."
+    ("A GSM8K row's reference completion is its whole worked answer as the assistant turn; the numeric verifier "
+     "accepts it.")
     from gradient_garden.stages.rl import reference_completion
-    tok = SimpleNamespace(eot_id=2, eos_id=3, encode=lambda s: [ord(c) for c in s], decode=lambda ids: "".join(chr(i) for i in ids),
+    tok = SimpleNamespace(eot_id=2, eos_id=3, encode=lambda s: [ord(c) for c in s],
+                          decode=lambda ids: "".join(chr(i) for i in ids),
                           render_chat=lambda msgs, add_generation_prompt=False: (
-                              [1, 9] + [ord(c) for c in msgs[0]["content"]] + [2, 9] + [ord(c) for c in msgs[1]["content"]] + [2],
+                              [1, 9] + [ord(c) for c in msgs[0]["content"]] + [2,
+                                                                               9] + [ord(c)
+                                                                                     for c in msgs[1]["content"]] + [2],
                               [0, 0] + [0] * len(msgs[0]["content"]) + [0, 0] + [1] * (len(msgs[1]["content"]) + 1)))
     ex = Problem("gsm8k", "gsm8k", "Tom has 3 apples and buys 4 more. How many?", "3 + 4 = <<3+4=7>>7\n#### 7")
     ref = reference_completion(tok, ex)
@@ -399,11 +437,19 @@ def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp
     assert reference_completion(tok, ex, plain=True) == [ord(c) for c in ex.answer] + [3]
 
 
-@pytest.mark.parametrize("setting,message", [({"group_size": 4, "off_policy_rows": 3}, r"rl.off_policy_rows: got 3; must be in \[0, rl.group_size - 2 = 2\]"),
-                                             ({"off_policy_shaping": 0.0}, r"rl.off_policy_shaping: got 0.0; must be > 0"),
-                                             ({"off_policy_weight": -1.0}, r"rl.off_policy_weight: got -1.0; must be >= 0")])
+@pytest.mark.parametrize("setting,message", [({"group_size": 4, "off_policy_rows": 3}, r"rl.off_policy_rows: got 3; "
+                                                                                       r"must be in \[0, rl.group_size "
+                                                                                       r"- 2 = 2\]"),
+                                             ({"off_policy_shaping": 0.0},
+                                              r"rl.off_policy_shaping: got 0.0; must be > 0"),
+                                             ({"off_policy_weight": -1.0},
+                                              r"rl.off_policy_weight: got -1.0; must be >= 0")])
 def test_guidance_settings_out_of_range_are_one_line(setting, message):
-    with pytest.raises(ConfigError, match=message) as e: checked(from_plain(GlobalConfig, {"training": {"stage": "rl", "seq_len": 64, "total_batch_size": 64 * 8, "micro_batch_size": 8}, "rl": setting}))
+    with pytest.raises(ConfigError,
+                       match=message) as e: checked(from_plain(GlobalConfig,
+                                                               {"training": {"stage": "rl", "seq_len": 64,
+                                                                             "total_batch_size": 64 * 8,
+                                                                             "micro_batch_size": 8}, "rl": setting}))
     _one_line(e)
 
 

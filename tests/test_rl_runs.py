@@ -10,14 +10,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parity_reward(prompt, completion, **fields):
-    "A reward a random model's samples differ in (the parity of the completion's length), so every group has a gradient."
+    ("A reward a random model's samples differ in (the parity of the completion's length), so every group has a "
+     "gradient.")
     return float(len(completion) % 2)
 RECIPE = str(ROOT/"recipes"/"rl"/"debug.yaml")
 
 
 @pytest.fixture(scope="module")
 def rl_inputs(tmp_path_factory):
-    "A 768-token BPE and the RL prompts (train and held-out) prepared with it; returns the overrides that point at them."
+    ("A 768-token BPE and the RL prompts (train and held-out) prepared with it; returns the overrides that point at "
+     "them.")
     from gradient_garden.recipes import load_config
     from gradient_garden.data.verifiable import WORDS, sample_conversations
     from gradient_garden.stages.rl import prepare_rl, rl_dir
@@ -39,7 +41,8 @@ def small(rl_inputs, out: Path, **extra) -> list[str]:
     s = {"paths.runs": out/"runs", "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
          "model.vocab_size": 768, "model.max_seq_len": 64, "training.seq_len": 32, "training.micro_batch_size": 8,
          "training.total_batch_size": 32 * 16, "training.max_steps": 4, "training.log_every": 1, "rl.group_size": 4,
-         "rl.off_policy_rows": 1, "rl.max_new_tokens": 6, "rl.plain_prompts": "true", "rl.temperature": 1.0, "rl.eval_k": 2, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
+         "rl.off_policy_rows": 1, "rl.max_new_tokens": 6, "rl.plain_prompts": "true", "rl.temperature": 1.0,
+         "rl.eval_k": 2, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
          "optimizers.adamw.max_lr": 3e-3, "optimizers.adamw.warmup_steps": 1, "validation.every": 2,
          "checkpointing.every": 2, "checkpointing.keep_last": 10, "runtime.device": "cpu", "runtime.precision": "fp32",
          **extra}
@@ -109,7 +112,8 @@ def _fsdp_world(rank, world, overrides):
 def test_fsdp2_rl_run_on_two_gloo_ranks(rl_inputs, tmp_path):
     "FSDP2 on 2 ranks: each rank samples its share of the prompts, the run trains, validates and checkpoints."
     from gloo_ranks import run_ranks
-    run_ranks(_fsdp_world, 2, tmp_path/"init", small(rl_inputs, tmp_path, **{"runtime.fsdp": "true", "checkpointing.format": "sharded"}))
+    run_ranks(_fsdp_world, 2, tmp_path/"init",
+              small(rl_inputs, tmp_path, **{"runtime.fsdp": "true", "checkpointing.format": "sharded"}))
     recs = records(tmp_path)
     assert sorted(recs) == [1, 2, 3, 4]
     for r in recs.values():
@@ -124,7 +128,8 @@ def test_activation_checkpointing_gives_the_same_run(rl_inputs, tmp_path):
     "Full activation checkpointing recomputes the same forward: the same rollouts and losses as without it."
     plain, ac = tmp_path/"plain", tmp_path/"ac"
     train(small(rl_inputs, plain, **{"training.max_steps": 2, "checkpointing.every": 0}))
-    train(small(rl_inputs, ac, **{"training.max_steps": 2, "checkpointing.every": 0, "runtime.activation_checkpointing": "full"}))
+    train(small(rl_inputs, ac,
+                **{"training.max_steps": 2, "checkpointing.every": 0, "runtime.activation_checkpointing": "full"}))
     a, b = records(plain), records(ac)
     for s in (1, 2):
         assert a[s]["reward_mean"] == b[s]["reward_mean"]
@@ -144,13 +149,16 @@ def test_lora_trains_only_the_adapters(rl_inputs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("GG_HEAVY") != "1", reason="GG_HEAVY=1: compiling the blocks takes minutes on 2 cores")
+@pytest.mark.skipif(os.environ.get("GG_HEAVY") != "1",
+                    reason="GG_HEAVY=1: compiling the blocks takes minutes on 2 cores")
 def test_compiled_blocks_follow_eager(rl_inputs, tmp_path):
     "`runtime.compile=true` (each block compiled): the same rollouts at step 1 and losses within 1e-4 of eager."
     eager, compiled = tmp_path/"eager", tmp_path/"compiled"
     train(small(rl_inputs, eager, **{"training.max_steps": 2, "checkpointing.every": 0, "validation.enabled": "false"}))
-    train(small(rl_inputs, compiled, **{"training.max_steps": 2, "checkpointing.every": 0, "validation.enabled": "false",
+    train(small(rl_inputs, compiled,
+                **{"training.max_steps": 2, "checkpointing.every": 0, "validation.enabled": "false",
                                         "runtime.compile": "true"}))
     a, b = records(eager), records(compiled)
     assert a[1]["reward_mean"] == b[1]["reward_mean"] and a[1]["completion_len"] == b[1]["completion_len"]
-    for s in (1, 2): assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-4 * max(1.0, abs(a[s]["loss"])), (s, a[s]["loss"], b[s]["loss"])
+    for s in (1, 2): assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-4 * max(1.0, abs(a[s]["loss"])), (s, a[s]["loss"],
+                                                                                                     b[s]["loss"])

@@ -8,7 +8,7 @@ at the 124M shape: no graph breaks, one recompile at most when the batch changes
 `GG_HEAVY=1` (see test_124m_fsdp2_end_to_end): the 124M model trained under 2-rank FSDP2 with activation
 checkpointing, checkpointed, resumed on 1 and 2 ranks, exported to Hugging Face.
 """
-import json, os, random, subprocess, sys
+import json, os, random, sys
 from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
 import pytest
@@ -47,7 +47,8 @@ def fineweb_edu(root: Path, n=60) -> Path:
 
 def chat(rng, turns=2):
     out = [{"content": sentence(rng, 8), "role": "system"}] if rng.random() < 0.3 else []
-    for _ in range(turns): out += [{"content": sentence(rng, 10) + "?", "role": "user"}, {"content": sentence(rng, 12), "role": "assistant"}]
+    for _ in range(turns): out += [{"content": sentence(rng, 10) + "?", "role": "user"},
+                                   {"content": sentence(rng, 12), "role": "assistant"}]
     return out
 
 def smol_smoltalk(root: Path, n=(40, 8)) -> Path:
@@ -57,22 +58,28 @@ def smol_smoltalk(root: Path, n=(40, 8)) -> Path:
         files[f"data/{split}-00000-of-00001.parquet"] = pa.table(
             {"messages": pa.array([chat(rng, rng.randint(1, 2)) for _ in range(k)], pa.list_(MESSAGE)),
              "source": ["smol-magpie-ultra"] * k})
-    write_repo(root, [{"config_name": "default", "data_files": [{"split": s, "path": f"data/{s}-*"} for s in ("train", "test")]}], files)
+    write_repo(root,
+               [{"config_name": "default",
+                 "data_files": [{"split": s, "path": f"data/{s}-*"} for s in ("train", "test")]}], files)
     return root
 
 def ultrafeedback_binarized(root: Path, n=(40, 8)) -> Path:
-    "HuggingFaceH4/ultrafeedback_binarized: splits train_prefs/test_prefs (+ sft, gen); prompt, prompt_id, chosen, rejected, messages, scores."
-    rng, files, splits = random.Random(2), {}, ("train_prefs", "test_prefs", "train_sft", "test_sft", "train_gen", "test_gen")
+    ("HuggingFaceH4/ultrafeedback_binarized: splits train_prefs/test_prefs (+ sft, gen); prompt, prompt_id, chosen, "
+     "rejected, messages, scores.")
+    rng, files, splits = random.Random(2), {}, ("train_prefs", "test_prefs", "train_sft", "test_sft", "train_gen",
+                                                "test_gen")
     for split in splits:
         k = n[0] if split.startswith("train") else n[1]
         prompts = [sentence(rng, 10) + "?" for _ in range(k)]
         conv = lambda p: [{"content": p, "role": "user"}, {"content": sentence(rng, 14), "role": "assistant"}]
         chosen, rejected = [conv(p) for p in prompts], [conv(p) for p in prompts]
         files[f"data/{split}-00000-of-00001.parquet"] = pa.table(
-            {"prompt": prompts, "prompt_id": [f"{i:064x}" for i in range(k)], "chosen": pa.array(chosen, pa.list_(MESSAGE)),
+            {"prompt": prompts, "prompt_id": [f"{i:064x}" for i in range(k)],
+             "chosen": pa.array(chosen, pa.list_(MESSAGE)),
              "rejected": pa.array(rejected, pa.list_(MESSAGE)), "messages": pa.array(chosen, pa.list_(MESSAGE)),
              "score_chosen": pa.array([8.0] * k, pa.float64()), "score_rejected": pa.array([5.0] * k, pa.float64())})
-    write_repo(root, [{"config_name": "default", "data_files": [{"split": s, "path": f"data/{s}-*"} for s in splits]}], files)
+    write_repo(root, [{"config_name": "default", "data_files": [{"split": s, "path": f"data/{s}-*"} for s in splits]}],
+               files)
     return root
 
 def local_copy(recipe: str, out: Path, hub_path: str, folder: Path) -> Path:
@@ -86,9 +93,11 @@ def local_copy(recipe: str, out: Path, hub_path: str, folder: Path) -> Path:
 def hub_like(tmp_path_factory):
     base = tmp_path_factory.mktemp("hub")
     sets = [f"paths.datasets={base/'datasets'}", f"tokenizer.path={base/'tokenizer'}"]
-    recipe = local_copy("recipes/pretraining/tendril-124m.yaml", base/"pre.yaml", "HuggingFaceFW/fineweb-edu", fineweb_edu(base/"fineweb-edu"))
+    recipe = local_copy("recipes/pretraining/tendril-124m.yaml", base/"pre.yaml", "HuggingFaceFW/fineweb-edu",
+                        fineweb_edu(base/"fineweb-edu"))
     # a few rows cannot train a 50k BPE: the tokenizer (only) is trained at 640 tokens
-    r = run_gg("prepare", "--recipe", recipe, "--no-progress", "--set", *sets, "model.vocab_size=640", "data.target_tokens=20000",
+    r = run_gg("prepare", "--recipe", recipe, "--no-progress", "--set", *sets, "model.vocab_size=640",
+               "data.target_tokens=20000",
                "data.shard_tokens=4096", "data.val_fraction=0.1")
     return dict(base=base, sets=sets, prepare_out=r.stdout)
 
@@ -98,7 +107,8 @@ def test_fineweb_edu_schema_prepares(hub_like):
     assert "prepared" in hub_like["prepare_out"]
 
 def test_smol_smoltalk_schema_prepares(hub_like):
-    recipe = local_copy("recipes/instruct/tendril-124m-smoltalk.yaml", hub_like["base"]/"sft.yaml", "HuggingFaceTB/smol-smoltalk",
+    recipe = local_copy("recipes/instruct/tendril-124m-smoltalk.yaml", hub_like["base"]/"sft.yaml",
+                        "HuggingFaceTB/smol-smoltalk",
                         smol_smoltalk(hub_like["base"]/"smol-smoltalk"))
     run_gg("prepare", "--recipe", recipe, "--no-progress", "--set", *hub_like["sets"])
     d = hub_like["base"]/"datasets"/"instruct"
@@ -107,7 +117,8 @@ def test_smol_smoltalk_schema_prepares(hub_like):
     assert counts == {"train": 40, "val": 8}, metas
 
 def test_ultrafeedback_schema_prepares(hub_like):
-    recipe = local_copy("recipes/dpo/tendril-124m-ultrafeedback.yaml", hub_like["base"]/"dpo.yaml", "HuggingFaceH4/ultrafeedback_binarized",
+    recipe = local_copy("recipes/dpo/tendril-124m-ultrafeedback.yaml", hub_like["base"]/"dpo.yaml",
+                        "HuggingFaceH4/ultrafeedback_binarized",
                         ultrafeedback_binarized(hub_like["base"]/"ultrafeedback"))
     run_gg("prepare", "--recipe", recipe, "--no-progress", "--set", *hub_like["sets"])
     d = hub_like["base"]/"datasets"/"dpo"
@@ -135,7 +146,8 @@ def test_tendril_block_compiles_without_graph_breaks():
     assert counts["stats"]["unique_graphs"] <= 2, dict(counts["stats"])
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("GG_HEAVY") != "1", reason="GG_HEAVY=1: the 124M end-to-end run takes ~10+ minutes on 2 cores")
+@pytest.mark.skipif(os.environ.get("GG_HEAVY") != "1",
+                    reason="GG_HEAVY=1: the 124M end-to-end run takes ~10+ minutes on 2 cores")
 def test_124m_fsdp2_end_to_end(tmp_path):
     """The tendril-124m shape (vocab 50,304, context 1024) on 2 FSDP2 gloo ranks with selective checkpointing: train,
     checkpoint, resume on 2 ranks (bit-equal next losses) and on 1 rank (1e-5), export to HF (equal logits)."""

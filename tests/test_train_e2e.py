@@ -1,7 +1,6 @@
 "End-to-end training through the CLI: run directory, metrics, exact resume, papermill report, secrets."
 import json, os
 from pathlib import Path
-import pytest
 import torch
 from conftest import run_gg
 
@@ -10,31 +9,37 @@ RECIPE = "recipes/pretraining/debug.yaml"
 def small(prepared, tmp_path, steps=8, **extra):
     "Overrides for a short CPU run writing under `tmp_path`."
     s = prepared["sets"] + [f"paths.runs={tmp_path/'runs'}", f"training.max_steps={steps}", "training.log_every=1",
-                            "validation.every=4", "validation.steps=2", "checkpointing.every=4", "checkpointing.keep_last=5",
+                            "validation.every=4", "validation.steps=2", "checkpointing.every=4",
+                            "checkpointing.keep_last=5",
                             "generation.every=4", "generation.max_gen_len=8", "training.total_batch_size=4096",
                             "optimizers.adamw.warmup_steps=2"]
     return s + [f"{k}={v}" for k, v in extra.items()]
 
 def losses(run_dir):
     "step -> training loss from metrics.jsonl."
-    return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir)/"metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(run_dir)/"metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
 
 def test_train_writes_the_run_directory(prepared, tmp_path):
-    evals = ["evals.every=8", "evals.hellaswag_examples=8", "evals.winogrande_examples=8", "evals.arc_challenge_examples=8"]
-    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), *evals, env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
+    evals = ["evals.every=8", "evals.hellaswag_examples=8", "evals.winogrande_examples=8",
+             "evals.arc_challenge_examples=8"]
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), *evals,
+           env={"WANDB_API_KEY": "sekrit-wandb-key-123"})
     run_dir = tmp_path/"runs"/"pretraining"/"debug"
     for f in ["config.yaml", "snapshot.json", "metrics.jsonl", "samples.jsonl"]: assert (run_dir/f).is_file(), f
     recs = [json.loads(l) for l in (run_dir/"metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 9))
     for k in ["step", "loss", "lr", "tokens_per_s", "mfu"]: assert k in recs[-1]
     assert [r["step"] for r in recs if "val_loss" in r] == [4, 8]
-    for k in ["hellaswag/acc", "hellaswag/acc_norm", "winogrande/acc", "arc_challenge/acc_norm"]: assert k in recs[-1], k
+    for k in ["hellaswag/acc", "hellaswag/acc_norm", "winogrande/acc",
+              "arc_challenge/acc_norm"]: assert k in recs[-1], k
     ckpts = sorted(p.name for p in (run_dir/"checkpoints").glob("step_*.pt"))
     assert ckpts == ["step_0000004.pt", "step_0000008.pt"]
     snap = json.loads((run_dir/"snapshot.json").read_text())
     assert snap["config"]["training"]["max_steps"] == 8 and "workload" in snap and "versions" in snap
     from gradient_garden.train.trainer import resolve_precision   # the recipe's `auto`, resolved and explained
-    assert snap["precision"] == dict(zip(["requested", "used", "why"], ["auto", *resolve_precision(torch.device("cpu"), "auto")]))
+    assert snap["precision"] == dict(zip(["requested", "used", "why"],
+                                         ["auto", *resolve_precision(torch.device("cpu"), "auto")]))
     assert snap["config"]["runtime"]["precision"] == snap["precision"]["used"]
     for p in run_dir.rglob("*"):
         if p.is_file() and p.suffix in (".json", ".jsonl", ".yaml", ".txt", ".ipynb"):
@@ -56,7 +61,8 @@ def test_compiled_blocks_train_like_eager(prepared, tmp_path):
     "`runtime.compile=true` (each block through torch.compile, the fused loss eager) follows the eager losses."
     eager, compiled = tmp_path/"eager", tmp_path/"compiled"
     run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, eager, steps=4), "runtime.precision=fp32")
-    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, compiled, steps=4), "runtime.compile=true", "runtime.precision=fp32")
+    run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, compiled, steps=4), "runtime.compile=true",
+           "runtime.precision=fp32")
     a, b = losses(eager/"runs"/"pretraining"/"debug"), losses(compiled/"runs"/"pretraining"/"debug")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for s in a: assert abs(a[s] - b[s]) < 1e-4 * a[s], (s, a[s], b[s])
@@ -64,10 +70,13 @@ def test_compiled_blocks_train_like_eager(prepared, tmp_path):
 
 def test_bad_inputs_are_one_line_errors(prepared, tmp_path):
     r = run_gg("train", "--recipe", RECIPE, "--pretraining", check=False)
-    assert r.returncode == 2 and r.stderr.strip() == "error: --pretraining cannot be combined with --recipe: the recipe defines the training stage"
-    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), "training.total_batch_size=1000", check=False)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --pretraining cannot be combined with --recipe: the "
+                                                      "recipe defines the training stage")
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), "training.total_batch_size=1000",
+               check=False)
     assert r.returncode == 2 and "training.total_batch_size: got 1000; must be divisible by" in r.stderr
-    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), f"paths.datasets={tmp_path/'nowhere'}", check=False)
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), f"paths.datasets={tmp_path/'nowhere'}",
+               check=False)
     assert r.returncode == 2 and "run `gg prepare`" in r.stderr
     bad = tmp_path/"bad.pt"; bad.write_bytes(b"not a checkpoint")
     r = run_gg("train", "--recipe", RECIPE, "--checkpoint", bad, "--set", *small(prepared, tmp_path), check=False)
@@ -82,7 +91,8 @@ def test_notebook_leaves_a_report(prepared, tmp_path):
     assert (tmp_path/"runs"/"pretraining"/"debug"/"metrics.jsonl").is_file()
 
 def test_wandb_offline_is_aligned_to_steps(prepared, tmp_path):
-    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=4), "wandb.enabled=true", "wandb.mode=online",
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=4), "wandb.enabled=true",
+               "wandb.mode=online",
                env={"WANDB_MODE": None, "WANDB_API_KEY": None, "WANDB_SILENT": "true"})
     assert "WANDB_API_KEY is not set" in r.stderr  # said clearly, then offline instead of prompting
     runs = list((tmp_path/"runs"/"pretraining"/"debug"/"wandb").glob("offline-run-*"))
@@ -121,7 +131,8 @@ def test_sft_exact_match_under_fsdp2_is_lockstep_with_uneven_shards(prepared, tm
     from gradient_garden.tokenizer import init_tokenizer
     torch.manual_seed(0)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128))
-    one = evaluate_exact_match(model, init_tokenizer(TokenizerConfig(path=tok_dir)), heldout_examples(1)[:5], max_new_tokens=16)
+    one = evaluate_exact_match(model, init_tokenizer(TokenizerConfig(path=tok_dir)), heldout_examples(1)[:5],
+                               max_new_tokens=16)
     ranks = [torch.load(tmp_path/f"r{i}.pt") for i in range(2)]
     assert ranks[0] == ranks[1]  # every rank holds all the answers and the same score
     assert ranks[0]["outputs"] == one["outputs"] and ranks[0]["exact_match"] == one["exact_match"]

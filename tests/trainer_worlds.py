@@ -12,7 +12,8 @@ STEPS = 10
 FSDP = {"runtime.fsdp": "true"}
 HSDP = {"runtime.fsdp": "true", "runtime.replicate": 2, "runtime.shard": 2}
 MUON = {"optimizers.muon.enabled": "true"}
-MOE = {"model.architecture": "tendril_moe", "model.n_experts": 4, "model.n_experts_per_token": 2, "training.max_steps": 4}
+MOE = {"model.architecture": "tendril_moe", "model.n_experts": 4, "model.n_experts_per_token": 2,
+       "training.max_steps": 4}
 LORA = {"lora.enabled": "true", "lora.rank": 4, "training.max_steps": 4}
 EVALS = {"evals.every": 5, "evals.hellaswag": "true", "evals.hellaswag_examples": 5, "evals.winogrande": "false",
          "evals.arc_challenge": "false", "evals.batch_size": 2, "generation.every": 5, "generation.max_gen_len": 4}
@@ -21,9 +22,12 @@ def sets(prepared, out: Path, **extra) -> list[str]:
     """A small Tendril, micro-batches of 4 x 64 tokens and 1024 tokens per step (4 micro-steps on 1 rank, 2 on 2, 1 on
     4: the same global batch on every world size), fp32, sharded checkpoints every 2 steps (all kept), under `out`."""
     s = {"paths.runs": out/"runs", "training.max_steps": STEPS, "training.log_every": 1, "model.dim": 64,
-         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64, "training.seq_len": 64,
-         "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.every": 4, "validation.steps": 1,
-         "generation.every": 0, "checkpointing.every": 2, "checkpointing.keep_last": 10, "checkpointing.format": "sharded",
+         "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
+         "training.seq_len": 64,
+         "training.micro_batch_size": 4, "training.total_batch_size": 1024, "validation.every": 4,
+         "validation.steps": 1,
+         "generation.every": 0, "checkpointing.every": 2, "checkpointing.keep_last": 10,
+         "checkpointing.format": "sharded",
          "optimizers.adamw.warmup_steps": 2, "runtime.device": "cpu", "runtime.precision": "fp32", **extra}
     return prepared["sets"] + [f"{k}={v}" for k, v in s.items()]
 
@@ -46,10 +50,13 @@ def post_training_inputs(prepared, base: Path) -> dict:
     cfg, _ = load_config(recipe=RECIPE, overrides=sets(prepared, base/"unused"))
     src = {"type": "verifiable", "train": 160, "val": 16, "max_turns": 1, "seed": 0}
     prepare_instruct({"sources": [src]}, cfg, base/"datasets"/"instruct", progress=False)
-    prepare_dpo({"sources": [{"type": "verifiable", "train": 160, "val": 16, "seed": 1}]}, cfg, base/"datasets"/"dpo", progress=False)
+    prepare_dpo({"sources": [{"type": "verifiable", "train": 160, "val": 16, "seed": 1}]}, cfg, base/"datasets"/"dpo",
+                progress=False)
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=cfg.model.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(base/"teacher")
+    LlamaForCausalLM(LlamaConfig(vocab_size=cfg.model.vocab_size, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=64)).save_pretrained(base/"teacher")
     shutil.copytree(cfg.tokenizer.path, base/"teacher", dirs_exist_ok=True)  # it shares the student's tokenizer
     return {"paths.datasets": base/"datasets", "distillation.teacher": base/"teacher"}
 
@@ -62,13 +69,14 @@ def train(overrides: list[str], checkpoint=None, world: int = 1):
 
 def probe_mesh(out: Path):
     "Write where an HSDP-wrapped Tendril's parameters live (mesh shape, dim names, placements) to `out` (rank 0)."
-    import torch, torch.distributed as dist
+    import torch.distributed as dist
     from gradient_garden.config import ModelConfig, RuntimeConfig
     from gradient_garden.parallel.distributed import init_distributed, parallelize
     from gradient_garden.models.registry import build_model
     runtime = RuntimeConfig(device="cpu", fsdp=True, replicate=2, shard=2)
     env = init_distributed(runtime)
-    m = parallelize(build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)), runtime, env)
+    m = parallelize(build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                            max_seq_len=32)), runtime, env)
     w = m.layers[0].attention.wqkv.weight
     if env.is_main:
         out.write_text(json.dumps(dict(shape=list(w.device_mesh.shape), names=list(w.device_mesh.mesh_dim_names),

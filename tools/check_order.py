@@ -21,7 +21,7 @@ def exported_module(nb_path):
 
 
 def package_imports(py_path, module):
-    "Modules of the package that `module` (in file `py_path`) imports, at any depth of the file (statements and names)."
+    "Modules of the package that `module` (file `py_path`) imports, at any depth of the file (statements, literal names)."
     tree = ast.parse(py_path.read_text())
     is_package = py_path.name == "__init__.py"
     parts = module.split(".") if is_package else module.split(".")[:-1]
