@@ -20,8 +20,13 @@ def exported_module(nb_path):
     return None
 
 
+def _called_name(call):
+    "The name a call calls: `f` of `f(...)`, `attr` of `obj.attr(...)`."
+    return getattr(call.func, "attr", None) or getattr(call.func, "id", None)
+
+
 def package_imports(py_path, module):
-    "Modules of the package that `module` (file `py_path`) imports, at any depth of the file (statements, literal names)."
+    "Modules of the package that `module` (file `py_path`) imports, at any depth (statements and literal names)."
     tree = ast.parse(py_path.read_text())
     is_package = py_path.name == "__init__.py"
     parts = module.split(".") if is_package else module.split(".")[:-1]
@@ -40,7 +45,7 @@ def package_imports(py_path, module):
             else:
                 continue
             found |= set(names)
-        elif isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in NAME_IMPORTS:
+        elif isinstance(node, ast.Call) and _called_name(node) in NAME_IMPORTS:
             # an import by a name in a string is an edge too, where the string names a module of the package
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith(PACKAGE + "."):
