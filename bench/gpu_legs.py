@@ -179,7 +179,8 @@ def leg_rl() -> dict:
     from gradient_garden.models.registry import build_model, flops_per_token
     from gradient_garden.runtime import autocast_context
     from gradient_garden.evals.verifiers import Problem
-    from gradient_garden.stages.rl import RLTask, RolloutLoader
+    from gradient_garden.stages.rl import RLTask
+    from gradient_garden.stages.rl_rollouts import RolloutLoader
     cfg = config("recipes/pretraining/tendril-124m.yaml")
     P, G, M, seq, steps = (4, 4, 8, 32, 2) if SMOKE else (32, 8, 64, 128, 3)
     precision = "fp32" if SMOKE else "bf16"

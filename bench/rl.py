@@ -71,7 +71,8 @@ def bench_ours(args, cfg, model, tok, exs) -> dict:
     from gradient_garden.config import RLConfig
     from gradient_garden.evals.verifiers import Problem
     from gradient_garden.stages.rewards import Rewarder
-    from gradient_garden.stages.rl import RLTask, RolloutLoader
+    from gradient_garden.stages.rl import RLTask
+    from gradient_garden.stages.rl_rollouts import RolloutLoader
     rl = RLConfig(group_size=args.group, loss_type="dapo", temperature=1.0, max_new_tokens=args.max_new_tokens)
     examples = [Problem("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer}) for e in exs]
     rows = args.prompts * args.group

@@ -97,8 +97,10 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   plugin registers, and a stage
 - `gradient_garden.stages.rewards`: The prompts of the RL stage and the reward of an answer: the verifier's judgement,
   an optional format reward, a
-- `gradient_garden.stages.rl`: Reinforcement learning with verifiable rewards: a loader that samples G answers per
-  prompt from the current weights,
+- `gradient_garden.stages.rl`: Reinforcement learning with verifiable rewards: the task that trains on the loader's
+  rollout batches, held-out
+- `gradient_garden.stages.rl_rollouts`: The RL stage's loader: G answers per prompt sampled from the current weights,
+  scored and cut into the trainer's
 - `gradient_garden.stages.sft`: Chat conversations -> token ids with a supervision mask, truncation at whole turns,
   packing with document
 - `gradient_garden.tokenizer`: One `Tokenizer` interface over two backends — Hugging Face `tokenizers` and `tiktoken` —

@@ -102,7 +102,7 @@ def test_adaptive_entropy_equals_trl(loss_type):
     """rl.use_adaptive_entropy: over steps whose entropy crosses the target both ways and hits both bounds, the applied
     bonus (loss and gradient) and the coefficient equal TRL's `use_adaptive_entropy` control, step by step."""
     from gradient_garden.stages.grpo import entropy_sum
-    from gradient_garden.stages.rl import EntropyControl
+    from gradient_garden.stages.rl_rollouts import EntropyControl
     g = torch.Generator().manual_seed(3)
     B, T = 8, 10
     mask = torch.arange(T)[None] < torch.tensor([10, 1, 4, 7, 10, 3, 9, 2])[:, None]
@@ -282,7 +282,7 @@ def _fixed_loader(rank, world, seed=0):
      "prompt.")
     from gradient_garden.config import ModelConfig
     from gradient_garden.models.registry import build_model
-    from gradient_garden.stages.rl import RolloutLoader
+    from gradient_garden.stages.rl_rollouts import RolloutLoader
     torch.manual_seed(seed)
     model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=64))
     tok = SimpleNamespace(eot_id=2, eos_id=None, pad_id=0, encode=lambda s: [], decode=lambda ids: "x" * len(ids),
@@ -393,7 +393,7 @@ def _luffy_plain(rewards, logps, old, mask, G, k, kind, gamma, eps_low, eps_high
 def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
     ("rl.off_policy_rows: advantages, the shaped unclipped term on reference rows and the clipped one on sampled rows "
      "(dapo), loss and gradient.")
-    from gradient_garden.stages.rl import with_references
+    from gradient_garden.stages.rl_rollouts import with_references
     g = torch.Generator().manual_seed(4)
     G, k, B, T = 4, 1, 12, 6
     # samples all fail / differ / all right (and the reference too)
@@ -422,7 +422,7 @@ def test_guided_loss_equals_luffy_written_out(kind, gamma, weight):
 def test_guided_gsm8k_reference_is_the_worked_answer_and_passes_the_verifier(tmp_path):
     ("A GSM8K row's reference completion is its whole worked answer as the assistant turn; the numeric verifier "
      "accepts it.")
-    from gradient_garden.stages.rl import reference_completion
+    from gradient_garden.stages.rl_rollouts import reference_completion
     tok = SimpleNamespace(eot_id=2, eos_id=3, encode=lambda s: [ord(c) for c in s],
                           decode=lambda ids: "".join(chr(i) for i in ids),
                           render_chat=lambda msgs, add_generation_prompt=False: (
