@@ -6,7 +6,7 @@ parameters: dim 768, 12 layers, 32k vocabulary), shards it with FSDP2 and takes 
 exists (parameters + two moments: ~1.6 GB in all). Then, `--rounds` times and interleaved so machine load hits every
 contender alike, it saves with the platform's own code paths:
 
-- `full`: `trainer.full_state` gathers the whole model and optimizer state to rank 0's CPU (what
+- `full`: `resume.full_state` gathers the whole model and optimizer state to rank 0's CPU (what
   `checkpointing.format: full` does), rank 0 writes one `.pt` with `CheckpointManager.save` (fsync + rename); every
   rank waits at a barrier;
 - `sharded`: `CheckpointManager.save_sharded` (every rank writes its own shards, fsynced; rank 0 commits);
@@ -80,7 +80,7 @@ def worker(args):
     from gradient_garden.train.optim import build_optimizers
     from gradient_garden.checkpoint.checkpoints import (CheckpointManager, load_checkpoint, sharded_state,
                                                     load_sharded_state)
-    from gradient_garden.train.trainer import full_state, load_full_state
+    from gradient_garden.train.resume import full_state, load_full_state
     from gradient_garden.models.tendril import count_parameters
     from gradient_garden.models.registry import build_model
     torch.set_num_threads(1)

@@ -82,7 +82,7 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.serve.process`: A checkpoint loaded into a `BatchDecoder`, and that decoder in a process of its own,
   spoken to over two pipes
 - `gradient_garden.serve.streams`: Token ids in, text out one piece at a time: whole characters only, and stop strings
-  cut exactly, even across tokens.
+  cut exactly, even across
 - `gradient_garden.stages.base`: `Stage`: everything the platform knows of a training stage, in one spec; `StageParts`:
   the task, the loaders and the
 - `gradient_garden.stages.distillation`: A frozen `AutoModelForCausalLM` teacher, forward KL at temperature $T$ (scaled
@@ -108,7 +108,9 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.train.optim`: Which parameters get weight decay, which get Muon, and a Muon that matches
   `torch.optim.Muon` step for step
 - `gradient_garden.train.plan`: `plan(cfg, gpu=..., gpus_per_node=..., nodes=...)` answers before anything is allocated:
-  per-rank memory for parameters, gradients,
+  per-rank memory for
+- `gradient_garden.train.resume`: The state of a training run (its counters, early stopping, seeds) and what a
+  checkpoint carries of it, so that a
 - `gradient_garden.train.run`: From a resolved config to a finished run: process group, tokenizer, model (from scratch
   or a checkpoint), LoRA,
 - `gradient_garden.train.schedules`: Pure functions from the step number to a learning rate: linear warmup, then cosine

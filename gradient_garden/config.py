@@ -101,7 +101,7 @@ class TrainingConfig:
     grad_clip: Optional[float] = 1.0
     log_every: int = 10
     packing: bool = True
-    virtual_ranks: int = 0      # >1 on one process: sum each step's gradients as that many DDP ranks would (54_trainer)
+    virtual_ranks: int = 0      # >1 on one process: sum each step's gradients as that many DDP ranks would (55_trainer)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 # %% ../nbs/00_config.ipynb #de38a117

@@ -150,7 +150,7 @@ def run_fit(precision: str) -> dict:
     from unittest import mock
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from gradient_garden.train import trainer as trainer_module
+    from gradient_garden.train import resume as resume_module
     from gradient_garden.checkpoint.checkpoints import CheckpointManager
     from gradient_garden.parallel.distributed import DistEnv
     from gradient_garden.train.trainer import Trainer
@@ -181,8 +181,8 @@ def run_fit(precision: str) -> dict:
             mock.patch.dict(fake_impls.op_implementations_dict, {torch.ops.aten._local_scalar_dense.default: read,
                                                                   torch.ops.aten.item.default: read}), \
             mock.patch.object(Trainer, "train_step", train_step), \
-            mock.patch.object(trainer_module, "rng_state", lambda: {}), \
-            mock.patch.object(trainer_module, "full_state", lambda m, o: ({}, {})), \
+            mock.patch.object(resume_module, "rng_state", lambda: {}), \
+            mock.patch.object(resume_module, "full_state", lambda m, o: ({}, {})), \
             mock.patch.object(CheckpointManager, "save", lambda self, s, state,
                               val_loss=None: saved.append(s) or self.path(s)):
         tr = Trainer(cfg, model, task, loader, val_loader, env=DistEnv(device=torch.device("cuda", 0)),

@@ -370,7 +370,7 @@ def test_each_rank_restores_its_own_cuda_rng():
     ("With torch.cuda mocked: every rank's CUDA generator states are saved, and rank r gets rank r's back (rank 0's if "
      "fewer).")
     from gradient_garden.checkpoint.checkpoints import rng_state, set_rng_state
-    from gradient_garden.train.trainer import _rank_entry
+    from gradient_garden.train.resume import _rank_entry
     per_rank = [[torch.tensor([r, d], dtype=torch.uint8) for d in range(2)] for r in range(2)]   # 2 ranks x 2 devices
     restored = {}
     states = []

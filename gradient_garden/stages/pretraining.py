@@ -49,7 +49,7 @@ class CausalLMTask:
 
 # %% ../../nbs/41_pretraining.ipynb #828b319e
 def build_pretraining(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
-    ("Causal task plus train/val `PretrainLoader`s for this rank (`build_stage` (`55_run`) adds distillation when "
+    ("Causal task plus train/val `PretrainLoader`s for this rank (`build_stage` (`56_run`) adds distillation when "
      "enabled).")
     train, val = pretraining_loaders(cfg, env.rank, env.world_size,
                                      tokenizer_identity=getattr(tokenizer, "identity", None))
