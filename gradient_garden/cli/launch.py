@@ -9,7 +9,7 @@ import argparse, signal, sys
 from ..config import ConfigError
 
 # %% auto #0
-__all__ = ['torchrun_argv', 'signal_line', 'failure_line', 'add_launch_args', 'run_launch']
+__all__ = ['torchrun_argv', 'signal_line', 'failure_line', 'check_launcher_flags', 'add_launch_args', 'run_launch']
 
 # %% ../../nbs/75_cli_launch.ipynb #e4ce447f
 def torchrun_argv(argv: list[str], verbs) -> list[str]:
@@ -36,6 +36,41 @@ def failure_line(rank: int, exitcode: int, message: str) -> tuple[int, str]:
     why = f": {message}" if message and not message.startswith("To enable traceback") else ""
     return (exitcode if exitcode > 0 else 1), f"gg launch: rank {rank} failed (exit status {exitcode}){why}"
 
+# %% ../../nbs/75_cli_launch.ipynb #3aff6d10
+def _bad(flag: str, got, allowed: str) -> ConfigError: return ConfigError(f"{flag}: got {got}; {allowed}")
+
+def check_launcher_flags(ns):
+    "One `error:` line for a torchrun flag that torchrun would refuse with a traceback (`ns`: its parsed flags)."
+    n = str(ns.nproc_per_node)
+    workers = "give the number of workers on this node (1 or more), or auto, cpu or gpu"
+    if n.lstrip("-").isdigit():
+        if int(n) < 1: raise _bad("--nproc-per-node", n, workers)
+    elif n not in ("auto", "cpu", "gpu", "xpu"): raise _bad("--nproc-per-node", n, workers)
+    elif n in ("gpu", "xpu"):
+        import torch
+        if not getattr(torch, {"gpu": "cuda"}.get(n, n)).is_available():
+            raise _bad("--nproc-per-node", n, "no such device is visible here; give a number, or auto")
+    parts = str(ns.nnodes).split(":")
+    if not (len(parts) in (1, 2) and all(p.isdigit() for p in parts) and 0 < int(parts[0]) <= int(parts[-1])):
+        raise _bad("--nnodes", ns.nnodes, "give the number of nodes (1 or more), or MIN:MAX with 1 <= MIN <= MAX")
+    if ns.max_restarts < 0: raise _bad("--max-restarts", ns.max_restarts, "must be 0 or more")
+    _check_rendezvous_flags(ns)
+
+# %% ../../nbs/75_cli_launch.ipynb #6ad32271
+def _check_rendezvous_flags(ns):
+    "`--rdzv-backend` one torchrun knows, `--rdzv-endpoint` HOST[:PORT], `--rdzv-conf` KEY=VALUE pairs."
+    from importlib.metadata import entry_points
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    backends = {"static", "c10d", "etcd", "etcd-v2"} | {e.name for e in entry_points(group="torchrun.handlers")}
+    if ns.rdzv_backend not in backends:
+        raise _bad("--rdzv-backend", ns.rdzv_backend, f"one of {', '.join(sorted(backends))}")
+    try: parse_rendezvous_endpoint(ns.rdzv_endpoint, default_port=29400)
+    except ValueError: raise _bad("--rdzv-endpoint", ns.rdzv_endpoint,
+                                  "expected HOST[:PORT] with PORT from 0 to 65535, e.g. head:29500") from None
+    pairs = [kv.split("=", 1) for kv in ns.rdzv_conf.strip().split(",")] if ns.rdzv_conf.strip() else []
+    if not all(len(kv) == 2 and kv[0].strip() and kv[1].strip() for kv in pairs):
+        raise _bad("--rdzv-conf", ns.rdzv_conf, "expected KEY=VALUE pairs separated by commas, e.g. join_timeout=900")
+
 # %% ../../nbs/75_cli_launch.ipynb #98bee4c6
 def add_launch_args(p: argparse.ArgumentParser):
     "Flags of `gg launch`: none of its own; torchrun's, then the verb and its flags, all passed on."
@@ -56,6 +91,7 @@ def run_launch(args, verbs) -> int:
     # as argparse's --help
     if not args.argv or args.argv[0] in ("-h", "--help"): print(args._help()); raise SystemExit(0)
     launcher = get_args_parser().parse_args(torchrun_argv(list(args.argv), set(verbs)))
+    check_launcher_flags(launcher)  # one line where torchrun would give a traceback
     try: run(launcher); return 0
     except SignalException as e: rc, line = signal_line(e.sigval)
     except ChildFailedError as e:
