@@ -1,7 +1,8 @@
 """The legs of `bench/gpu.sh`, one per call: each writes one JSON object to the path it is given. `--smoke` runs the
 same code on the CPU at tiny shapes (gloo instead of NCCL, no torch.compile), so CI keeps the script from rotting.
 
-    python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke]   # each leg writes OUTDIR/LEG.json (legs: see LEGS)
+    python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke]   # each leg writes OUTDIR/LEG.json and its line in
+                                                              # OUTDIR/legs.jsonl as it ends (legs: see LEGS)
     python bench/gpu_legs.py summary OUTDIR [--smoke]         # one JSON line: every leg, MFU computed one way
     python bench/gpu_legs.py --smoke                          # the one-process legs into a temporary folder, then the
                                                               # summary (fsdp2_124m and gg_train_124m: bash
@@ -9,6 +10,11 @@ same code on the CPU at tiny shapes (gloo instead of NCCL, no torch.compile), so
 
 `bench/gpu.sh` runs each leg in a process of its own on a GPU; the CPU smoke run takes several in one process (one
 import of torch and the package instead of five).
+
+The environment carries the limits `bench/gpu.sh` sets: `GG_LEG_DEADLINE` (epoch seconds by which the leg's process is
+killed: its subprocesses get what is left), `GG_BENCH_DEADLINE` (when several legs share a process: the ones not
+started by then are skipped) and `GG_BENCH_EAGER=1` (no C compiler or Python.h, so Triton cannot build: nothing is
+compiled).
 
 Every leg that trains or decodes reports `tokens_per_s`, `flops_per_token` and `ranks`; `summary` turns them into MFU
 against both the measured matmul peak and the datasheet, the same way for every leg.
@@ -19,6 +25,7 @@ from pathlib import Path
 import torch
 
 SMOKE = "--smoke" in sys.argv
+EAGER = SMOKE or os.environ.get("GG_BENCH_EAGER") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=1024",
         "model.max_seq_len=64", "model.multiple_of=32", "training.seq_len=64", "training.micro_batch_size=2"]
@@ -34,6 +41,7 @@ def config(recipe: str, extra=()):
     from gradient_garden.recipes import load_config
     over = [f"runtime.device={device().type}"]
     if SMOKE: over += [*TINY, "runtime.compile=false", "runtime.precision=fp32"]
+    elif EAGER: over += ["runtime.compile=false"]
     return load_config(recipe=str(ROOT/recipe), overrides=over + list(extra))[0]
 
 
@@ -47,6 +55,12 @@ def leg_peak() -> dict:
                 datasheet_peak_flops=None if SMOKE else gpu_datasheet_flops(name, "bf16"))
 
 
+def time_left(margin: float = 5.0, default: float = 900.0) -> float:
+    "Seconds this leg's process has before `bench/gpu.sh` kills it (`GG_LEG_DEADLINE`), less `margin`."
+    d = os.environ.get("GG_LEG_DEADLINE")
+    return default if not d else float(d) - time.time() - margin
+
+
 def leg_step(recipe: str, micro: int) -> dict:
     "Timed training steps (forward, backward, optimizers) of RECIPE's model on random tokens; FSDP2 under torchrun."
     import torch.distributed as dist
@@ -55,7 +69,7 @@ def leg_step(recipe: str, micro: int) -> dict:
     from gradient_garden.train.optim import build_optimizers
     from gradient_garden.models.tendril import count_parameters
     from gradient_garden.models.registry import build_model, flops_per_token
-    cfg = config(recipe, [] if SMOKE else ["runtime.compile=true"])
+    cfg = config(recipe, [] if EAGER else ["runtime.compile=true"])
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     # started by torchrun: FSDP2 over every rank, even one (NCCL all-gathers for real)
     fsdp = "LOCAL_RANK" in os.environ
@@ -89,6 +103,7 @@ def leg_step(recipe: str, micro: int) -> dict:
                compiled=cfg.runtime.compile, tokens_per_s=n * accum * micro * T * world / dt,
                flops_per_token=flops_per_token(cfg.model, T),
                peak_mem_gib=None if SMOKE else round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    if fsdp and world == 1: res["note"] = "one rank: FSDP2's collectives are local copies; see the collectives leg"
     if fsdp: dist.destroy_process_group()
     return res if rank == 0 else {}
 
@@ -104,10 +119,10 @@ def leg_train(recipe: str, out_dir: Path) -> dict:
             f"validation.every={steps}", "validation.steps=2", f"checkpointing.every={steps}",
             f"runtime.device={device().type}"]
     sets += [*TINY, "runtime.compile=false", "runtime.precision=fp32", "training.total_batch_size=256"] if SMOKE else \
-            ["training.total_batch_size=131072"]          # 8 micro-batches of 16 x 1024 a step
+            ["training.total_batch_size=131072"] + ["runtime.compile=false"] * EAGER   # 8 x 16 x 1024 a step
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "gradient_garden.cli", "train", "--recipe", str(ROOT/recipe),
-                        "--set", *sets], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "--set", *sets], cwd=ROOT, capture_output=True, text=True, timeout=time_left())
     wall = time.perf_counter() - t0
     if r.returncode != 0: raise RuntimeError(f"gg train failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
     from gradient_garden.recipes import load_config
@@ -158,12 +173,16 @@ def leg_attention() -> dict:
     sync(); dt = (time.perf_counter() - t0) / n
     res = dict(shape=[B, H, T, D], ranks=1, tokens_per_s=B * T / dt,
                flops_per_token=3.5 * 2 * 2 * H * D * T / 2)   # QK^T and PV, causal half; backward 2.5x the forward
+    budget = time_left(10)   # the flex run gets what the leg has left, so the SDPA result above is never lost
     if SMOKE: res["flex_vs_sdpa"] = "skipped: torch has no flex_attention backward on CPU"
+    elif EAGER: res["flex_vs_sdpa"] = "skipped: flex_attention needs Triton, which needs a C compiler and Python.h"
+    elif budget < 30: res["flex_vs_sdpa"] = f"skipped: {budget:.0f}s left in the leg"
     else:
-        r = subprocess.run([sys.executable, str(ROOT/"bench/flex_attention.py"), "--device", "cuda", "--dtype", "bf16",
-                            "--batch-size", "16", "--seq-len", "2048", "--dim", "768", "--n-layers", "12",
-                            "--doc-len", "300"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cmd = [sys.executable, str(ROOT/"bench/flex_attention.py"), "--device", "cuda", "--dtype", "bf16",
+               "--batch-size", "16", "--seq-len", "2048", "--dim", "768", "--n-layers", "12", "--doc-len", "300"]
+        try: r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
+        except subprocess.TimeoutExpired:
+            res["flex_vs_sdpa"] = {"error": f"timed out after {budget:.0f}s (the leg's cap)"}; return res
         res["flex_vs_sdpa"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else \
             {"error": (r.stderr.strip().splitlines() or ["failed"])[-1][:300]}
     return res
@@ -212,7 +231,36 @@ def leg_rl() -> dict:
                 step_s=round(statistics.median(times), 4))
 
 
-LEGS = ["peak", "train_124m", "train_400m", "fsdp2_124m", "gg_train_124m", "decode", "attention", "rl_124m"]
+def leg_collectives() -> dict:
+    """All-reduce between processes started by torchrun: the latency of a one-float all-reduce (the size of a per-step
+    agreement) and the bus bandwidth at 1, 16 and 64 MiB. On several GPUs: NCCL, one rank per GPU. On one GPU NCCL
+    cannot run two ranks (it refuses two ranks on one device: "Duplicate GPU detected"), and a world of one sends
+    nothing (FSDP2's all-gathers become local copies), so two ranks share the GPU over gloo: CUDA tensors staged
+    through host memory and TCP, which is real inter-process traffic and the path every gloo group takes."""
+    import torch.distributed as dist
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    nccl = not SMOKE and world > 1 and torch.cuda.device_count() >= world
+    dev = device() if SMOKE else torch.device("cuda", int(os.environ["LOCAL_RANK"]) if nccl else 0)
+    if not SMOKE: torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if nccl else "gloo", device_id=dev if nccl else None)
+    def timed(x, reps):
+        for _ in range(2): dist.all_reduce(x)
+        sync(); dist.barrier(); t0 = time.perf_counter()
+        for _ in range(reps): dist.all_reduce(x)
+        sync(); return (time.perf_counter() - t0) / reps
+    one = timed(torch.ones(1, device=dev), 5 if SMOKE else 50)
+    rows = []
+    for mib in ((1 / 64, 1 / 4) if SMOKE else (1, 16, 64)):
+        n = int(mib * 2**20)
+        dt = timed(torch.ones(n // 4, device=dev), 2 if SMOKE else 10)
+        rows.append(dict(mib=mib, ms=round(dt * 1e3, 3), bus_gb_s=round(2 * (world - 1) / world * n / dt / 1e9, 3)))
+    dist.destroy_process_group()
+    return dict(backend="nccl" if nccl else "gloo", ranks=world, gpus=0 if SMOKE else torch.cuda.device_count(),
+                tensors_on=dev.type, one_float_all_reduce_us=round(one * 1e6, 1), all_reduce=rows) if rank == 0 else {}
+
+
+LEGS = ["peak", "train_124m", "train_400m", "collectives", "fsdp2_124m", "gg_train_124m", "decode", "attention",
+        "rl_124m"]
 
 def summary(out_dir: Path) -> dict:
     "Every leg's JSON (or its error) in one object; MFU = tokens/s x FLOPs/token / (peak x ranks), for both peaks."
@@ -222,6 +270,9 @@ def summary(out_dir: Path) -> dict:
         p = out_dir/f"{leg}.json"
         try: res[leg] = json.loads(p.read_text())
         except Exception: res[leg] = {"error": "no result"}
+    notes = out_dir/"notes.txt"   # what bench/gpu.sh said: the torch chosen, eager or compiled, legs skipped
+    if notes.exists(): res["notes"] = notes.read_text().strip().splitlines()
+    for leg in LEGS:
         log = next((p for p in (out_dir/f"{leg}.log", out_dir/"single.log") if p.exists()), None)
         if "error" in res[leg] and log is not None: res[leg]["log_tail"] = log.read_text().strip().splitlines()[-3:]
     peak = res["peak"]
@@ -234,10 +285,19 @@ def summary(out_dir: Path) -> dict:
     return res
 
 
+def record(out_dir: Path, leg: str, res: dict):
+    "Write LEG.json, then append its line to legs.jsonl (one write, flushed: a later kill leaves it whole)."
+    (out_dir/f"{leg}.json").write_text(json.dumps(res))
+    fd = os.open(out_dir/"legs.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try: os.write(fd, (json.dumps({"leg": leg} | res) + "\n").encode()); os.fsync(fd)
+    finally: os.close(fd)
+
+
 def run_leg(leg: str, out: Path) -> dict:
     "Run one leg by its name in `LEGS` (the step legs take their recipe from the name); its result or its error."
     try:
         if leg == "peak": return leg_peak()
+        if leg == "collectives": return leg_collectives()
         if leg in ("train_124m", "train_400m", "fsdp2_124m"):
             return leg_step(f"recipes/pretraining/tendril-{leg.split('_')[-1]}.yaml", 16)
         if leg == "gg_train_124m": return leg_train("recipes/pretraining/tendril-124m.yaml", out.parent)
@@ -253,7 +313,7 @@ if __name__ == "__main__":
     if not args and SMOKE:   # the legs one process can run, then the summary: the script's own smoke run
         import tempfile
         out_dir = Path(tempfile.mkdtemp(prefix="gg_smoke_gpu_legs_"))
-        for leg in ("fsdp2_124m", "gg_train_124m"):
+        for leg in ("collectives", "fsdp2_124m", "gg_train_124m"):
             skipped = {"skipped": "torchrun / gg train: run by bash bench/gpu.sh --smoke"}
             (out_dir/f"{leg}.json").write_text(json.dumps(skipped))
         args = [str(out_dir), *ONE_PROCESS]
@@ -261,8 +321,12 @@ if __name__ == "__main__":
         sys.exit("usage: python bench/gpu_legs.py OUTDIR LEG [LEG ...] [--smoke] | summary OUTDIR [--smoke] | --smoke")
     if args[0] == "summary": print(json.dumps(summary(Path(args[1])))); sys.exit(0)
     out_dir, legs = Path(args[0]), args[1:]   # several legs in one process: one import of torch and the package
+    until = float(os.environ.get("GG_BENCH_DEADLINE", "inf"))
     for leg in legs:
         t0 = time.perf_counter()
-        res = run_leg(leg, out_dir/f"{leg}.json")
-        if res: (out_dir/f"{leg}.json").write_text(json.dumps(res | {"leg_s": round(time.perf_counter() - t0, 1)}))
+        if time.time() >= until: res = {"skipped": "the deadline passed before it started"}
+        else:
+            res = run_leg(leg, out_dir/f"{leg}.json")
+            if res: res |= {"leg_s": round(time.perf_counter() - t0, 1)}
+        if res: record(out_dir, leg, res)
     if not sys.argv[1:] or sys.argv[1:] == ["--smoke"]: print(json.dumps(summary(out_dir)))
