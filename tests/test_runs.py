@@ -31,11 +31,10 @@ def ckpts(out: Path) -> list[str]: return sorted(p.name for p in (run_dir(out)/"
 def test_a_directory_holds_one_run(prepared, tmp_path):
     run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path))
     r = run_gg("train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, steps=2), check=False)
-    assert r.returncode == 2 and r.stderr.strip() == (
-        f"error: {run_dir(tmp_path)} already holds a run (metrics to step 4, latest checkpoint step_0000004.pt): "
-        "resume it "
-        f"with --checkpoint {run_dir(tmp_path)}, start another with --set run.name=NEW_NAME, or replace it with "
-        "--overwrite")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: {run_dir(tmp_path)} holds another run (training.max_steps is 4 there, 2 now): start this one beside "
+        f"it with --set run.name=NEW_NAME, replace that one with --overwrite, or continue it with these settings with "
+        f"--checkpoint {run_dir(tmp_path)}")
     assert steps_logged(tmp_path) == [1, 2, 3, 4]  # untouched
     r = run_gg("train", "--recipe", RECIPE, "--overwrite", "--set", *sets(prepared, tmp_path, steps=2))
     assert "--overwrite: removed the previous run" in r.stderr

@@ -7,6 +7,7 @@ parallelism, the stage's task and loaders, the trainer, and the run directory's 
 from __future__ import annotations
 import json, os, shutil, signal, socket, sys, threading, time
 from pathlib import Path
+import yaml
 import dataclasses
 import torch
 from fastcore.basics import patch
@@ -33,7 +34,8 @@ from ..stages.distillation import wrap_with_distillation
 
 # %% auto #0
 __all__ = ['STOP_SIGNALS', 'RUN_RECORDS', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records', 'run_contents',
-           'prepare_run_dir', 'build_run_model', 'mfu_peak_line', 'run_training']
+           'prepare_run_dir', 'first_difference', 'config_as_saved', 'restart_point', 'build_run_model',
+           'mfu_peak_line', 'run_training']
 
 # %% ../../nbs/56_run.ipynb #b21eb1af
 def build_stage(cfg: GlobalConfig, tokenizer, env: DistEnv, model) -> StageParts:
@@ -196,6 +198,51 @@ def prepare_run_dir(run_dir, *, resume_step: int | None = None, resumes_here: bo
         notes.append(f"resuming at step {resume_step}: moved {len(later)} later checkpoints to {ckdir/'superseded'}")
     return notes
 
+# %% ../../nbs/56_run.ipynb #d797ad55
+def first_difference(a, b, key: str = "") -> tuple | None:
+    "`(dotted key, value in a, value in b)` of the first entry where nested dicts `a` and `b` differ; None if equal."
+    if not (isinstance(a, dict) and isinstance(b, dict)): return None if a == b else (key, a, b)
+    for k in list(a) + [k for k in b if k not in a]:
+        if d := first_difference(a.get(k, "(absent)"), b.get(k, "(absent)"), f"{key}.{k}" if key else str(k)): return d
+    return None
+
+# %% ../../nbs/56_run.ipynb #a4cbe66c
+def config_as_saved(cfg: GlobalConfig) -> dict:
+    "`cfg` as its run's `config.yaml` reads back (YAML's round trip: tuples become lists)."
+    return yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+# %% ../../nbs/56_run.ipynb #a8112896
+def restart_point(run_dir, cfg: GlobalConfig) -> tuple[bool, Path | None]:
+    ("`(run_dir holds this run, its latest complete checkpoint)` for the same command started again; `ConfigError` "
+     "for another run or a finished one.")
+    run_dir = Path(run_dir)
+    have, saved = run_contents(run_dir), run_dir/"config.yaml"
+    if not (have["rows"] or have["checkpoints"]) or not saved.is_file(): return False, None  # nothing of this run
+    if diff := first_difference(yaml.safe_load(saved.read_text()), config_as_saved(cfg)):
+        raise ConfigError(f"{run_dir} holds another run ({diff[0]} is {diff[1]!r} there, {diff[2]!r} now): start "
+                          "this one beside it with --set run.name=NEW_NAME, replace that one with --overwrite, or "
+                          f"continue it with these settings with --checkpoint {run_dir}")
+    if not have["checkpoints"]: return True, None
+    latest = have["checkpoints"][-1]
+    if (step := int(latest.stem.split("_")[1])) >= cfg.training.max_steps:
+        raise ConfigError(f"{run_dir}: this run already finished ({latest.name}, training.max_steps = {step}); train it "
+                          f"further with --checkpoint {run_dir} --set training.max_steps=MORE, or replace it with "
+                          "--overwrite")
+    return True, latest
+
+# %% ../../nbs/56_run.ipynb #187f9f0d
+def _restart(cfg: GlobalConfig, env: DistEnv) -> tuple[bool, str | None]:
+    "Rank 0 looks for this run in its directory (`restart_point`); every rank gets the same answer or error."
+    answer = None
+    if env.is_main:
+        try:
+            same, ck = restart_point(cfg.run_dir, cfg)
+            answer = (same, str(ck) if ck else None)
+        except ConfigError as e: answer = str(e)
+    if isinstance(answer := broadcast_object(answer), str):
+        e = ConfigError(answer); e.same_on_every_rank = True; raise e
+    return answer
+
 # %% ../../nbs/56_run.ipynb #494f3b7a
 def _load_base_weights(model: torch.nn.Module, weights: dict, cfg: GlobalConfig):
     ("Copy a previous stage's full weights into `model` (each rank into its own shards); a one-line error if they do "
@@ -234,17 +281,21 @@ def _check_start(cfg: GlobalConfig, start_step: int | None, ckpt: dict | None):
                           f"{max_steps}; raise training.max_steps to train further")
 
 # %% ../../nbs/56_run.ipynb #9a3660a8
-def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | None, start_step, overwrite: bool):
+def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | None, start_step, overwrite: bool,
+                   restarting: bool = False):
     "Rank 0 takes the run directory's lock and applies the one-run rule; every rank gets the same error or notes."
     lock, err = RunLock(cfg.run_dir), None
     if env.is_main:
         try:
             lock.acquire()
             resume = (start_step if start_step is not None
-                      else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else None)
-            here = bool(checkpoint) and (resolve_checkpoint(checkpoint).resolve().parent
+                      else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else 0 if restarting else None)
+            here = restarting or bool(checkpoint) and (resolve_checkpoint(checkpoint).resolve().parent
                                          == (cfg.run_dir/"checkpoints").resolve())
             notes = prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite)
+            if restarting: notes.insert(0, f"{cfg.run_dir} holds this run: " + (
+                f"continuing from its latest complete checkpoint {Path(checkpoint).name}" if checkpoint
+                else "no complete checkpoint yet, starting it again from step 0"))
             for n in lock.notes + notes: print(f"note: {n}", file=sys.stderr)
         except ConfigError as e: err = str(e); lock.release()
     if (err := broadcast_object(err)) is not None:
@@ -293,10 +344,12 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
     try: check_stage(validate(cfg, env.world_size), env.world_size)
     except ConfigError as e: e.same_on_every_rank = True; raise
+    restarting = checkpoint is None and start_step is None and not overwrite
+    if restarting: restarting, checkpoint = _restart(cfg, env)   # the same command again: continue its run
     try:  # every rank reads the same files and config: an error here is printed once, by rank 0
         tokenizer, ckpt = _checked_inputs(cfg, env, checkpoint, start_step)
     except ConfigError as e: e.same_on_every_rank = True; raise
-    lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite)
+    lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite, restarting)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
     precision = dict(requested=requested, used=cfg.runtime.precision, why=why)
     try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader,
@@ -322,7 +375,8 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     elif start_step is not None: trainer.state.step = start_step
     del ckpt
     if env.is_main:
-        save_config(cfg, trainer.run_dir/"config.yaml")
+        save_config(cfg, tmp := trainer.run_dir/".config.yaml.tmp")   # whole or not at all: a restart compares it
+        os.replace(tmp, trainer.run_dir/"config.yaml")
         write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.world_size),
                                                        precision=precision,
                                                        resumed_from=str(checkpoint) if checkpoint else None))
