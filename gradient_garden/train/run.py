@@ -225,9 +225,9 @@ def restart_point(run_dir, cfg: GlobalConfig) -> tuple[bool, Path | None]:
     if not have["checkpoints"]: return True, None
     latest = have["checkpoints"][-1]
     if (step := int(latest.stem.split("_")[1])) >= cfg.training.max_steps:
-        raise ConfigError(f"{run_dir}: this run already finished ({latest.name}, training.max_steps = {step}); train it "
-                          f"further with --checkpoint {run_dir} --set training.max_steps=MORE, or replace it with "
-                          "--overwrite")
+        raise ConfigError(f"{run_dir}: this run already finished ({latest.name}, training.max_steps = {step}); "
+                          f"train it further with --checkpoint {run_dir} --set training.max_steps=MORE, or replace it "
+                          "with --overwrite")
     return True, latest
 
 # %% ../../nbs/56_run.ipynb #187f9f0d
@@ -288,8 +288,8 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
     if env.is_main:
         try:
             lock.acquire()
-            resume = (start_step if start_step is not None
-                      else ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else 0 if restarting else None)
+            own = ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else 0 if restarting else None
+            resume = start_step if start_step is not None else own
             here = restarting or bool(checkpoint) and (resolve_checkpoint(checkpoint).resolve().parent
                                          == (cfg.run_dir/"checkpoints").resolve())
             notes = prepare_run_dir(cfg.run_dir, resume_step=resume, resumes_here=here, overwrite=overwrite)
