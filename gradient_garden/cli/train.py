@@ -20,8 +20,9 @@ from ..train.run import prepare_run_dir, run_training
 
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
-           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args', 'kernel_error',
-           'notebook_parameters', 'run_notebook', 'add_plan_args', 'run_plan']
+           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args',
+           'KernelStartStopped', 'stop_if_signalled', 'kernel_error', 'notebook_parameters', 'run_notebook',
+           'add_plan_args', 'run_plan']
 
 # %% ../../nbs/74_cli_train.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -131,8 +132,37 @@ def add_notebook_args(p: argparse.ArgumentParser):
 def _stopped_in_kernel(signame: str, run_dir: Path) -> int:
     "The stop line of a run that a forwarded signal stopped inside the kernel (its checkpoint: the run's latest)."
     ck = (list_checkpoints(Path(run_dir)/"checkpoints") or [None])[-1]
-    step = int(ck.name.split("_")[1].split(".")[0]) if ck else 0
+    if ck is None and int(os.environ.get("RANK", 0)) == 0:  # stopped while the kernel started: no step was taken
+        print(f"stopped by {signame} at step 0: no checkpoint yet; run the same command again to start the run",
+              file=sys.stderr, flush=True)
+    if ck is None: return 128 + int(signal.Signals[signame])
+    step = int(ck.name.split("_")[1].split(".")[0])
     return stopped_line(dict(stopped_by=signame, step=step, checkpoint=ck, run_dir=run_dir))
+
+# %% ../../nbs/74_cli_train.ipynb #d2cd1a81
+class KernelStartStopped(Exception):
+    "A stop signal came while the report notebook's kernel started: no cell ran, nothing to save."
+
+def stop_if_signalled(received: list):
+    "papermill's `on_notebook_start` hook: raise `KernelStartStopped` if a stop signal came before the kernel was up."
+    def hook(notebook=None):
+        if not received: return
+        for child in psutil.Process().children():  # the kernel, idle: it ran nothing, so it ends at once
+            with contextlib.suppress(psutil.Error): child.kill()
+        raise KernelStartStopped(f"{received[0]} while the kernel started")
+    return hook
+
+# %% ../../nbs/74_cli_train.ipynb #69598748
+def _execute_report(nb: Path, out: Path, params: dict, received: list):
+    "Execute notebook `nb` into `out` with papermill, the training's console on ours."
+    import papermill as pm
+    from traitlets.config import Config
+    pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
+                        stdout_file=sys.stdout, stderr_file=sys.stderr,  # the training's console, as in `gg train`
+                        kernel_name="python3", language="python",
+                        coalesce_streams=True,  # one output per stream per cell, not one per progress line
+                        on_notebook_start=stop_if_signalled(received),  # a signal that came before the kernel was up
+                        config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
 
 # %% ../../nbs/74_cli_train.ipynb #099e8537
 def kernel_error(ename: str, evalue: str, report) -> int:
@@ -160,7 +190,6 @@ def run_notebook(args) -> int:
     "`gg notebook`: execute the training notebook with papermill, leaving the report in the run directory."
     # lazy: papermill's Jupyter stack about doubles the verb's import time (measured), for `gg notebook` only
     import papermill as pm
-    from traitlets.config import Config
     cfg, _ = config_from_args(args)  # fail fast, before starting a kernel
     rank = int(os.environ.get("RANK", 0))
     nb = Path(args.notebook) if args.notebook else default_train_notebook()
@@ -173,26 +202,20 @@ def run_notebook(args) -> int:
     params = notebook_parameters(args)
     time.sleep(0.5 * int(os.environ.get("LOCAL_RANK", 0)))
     received: list[str] = []
-    for attempt in range(args.retries):
-        try:
-            with forwarding_stop_signals(received):  # the kernel runs in a session of its own: pass SIGTERM & co. on
-                pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                                    # the training's console, as `gg train` shows it
-                                    stdout_file=sys.stdout, stderr_file=sys.stderr,
-                                    kernel_name="python3", language="python",
-                                    coalesce_streams=True,  # one output per stream per cell, not one per progress line
-                                    config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
-            break
-        except pm.PapermillExecutionError as e:  # raised in the kernel: the one line `gg train` would give
-            if received: break
-            return kernel_error(e.ename, e.evalue, out)
-        except Exception as e:
-            if attempt + 1 < args.retries and _is_kernel_startup_error(e):
-                print(f"rank {rank}: kernel start-up failed ({type(e).__name__}); retrying", file=sys.stderr)
-                time.sleep(1 + attempt + 0.3 * rank)
-                continue
-            print(f"rank {rank}: notebook {nb} failed; the executed notebook is {out}", file=sys.stderr)
-            raise
+    with forwarding_stop_signals(received):  # the kernel runs in a session of its own: pass SIGTERM & co. on
+        for attempt in range(args.retries):
+            try: _execute_report(nb, out, params, received); break
+            except pm.PapermillExecutionError as e:  # raised in the kernel: the one line `gg train` would give
+                if received: break
+                return kernel_error(e.ename, e.evalue, out)
+            except Exception as e:
+                if received: break  # the kernel was starting or died from the signal: the stop line, no retry
+                if attempt + 1 < args.retries and _is_kernel_startup_error(e):
+                    print(f"rank {rank}: kernel start-up failed ({type(e).__name__}); retrying", file=sys.stderr)
+                    time.sleep(1 + attempt + 0.3 * rank)
+                    continue
+                print(f"rank {rank}: notebook {nb} failed; the executed notebook is {out}", file=sys.stderr)
+                raise
     if rank == 0: print(f"report: {out}")
     return _stopped_in_kernel(received[0], cfg.run_dir) if received else 0
 
