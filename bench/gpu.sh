@@ -44,9 +44,11 @@ case "$DEADLINE" in ''|*[!0-9]*) echo "--deadline takes whole seconds, got '$DEA
 # ---------------------------------------------------------------- which torch the driver runs
 # Minimum Linux x86_64 drivers, from NVIDIA's CUDA Toolkit release notes (table 3, "CUDA Toolkit and Corresponding
 # Driver Versions") and its "Minor Version Compatibility" guide (CUDA 12.x runs on >= 525 drivers below 580, CUDA
-# 13.x needs >= 580): CUDA 12.0 GA 525.60.13, 12.6 GA 560.28.03, 12.8 GA 570.26, 13.0 GA 580.65.06. torch 2.9
-# publishes cu126, cu128 and cu130 wheels and none for CUDA 11. A wheel for a newer 12.x than the driver's own runs
-# by minor-version compatibility (its kernels are compiled for sm_90, so no PTX needs JIT on an H100/H200).
+# 13.x needs >= 580): CUDA 12.0 GA 525.60.13, 12.6 GA 560.28.03, 12.8 GA 570.26, 12.9 GA 575.51.03, 13.0 GA
+# 580.65.06. torch 2.9 publishes cu126, cu128 and cu130 wheels (pytorch.org "previous versions") and none for CUDA 11;
+# from 2.12 the 12.x wheels are cu129 and PyPI's default is CUDA 13 (pytorch's 2.12 release announcement), so a
+# 12.x driver tries cu129, cu128, cu126 in turn: the newest torch in range that it runs. A wheel for a newer 12.x
+# than the driver's own runs by minor-version compatibility (its kernels are compiled for sm_90: no PTX JIT on Hopper).
 driver_key() {   # driver_key 550.54.15 -> 550054015 (each field below 1000; a missing field counts 0)
   local IFS=. a b c
   read -r a b c _ <<< "$1"
@@ -64,13 +66,18 @@ choose_torch() {   # prints "INDEX[,FALLBACK] REASON" or "none REASON": one line
   case "$v" in ''|*[!0-9.]*) echo "none: nvidia-smi reported no driver version ('$v')"; return ;; esac
   k=$(driver_key "$v")
   if (( k >= 580000000 )); then
-    echo "cu130,cu128 driver $v >= 580 runs CUDA 13.x wheels (13.0 GA needs 580.65.06)"
+    echo "cu130,cu129 driver $v >= 580 runs CUDA 13.x wheels (13.0 GA needs 580.65.06)"
+  elif (( k >= 575051003 )); then
+    echo "cu129,cu128,cu126 driver $v >= 575.51.03 runs CUDA 12.9 natively; cu130 needs >= 580"
   elif (( k >= 570026000 )); then
-    echo "cu128,cu126 driver $v >= 570.26 runs CUDA 12.8 natively; cu130 needs >= 580"
+    echo "cu129,cu128,cu126 driver $v >= 570.26 runs CUDA 12.8 natively, 12.9 by minor-version compatibility;" \
+         "cu130 needs >= 580"
   elif (( k >= 560028003 )); then
-    echo "cu126,cu128 driver $v >= 560.28.03 runs CUDA 12.6 natively, 12.8 by minor-version compatibility; cu130 needs >= 580"
+    echo "cu129,cu128,cu126 driver $v >= 560.28.03 runs CUDA 12.6 natively, 12.8-12.9 by minor-version" \
+         "compatibility; cu130 needs >= 580"
   elif (( k >= 525060013 )); then
-    echo "cu126,cu128 driver $v runs CUDA 12.x wheels only by minor-version compatibility (>= 525.60.13); cu130 needs >= 580"
+    echo "cu129,cu128,cu126 driver $v runs CUDA 12.x wheels only by minor-version compatibility (>= 525.60.13);" \
+         "cu130 needs >= 580"
   else
     echo "none: driver $v is older than 525.60.13, the least that runs a CUDA 12 wheel; torch>=2.9 has no CUDA 11 wheel"
   fi
@@ -144,14 +151,21 @@ if [ "$INSTALL" = 1 ]; then
     spec=$(grep -o '"torch[^"]*"' pyproject.toml | tr -d '"')
     if [ "${choice%% *}" = "none:" ]; then say "no torch installed: ${choice#none: }"
     else
-      ok=0
-      first=${choice%% *}
-      for idx in ${first//,/ }; do
+      ok=0 first=${choice%% *} force=()
+      # last, the configured index (a mirror may not reach download.pytorch.org): for a 12.x driver only torch 2.9,
+      # whose PyPI wheels are CUDA 12.8 builds
+      pypi_spec=$spec; case "$first" in cu130*) ;; *) pypi_spec="torch>=2.9,<2.10" ;; esac
+      for idx in ${first//,/ } pypi; do
         budget=$(( $(left) - 120 )); (( budget > 240 )) && budget=240
         if (( budget < 30 )); then say "no time left to install torch from $idx"; break; fi
-        say "installing $spec from https://download.pytorch.org/whl/$idx (limit ${budget}s)"
-        if pip_install "$budget" "$spec" --index-url "https://download.pytorch.org/whl/$idx"; then ok=1; break; fi
-        say "torch from $idx failed or timed out: $(tail -1 "$OUT/install.log")"
+        if [ "$idx" = pypi ]; then args=("$pypi_spec"); else
+          args=("$spec" --index-url "https://download.pytorch.org/whl/$idx"); fi
+        say "installing ${args[*]} (limit ${budget}s)"
+        if pip_install "$budget" "${force[@]}" "${args[@]}" &&
+           timeout 60 "$PY" -c "import torch; assert torch.cuda.is_available()" >> "$OUT/install.log" 2>&1
+        then ok=1; break; fi
+        say "torch from $idx failed, timed out or sees no GPU: $(tail -1 "$OUT/install.log")"
+        force=(--force-reinstall)   # a torch that installed but cannot run here must be replaced, not kept
       done
       [ "$ok" = 1 ] || say "no torch installed from ${choice%% *}"
     fi

@@ -44,12 +44,13 @@ def test_gpu_bench_smoke_has_every_leg(tmp_path):
 
 # driver version nvidia-smi reports -> the wheel indexes tried in order, and a word the one-line reason must hold
 DRIVERS = {
-    "535.104.05": ("cu126,cu128", "minor-version compatibility"),   # CUDA 12.2's driver
-    "550.54.15": ("cu126,cu128", "minor-version compatibility"),    # CUDA 12.4's
-    "560.35.03": ("cu126,cu128", "12.6 natively"),
-    "570.86.10": ("cu128,cu126", "12.8 natively"),
-    "580.65.06": ("cu130,cu128", "CUDA 13"),
-    "580.65": ("cu130,cu128", "CUDA 13"),
+    "535.104.05": ("cu129,cu128,cu126", "only by minor-version compatibility"),   # CUDA 12.2's driver
+    "550.54.15": ("cu129,cu128,cu126", "only by minor-version compatibility"),    # CUDA 12.4's
+    "560.35.03": ("cu129,cu128,cu126", "12.6 natively"),
+    "570.86.10": ("cu129,cu128,cu126", "12.8 natively"),
+    "575.57.08": ("cu129,cu128,cu126", "12.9 natively"),
+    "580.65.06": ("cu130,cu129", "CUDA 13"),
+    "580.65": ("cu130,cu129", "CUDA 13"),
     "470.82.01": ("none:", "older than 525.60.13"),
     "garbage": ("none:", "no driver version"),
 }
