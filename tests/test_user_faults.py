@@ -96,3 +96,19 @@ def test_sigterm_before_the_kernel_exists_is_the_stop_line(prepared, tmp_path):
     "A signal no kernel took: the kernel that starts afterwards runs no cell (papermill's on_notebook_start hook)."
     stopped_at_start(gg_notebook(prepared, tmp_path, launcher=[sys.executable, "-c", SIGNAL_BEFORE_THE_KERNEL]),
                      tmp_path)
+
+def test_validation_off_needs_no_validation_split(prepared, tmp_path):
+    "A dataset prepared with data.val_fraction=0 trains with validation off; with it on, one line names both ways out."
+    sets = [f"paths.datasets={tmp_path/'datasets'}", f"tokenizer.path={prepared['base']/'tokenizer'}",
+            f"paths.evals={prepared['base']/'evals'}"]
+    run_gg("prepare", "--recipe", RECIPE, "--set", *sets, "data.val_fraction=0", "data.target_tokens=200000")
+    train = ["train", "--recipe", RECIPE, "--set", *sets, "training.max_steps=2",
+             "model.dim=64", "model.n_layers=2", "generation.every=0", "evals.hellaswag=false",
+             "evals.winogrande=false", "evals.arc_challenge=false", "runtime.device=cpu"]
+    r = run_gg(*train, "validation.enabled=false", f"paths.runs={tmp_path/'a'}", check=False)
+    assert r.returncode == 0 and "done: " in r.stdout, r.stderr[-3000:]
+    r = run_gg(*train, "validation.enabled=true", f"paths.runs={tmp_path/'b'}", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path/'datasets'/'pretraining'/'val'}: holds 0 windows of seq_len+1 = 257 tokens; one batch needs "
+        "8 (batch_size 8 x world_size 1); prepare more data; or train without validation: validation.enabled=false")

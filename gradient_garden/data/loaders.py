@@ -164,12 +164,16 @@ def fixed_batches(self: PretrainLoader, n: int) -> list[dict]:
 
 # %% ../../nbs/04_loaders.ipynb #b4e81722
 def pretraining_loaders(cfg: GlobalConfig, rank: int = 0, world_size: int = 1,
-                        tokenizer_identity: str | None = None) -> tuple[PretrainLoader, PretrainLoader]:
-    "Train and validation `PretrainLoader`s for `cfg` (`<paths.datasets>/pretraining`, `training` batch/seq/seed)."
+                        tokenizer_identity: str | None = None) -> tuple[PretrainLoader, PretrainLoader | None]:
+    ("Train and validation `PretrainLoader`s for `cfg` (`<paths.datasets>/pretraining`, `training` batch/seq/seed); "
+     "no validation loader with validation off.")
     t, data_dir = cfg.training, Path(cfg.paths.datasets)/"pretraining"
     make = lambda split: PretrainLoader(data_dir, split, t.micro_batch_size, t.seq_len, rank, world_size, t.seed,
                                         tokenizer_identity)
-    return make("train"), make("val")
+    train = make("train")
+    if not cfg.validation.enabled: return train, None
+    try: return train, make("val")
+    except ConfigError as e: raise ConfigError(f"{e}; or train without validation: validation.enabled=false") from None
 
 # %% ../../nbs/04_loaders.ipynb #df6a77e9
 def pin_batch(batch: dict) -> dict:
