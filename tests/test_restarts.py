@@ -128,3 +128,20 @@ def test_another_config_and_a_live_holder_are_refused(prepared, tmp_path):
     (d/".lock").write_text(json.dumps(dict(pid=os.getpid(), host=socket.gethostname(), since=0)))  # this test: alive
     line = one_line_error(run_gg("train", "--recipe", RECIPE, "--set", *base, check=False))   # ...but it is held
     assert f"another run is writing here (pid {os.getpid()} on {socket.gethostname()}" in line, line
+
+
+def test_gg_notebook_started_again_continues_its_run(prepared, tmp_path):
+    "`gg notebook`, the same command again after its process was killed, continues the run and writes its report."
+    out = tmp_path/"nb"
+    args = ["notebook", "--recipe", RECIPE, "--set", *sets(prepared, out)]
+    proc = subprocess.Popen([sys.executable, "-m", "gradient_garden.cli", *args], cwd=ROOT, env=ENV,
+                            stdout=(tmp_path/"first.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try: first = wait_for_first_checkpoint(proc, out)
+    finally:  # the kernel runs in a session of its own: kill it and the verb, as a scheduler's cgroup kill would
+        for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            p.kill()
+        proc.wait(timeout=60)
+    r = run_gg(*args)
+    assert f"continuing from its latest complete checkpoint {first}" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert list_checkpoints(run_dir(out)/"checkpoints")[-1].stem == f"step_{STEPS:07d}"
+    assert (run_dir(out)/"report.ipynb").is_file()

@@ -16,7 +16,7 @@ from ..stages.registry import STAGES, check_stage
 from ..checkpoint.checkpoints import list_checkpoints
 from ..parallel.distributed import destroy_distributed
 from ..train.plan import format_plan, plan
-from ..train.run import prepare_run_dir, run_training
+from ..train.run import prepare_run_dir, restart_point, run_training
 
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
@@ -194,8 +194,9 @@ def run_notebook(args) -> int:
     rank = int(os.environ.get("RANK", 0))
     nb = Path(args.notebook) if args.notebook else default_train_notebook()
     if not nb.is_file(): raise ConfigError(f"--notebook: {nb} not found")
-    if not args.checkpoint and not args.overwrite:  # refuse before papermill overwrites the old run's report
-        try: prepare_run_dir(cfg.run_dir)
+    if not args.checkpoint and not args.overwrite:  # another run's report is never overwritten; this run's continues
+        try:
+            if not restart_point(cfg.run_dir, cfg)[0]: prepare_run_dir(cfg.run_dir)
         except ConfigError as e: e.same_on_every_rank = True; raise
     out = Path(args.output) if args.output else report_path(cfg.run_dir, rank)
     out.parent.mkdir(parents=True, exist_ok=True)
