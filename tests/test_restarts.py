@@ -142,6 +142,7 @@ def test_gg_notebook_started_again_continues_its_run(prepared, tmp_path):
             p.kill()
         proc.wait(timeout=60)
     r = run_gg(*args)
-    assert f"continuing from its latest complete checkpoint {first}" in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    said = r.stdout + r.stderr
+    assert f"continuing from its latest complete checkpoint {first}" in said, said[-3000:]
     assert list_checkpoints(run_dir(out)/"checkpoints")[-1].stem == f"step_{STEPS:07d}"
     assert (run_dir(out)/"report.ipynb").is_file()
