@@ -79,7 +79,9 @@ def weights(path):
 def test_a_plugin_stage_trains_resumes_exactly_and_plans(prepared, tmp_path):
     recipe, env = setup(prepared, tmp_path)
     full, part = tmp_path/"full", tmp_path/"part"
-    run_gg("train", "--recipe", recipe, "--set", *sets(prepared, full, **{"checkpointing.every": 8}), env=env)
+    unread = {"checkpointing.every": 8, "dpo.beta": 0.3}     # another stage's section, which the run must name
+    r = run_gg("train", "--recipe", recipe, "--set", *sets(prepared, full, **unread), env=env)
+    assert "note: dpo: set away from its defaults, but the copy_stage:copy stage does not read it" in r.stderr
     run_dir = full/"copy"/"copy"                        # the run folder is the attribute the recipe names
     recs = metrics(run_dir)
     assert [r["step"] for r in recs if "loss" in r] == list(range(1, 9))

@@ -13,7 +13,7 @@ from .base import Stage, stage_options
 from . import pretraining, sft, dpo, rl
 
 # %% auto #0
-__all__ = ['STAGES', 'ENTRY_POINTS', 'register_stage', 'get_stage', 'check_stage', 'check_start']
+__all__ = ['STAGES', 'ENTRY_POINTS', 'register_stage', 'get_stage', 'check_stage', 'check_start', 'unread_sections']
 
 # %% ../../nbs/49_registry.ipynb #7ba3826b
 STAGES: dict[str, Stage] = {s.name: s for s in (pretraining.STAGE, sft.STAGE, dpo.STAGE, rl.STAGE)}
@@ -67,3 +67,10 @@ def check_start(cfg: GlobalConfig, ckpt: Optional[dict]) -> None:
                           "checkpoint "
                           f"(stage {ckpt['stage']!r}; allowed: {order})")
     if stage.check_start: stage.check_start(cfg, ckpt, start)
+
+# %% ../../nbs/49_registry.ipynb #f13dea77
+def unread_sections(cfg: GlobalConfig) -> list[str]:
+    "Other stages' config sections that `cfg` sets away from their defaults: settings this run's stage never reads."
+    mine, default = get_stage(cfg.training.stage).section, GlobalConfig()
+    return [s.section for s in STAGES.values()
+            if s.section and s.section != mine and getattr(cfg, s.section) != getattr(default, s.section)]

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from fastcore.basics import patch
 from ..config import ConfigError, GlobalConfig
-from ..checks import validate
+from ..checks import notice, validate
 from ..recipes import save_config, load_dotenv
 from ..parallel.collectives import barrier, broadcast_object
 from ..parallel.distributed import DistEnv, agree, init_distributed, parallelize, watch_collectives
@@ -29,7 +29,7 @@ from ..models.tendril import unwrap_model
 from ..models.registry import build_model
 from ..tokenizer import init_tokenizer
 from ..stages.base import StageParts
-from ..stages.registry import check_stage, check_start, get_stage
+from ..stages.registry import check_stage, check_start, get_stage, unread_sections
 from ..stages.distillation import wrap_with_distillation
 
 # %% auto #0
@@ -344,6 +344,8 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
     try: check_stage(validate(cfg, env.world_size), env.world_size)
     except ConfigError as e: e.same_on_every_rank = True; raise
+    for section in unread_sections(cfg):   # nothing a user sets is silently ignored
+        notice(f"{section}: set away from its defaults, but the {cfg.training.stage} stage does not read it")
     restarting = checkpoint is None and start_step is None and not overwrite
     if restarting: restarting, checkpoint = _restart(cfg, env)   # the same command again: continue its run
     try:  # every rank reads the same files and config: an error here is printed once, by rank 0
