@@ -53,7 +53,7 @@ def build_pretraining(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
      "enabled).")
     train, val = pretraining_loaders(cfg, env.rank, env.world_size,
                                      tokenizer_identity=getattr(tokenizer, "identity", None))
-    return StageParts(CausalLMTask(), train, val if cfg.validation.enabled else None)
+    return StageParts(CausalLMTask(), train, val)   # no val loader when validation is off
 
 # %% ../../nbs/41_pretraining.ipynb #86925903
 def unigram_baseline(data_dir) -> float:
