@@ -34,7 +34,7 @@ def test_no_compatibility_shims():
 
 # the bands of the book: the first notebook number of each room, in the layers' order
 BANDS = [(0, ("config", "runtime", "tokenizer", "data", "hardware", "checks", "recipes")), (10, ("models",)),
-         (20, ("parallel",)), (25, ("checkpoint",)), (30, ("generation", "evals")), (40, ("stages",)), (50, ("train",)),
+         (20, ("parallel",)), (26, ("checkpoint",)), (30, ("generation", "evals")), (40, ("stages",)), (50, ("train",)),
          (60, ("serve",)), (70, ("cli",))]
 
 def band_of(module: str) -> int:
