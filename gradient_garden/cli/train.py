@@ -21,8 +21,8 @@ from ..train.run import prepare_run_dir, restart_point, run_training
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
            'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args',
-           'KernelStartStopped', 'stop_if_signalled', 'kernel_error', 'notebook_parameters', 'run_notebook',
-           'add_plan_args', 'run_plan']
+           'KernelStartStopped', 'stop_if_signalled', 'kernel_log_manager', 'kernel_error', 'notebook_parameters',
+           'run_notebook', 'add_plan_args', 'run_plan']
 
 # %% ../../nbs/74_cli_train.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -153,16 +153,31 @@ def stop_if_signalled(received: list):
     return hook
 
 # %% ../../nbs/74_cli_train.ipynb #69598748
+def kernel_log_manager(log: Path):
+    "A kernel manager class whose kernel process writes its own log lines (ipykernel's, not a cell's) to `log`."
+    from jupyter_client.manager import AsyncKernelManager
+    class KernelLogManager(AsyncKernelManager):
+        async def start_kernel(self, **kw):
+            self._log_file = open(log, "ab")  # the kernel's process holds its own copy of the descriptor
+            try: return await super().start_kernel(**{"stderr": self._log_file, **kw})
+            finally: self._log_file.close()
+    return KernelLogManager
+
 def _execute_report(nb: Path, out: Path, params: dict, received: list):
     "Execute notebook `nb` into `out` with papermill, the training's console on ours."
     import papermill as pm
     from traitlets.config import Config
-    pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
-                        stdout_file=sys.stdout, stderr_file=sys.stderr,  # the training's console, as in `gg train`
-                        kernel_name="python3", language="python",
-                        coalesce_streams=True,  # one output per stream per cell, not one per progress line
-                        on_notebook_start=stop_if_signalled(received),  # a signal that came before the kernel was up
-                        config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
+    log = out.with_suffix(".kernel.log")
+    try:
+        pm.execute_notebook(str(nb), str(out), parameters=params, cwd=os.getcwd(), progress_bar=False,
+                            stdout_file=sys.stdout, stderr_file=sys.stderr,  # the training's console, as in `gg train`
+                            kernel_name="python3", language="python",
+                            coalesce_streams=True,  # one output per stream per cell, not one per progress line
+                            on_notebook_start=stop_if_signalled(received),  # a signal before the kernel was up
+                            kernel_manager_class=kernel_log_manager(log),  # ipykernel's own lines: off our console
+                            config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
+    finally:
+        if log.is_file() and log.stat().st_size == 0: log.unlink()
 
 # %% ../../nbs/74_cli_train.ipynb #099e8537
 def kernel_error(ename: str, evalue: str, report) -> int:
