@@ -261,7 +261,7 @@ def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
     import json
     from gradient_garden.recipes import load_config
     from gradient_garden.evals.generative import heldout_examples_for
-    from gradient_garden.evals.verifiers import numeric_match
+    from gradient_garden.evals.verifiers import gsm8k_match
     cfg, rec = load_config(recipe="recipes/rl/tendril-124m-gsm8k.yaml", world_size=8)
     assert cfg.training.stage == "rl" and cfg.rl.group_size == 8 and rec.data["sources"][0]["type"] == "gsm8k"
     rows = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
@@ -272,7 +272,7 @@ def test_124m_gsm8k_recipe_prepares_offline_from_rows_in_gsm8k_schema(tmp_path):
     for split in ("train", "test"): (tmp_path/f"{split}.jsonl").write_text(json.dumps(rows[0]) + "\n")
     src = dict(rec.data["sources"][0], path=str(tmp_path/"train.jsonl"), val_split=str(tmp_path/"test.jsonl"))
     train, val = load_prompts([src]), heldout_examples_for([src])
-    assert len(train) == 1 and len(val) == 1 and numeric_match("They sold 72 clips.", val[0].answer)
+    assert len(train) == 1 and len(val) == 1 and gsm8k_match("They sold 72 clips.\n#### 72", val[0].answer)
 
 
 # -- ranks: a fixed set of rollouts gives one process's loss and gradient
