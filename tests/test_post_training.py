@@ -116,7 +116,7 @@ def test_dpo_pairs_are_correct_vs_corrupted():
     for p in sample_preference_pairs(300, "val", seed=3):
         assert p["chosen"] != p["rejected"]
     ex = heldout_examples(5)
-    assert all(split_of(e.task, e.key) == "val" for e in ex) and {e.task for e in ex} == set(TASKS)
+    assert all(split_of(e.task, e.key) == "dev" for e in ex) and {e.task for e in ex} == set(TASKS)
 
 
 def test_preference_accuracy_prefers_what_training_prefers(data):
