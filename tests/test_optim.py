@@ -1,5 +1,5 @@
 """Optimizers beyond the notebook: Muon on 2 and 4 gloo ranks (FSDP2, HSDP 2 x 2, DDP; gathered and distributed
-Newton-Schulz) equal to one process, LoRA-only groups."""
+Newton-Schulz) equal to one process, its overlapped step bit-equal to one bucket at a time, LoRA-only groups."""
 import copy, json, os
 import pytest
 import torch
@@ -86,33 +86,39 @@ def _ns_counter(counts):
     optim.zeropower_via_newtonschulz = counted
 
 
-def _run(layout, world, distributed, counts):
-    "10 Muon steps on `_Net` wrapped for `layout` and on a plain copy; max |difference|, max |change|, NS FLOPs here."
+def _wrap(layout, world, model, **kw):
+    "`model` wrapped for `layout` and a Muon over its parameters."
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ref = _Net()
-    model = copy.deepcopy(ref)
     if layout == "ddp":
         wrapped = DDP(model)
-        opt = _muon(model.parameters(), distributed=distributed, process_group=_replica_group(wrapped))
-    else:
-        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if layout == "hsdp"
-                else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
-        for n in LINEARS: fully_shard(getattr(model, n), mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-        opt = _muon(model.parameters(), distributed=distributed)
+        return wrapped, _muon(model.parameters(), process_group=_replica_group(wrapped), **kw)
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if layout == "hsdp"
+            else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+    for n in LINEARS: fully_shard(getattr(model, n), mesh=mesh)
+    return fully_shard(model, mesh=mesh), _muon(model.parameters(), **kw)
+
+
+def _run(layout, world, distributed, counts):
+    ("10 Muon steps on `_Net` wrapped for `layout`, on a copy stepped one bucket at a time (no overlap) and on a plain "
+     "copy; max |difference|, max |change|, NS FLOPs here, and whether the two wrapped copies are bit-equal.")
+    ref = _Net()
+    model, blocking = copy.deepcopy(ref), copy.deepcopy(ref)
+    wrapped, opt = _wrap(layout, world, model, distributed=distributed)
+    wrapped_b, opt_b = _wrap(layout, world, blocking, distributed=distributed, overlap=False)
     ref_opt = _muon(ref.parameters())
     g, init = torch.Generator().manual_seed(123), [p.detach().clone() for p in ref.parameters()]
     for _ in range(10):
         x = torch.randn(8, 6, generator=g)  # the same batch on every rank: the averaged grads equal the reference's
-        wrapped(x).pow(2).mean().backward(); ref(x).pow(2).mean().backward()
-        n0 = len(counts); opt.step(); flops = sum(counts[n0:]); ref_opt.step()   # flops: the last step's
-        opt.zero_grad(set_to_none=True); ref_opt.zero_grad(set_to_none=True)
+        for m in (wrapped, wrapped_b, ref): m(x).pow(2).mean().backward()
+        n0 = len(counts); opt.step(); flops = sum(counts[n0:]); ref_opt.step(); opt_b.step()   # flops: the last step's
+        for o in (opt, opt_b, ref_opt): o.zero_grad(set_to_none=True)
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p
     diff = max((full(p) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), init))
-    return dict(diff=diff, moved=moved, flops=flops)
+    same = all(torch.equal(full(p), full(q)) for p, q in zip(model.parameters(), blocking.parameters()))
+    return dict(diff=diff, moved=moved, flops=flops, overlap_bit_equal=same)
 
 
 def _muon_worker(rank, world, out_dir):
@@ -138,6 +144,7 @@ def test_distributed_muon_matches_one_process(tmp_path, world):
             got = res[case]
             assert got["moved"] > 1e-2, f"{case}: parameters did not move"
             assert got["diff"] <= 1e-5, f"rank {r} {case}: differs from one process by {got['diff']}"
+            assert got["overlap_bit_equal"], f"rank {r} {case}: the overlapped step differs from one bucket at a time"
             if case.endswith("gathered"): assert got["flops"] == one, (case, got["flops"])
         if case.endswith("distributed"):   # every matrix orthogonalised exactly once, split over the ranks
             assert sum(res[case]["flops"] for res in ranks) == one

@@ -16,8 +16,9 @@ from .schedules import learning_rate
 # %% auto #0
 __all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
            'part_shapes', 'declared_splits', 'orthogonalise', 'muon_lr', 'gathered_orthogonalise', 'Muon', 'ns_flops',
-           'orthogonalise_batched', 'assign_owners', 'muon_layout', 'exchange', 'distributed_orthogonalise',
-           'muon_rank_costs', 'muon_ns_dtype', 'build_optimizers', 'param_group_summary', 'set_learning_rates']
+           'orthogonalise_batched', 'assign_owners', 'muon_layout', 'exchange', 'muon_buckets',
+           'distributed_orthogonalise', 'muon_rank_costs', 'muon_critical_path', 'muon_ns_dtype', 'build_optimizers',
+           'param_group_summary', 'set_learning_rates']
 
 # %% ../../nbs/51_optim.ipynb #5e273563
 try: from torch.distributed.tensor import DTensor, Replicate
@@ -149,7 +150,8 @@ class Muon(torch.optim.Optimizer):
      "DDP/FSDP2/HSDP ranks.")
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
-                 adjust_lr_fn: str | None = None, ns_dtype: str = "bf16", distributed: bool = True, process_group=None):
+                 adjust_lr_fn: str | None = None, ns_dtype: str = "bf16", distributed: bool = True, process_group=None,
+                 overlap: bool = True):
         muon_lr(1.0, (1, 1), adjust_lr_fn)  # validates adjust_lr_fn
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype: got {ns_dtype!r}; expected one of {', '.join(NS_DTYPES)}")
@@ -157,7 +159,7 @@ class Muon(torch.optim.Optimizer):
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         ns_dtype=ns_dtype)
         super().__init__(params, defaults)
-        self.distributed, self.process_group = distributed, process_group
+        self.distributed, self.process_group, self.overlap = distributed, process_group, overlap
         for group in self.param_groups:
             for p, split in zip(group["params"], _splits(group)):
                 if p.ndim < 2: raise ValueError(f"Muon takes weights with 2+ dims; got shape {tuple(p.shape)}")
@@ -236,14 +238,18 @@ def _flat(ts: list[Tensor], dtype, device) -> Tensor:
 def _unflat(buf: Tensor, shapes) -> list[Tensor]:
     return [t.view(s) for t, s in zip(buf.split([math.prod(s) for s in shapes]), shapes)]
 
-def exchange(send: list[list[Tensor]], recv_shapes: list[list[tuple]], pg, dtype, device) -> list[list[Tensor]]:
-    ("One all-to-all of tensor lists: `send[j]` goes to rank j of `pg`; returns the lists each rank sent here, shaped "
-     "`recv_shapes`.")
+def exchange(send: list[list[Tensor]], recv_shapes: list[list[tuple]], pg, dtype, device, async_op: bool = False):
+    ("One all-to-all of tensor lists: `send[j]` goes to rank j of `pg`; the lists each rank sent here, shaped "
+     "`recv_shapes` (`async_op`: a function that waits for them).")
     flat = [_flat(ts, dtype, device) for ts in send]
     out_sizes = [sum(math.prod(s) for s in ss) for ss in recv_shapes]
     out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
-    dist.all_to_all_single(out, torch.cat(flat), out_sizes, [f.numel() for f in flat], group=pg)
-    return [_unflat(b, ss) for b, ss in zip(out.split(out_sizes), recv_shapes)]
+    work = dist.all_to_all_single(out, torch.cat(flat), out_sizes, [f.numel() for f in flat], group=pg,
+                                  async_op=async_op)
+    def received() -> list[list[Tensor]]:
+        if work is not None: work.wait()
+        return [_unflat(b, ss) for b, ss in zip(out.split(out_sizes), recv_shapes)]
+    return received if async_op else received()
 
 # %% ../../nbs/51_optim.ipynb #60968240
 def _pad(t: Tensor, dim: int, size: int) -> Tensor:
@@ -254,56 +260,105 @@ def _pad(t: Tensor, dim: int, size: int) -> Tensor:
     return out
 
 # %% ../../nbs/51_optim.ipynb #90f4e6ec
-def _orthogonalise_bucket(local: list[Tensor], params: list[Tensor], splits, owner: list[int], group: dict,
-                          layout) -> list[Tensor]:
-    "`distributed_orthogonalise` of one bucket of matrices whose owners are already chosen."
-    S, R = layout
-    (s, i_s), (r, i_r) = _size_rank(S), _size_rank(R)
-    dtype, device, n = local[0].dtype, local[0].device, len(local)
-    ours = [k for k in range(n) if owner[k] // s == i_r]            # this replica's matrices
-    of = [[k for k in ours if owner[k] % s == j] for j in range(s)]  # ... owned by shard rank j
-    if s > 1:   # each shard rank sends its (padded) shard of matrix k to k's owner, which joins them
-        dim = [_sharded_dim(p)[0] for p in params]
-        chunk = [-(-p.shape[d] // s) for p, d in zip(params, dim)]
-        padded = [(*p.shape[:d], c, *p.shape[d + 1:]) for p, d, c in zip(params, dim, chunk)]
-        got = exchange([[_pad(local[k], dim[k], chunk[k]) for k in ks] for ks in of],
-                       [[padded[k] for k in of[i_s]]] * s, S, dtype, device)
-        full = [torch.cat([got[j][a] for j in range(s)], dim[k])[tuple(slice(0, m) for m in params[k].shape)]
-                for a, k in enumerate(of[i_s])]
-    else: full = [local[k] for k in of[i_s]]
-    done = orthogonalise_batched(full, group, [splits[k] for k in of[i_s]])
-    if s > 1:   # and sends each shard rank its shard of the result
-        pieces = [_pad(O, dim[k], chunk[k] * s).chunk(s, dim[k]) for O, k in zip(done, of[i_s])]
-        got = exchange([[pc[j] for pc in pieces] for j in range(s)], [[padded[k] for k in ks] for ks in of],
-                       S, dtype, device)
-        res = {k: got[j][a].narrow(dim[k], 0, local[k].size(dim[k]))
-               for j, ks in enumerate(of) for a, k in enumerate(ks)}
-    else: res = dict(zip(of[i_s], done))
-    if r > 1:   # replicas (DDP, HSDP's replicate dim) each did their share: gather the rest
-        per = [[k for k in range(n) if owner[k] // s == q] for q in range(r)]
-        sizes = [sum(local[k].numel() for k in ks) for ks in per]
-        mine = _pad(_flat([res[k] for k in per[i_r]], dtype, device), 0, max(sizes))
-        outs = [torch.empty_like(mine) for _ in range(r)]
-        dist.all_gather(outs, mine, group=R)
-        for q, ks in enumerate(per):
-            if q != i_r: res.update(zip(ks, _unflat(outs[q][:sizes[q]], [local[k].shape for k in ks])))
-    return [res[k] for k in range(n)]
+class _Bucket:
+    "One shape's matrices on their way through Muon's distributed step: shards to owners, results back, shared."
+    def __init__(self, local: list[Tensor], params: list[Tensor], splits, owner: list[int], group: dict, layout):
+        self.local, self.params, self.splits, self.group, (self.S, self.R) = local, params, splits, group, layout
+        (s, self.i_s), (r, self.i_r) = _size_rank(self.S), _size_rank(self.R)
+        self.s, self.r, self.dtype, self.device, n = s, r, local[0].dtype, local[0].device, len(local)
+        self.per = [[k for k in range(n) if owner[k] // s == q] for q in range(r)]   # each replica's matrices
+        self.of = [[k for k in self.per[self.i_r] if owner[k] % s == j] for j in range(s)]  # ... owned by shard rank j
+        if s > 1:   # a shard travels zero-padded to the chunk size along the sharded dim
+            self.dim = [_sharded_dim(p)[0] for p in params]
+            self.chunk = [-(-p.shape[d] // s) for p, d in zip(params, self.dim)]
+            self.padded = [(*p.shape[:d], c, *p.shape[d + 1:]) for p, d, c in zip(params, self.dim, self.chunk)]
+
+
+# %% ../../nbs/51_optim.ipynb #19be32a8
+@patch
+def send(self: _Bucket) -> _Bucket:
+    "Start sending each shard of a matrix this replica owns to its owner (nothing to send unsharded)."
+    if self.s > 1:
+        self._shards = exchange([[_pad(self.local[k], self.dim[k], self.chunk[k]) for k in ks] for ks in self.of],
+                                [[self.padded[k] for k in self.of[self.i_s]]] * self.s, self.S, self.dtype,
+                                self.device, async_op=True)
+    return self
+
+@patch
+def orthogonalise(self: _Bucket) -> _Bucket:
+    "Join the whole matrices this rank owns as their shards arrive, orthogonalise them, start sending them back."
+    mine, s = self.of[self.i_s], self.s
+    if s > 1:
+        got = self._shards()
+        full = [torch.cat([got[j][a] for j in range(s)], self.dim[k]) for a, k in enumerate(mine)]
+        full = [f[tuple(slice(0, m) for m in self.params[k].shape)] for f, k in zip(full, mine)]   # padding off
+    else: full = [self.local[k] for k in mine]
+    done = orthogonalise_batched(full, self.group, [self.splits[k] for k in mine])
+    if s == 1: self._res = dict(zip(mine, done)); return self
+    pieces = [_pad(O, self.dim[k], self.chunk[k] * s).chunk(s, self.dim[k]) for O, k in zip(done, mine)]
+    self._back = exchange([[pc[j] for pc in pieces] for j in range(s)],
+                          [[self.padded[k] for k in ks] for ks in self.of], self.S, self.dtype, self.device,
+                          async_op=True)
+    return self
+
+
+# %% ../../nbs/51_optim.ipynb #6eff6c21
+@patch
+def share(self: _Bucket) -> _Bucket:
+    "Take this rank's shards of the results; start the replicas' all-gather of what each of them computed."
+    if self.s > 1:
+        got = self._back()
+        self._res = {k: got[j][a].narrow(self.dim[k], 0, self.local[k].size(self.dim[k]))
+                     for j, ks in enumerate(self.of) for a, k in enumerate(ks)}
+    if self.r > 1:
+        self._sizes = [sum(self.local[k].numel() for k in ks) for ks in self.per]
+        mine = _pad(_flat([self._res[k] for k in self.per[self.i_r]], self.dtype, self.device), 0, max(self._sizes))
+        self._outs = [torch.empty_like(mine) for _ in range(self.r)]
+        self._shared = dist.all_gather(self._outs, mine, group=self.R, async_op=True)
+    return self
+
+@patch
+def result(self: _Bucket) -> list[Tensor]:
+    "This rank's part of every orthogonalised matrix of the bucket, once the replicas' all-gather is done."
+    if self.r > 1:
+        self._shared.wait()
+        for q, ks in enumerate(self.per):
+            if q != self.i_r:
+                self._res.update(zip(ks, _unflat(self._outs[q][:self._sizes[q]], [self.local[k].shape for k in ks])))
+    return [self._res[k] for k in range(len(self.local))]
+
 
 # %% ../../nbs/51_optim.ipynb #f69e08a3
-def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout) -> list[Tensor]:
+def muon_buckets(costs, shapes, splits) -> list[list[int]]:
+    "Indices of the matrices of each (shape, split) bucket, the costliest matrices' bucket first."
+    buckets = {}
+    for k, (s, sp) in enumerate(zip(shapes, splits)): buckets.setdefault((tuple(s), sp), []).append(k)
+    return sorted(buckets.values(), key=lambda ks: -costs[ks[0]])
+
+def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout,
+                              overlap: bool = True) -> list[Tensor]:
     ("This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` "
      "picks.")
     (s, _), (r, _) = _size_rank(layout[0]), _size_rank(layout[1])
-    owner = assign_owners([sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp))
-                           for p, sp in zip(params, splits)], s * r)
-    buckets = {}   # one shape at a time: the whole matrices held at once are one shape's share, not all of them
-    for k, (p, sp) in enumerate(zip(params, splits)): buckets.setdefault((tuple(p.shape), sp), []).append(k)
-    dtype, out = NS_DTYPES[group.get("ns_dtype", "bf16")], [None] * len(params)
-    for ks in buckets.values():
-        done = _orthogonalise_bucket([_local(updates[k]).to(dtype) for k in ks], [params[k] for k in ks],
-                                     [splits[k] for k in ks], [owner[k] for k in ks], group, layout)
-        for k, o in zip(ks, done): out[k] = o
+    costs = [sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp)) for p, sp in zip(params, splits)]
+    owner, dtype = assign_owners(costs, s * r), NS_DTYPES[group.get("ns_dtype", "bf16")]
+    order = muon_buckets(costs, [p.shape for p in params], splits)
+    bucket = lambda ks: _Bucket([_local(updates[k]).to(dtype) for k in ks], [params[k] for k in ks],
+                                [splits[k] for k in ks], [owner[k] for k in ks], group, layout).send()
+    if not overlap: results = [bucket(ks).orthogonalise().share().result() for ks in order]   # one at a time
+    else:   # a pipeline one bucket deep: the next shards travel, and the last results return, during Newton-Schulz
+        done, nxt = [], bucket(order[0]) if order else None
+        for i in range(len(order)):
+            b, nxt = nxt, bucket(order[i + 1]) if i + 1 < len(order) else None
+            done.append(b.orthogonalise())
+            if i: done[i - 1].share()
+        if done: done[-1].share()
+        results = [b.result() for b in done]
+    out = [None] * len(params)
+    for ks, res in zip(order, results):
+        for k, o in zip(ks, res): out[k] = o
     return out
+
 
 # %% ../../nbs/51_optim.ipynb #f13106cf
 def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5,
@@ -317,14 +372,47 @@ def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_
     owner = assign_owners(costs, world)
     busiest = lambda v, ks: max(sum(v[k] for k in ks if owner[k] == g) for g in range(world))
     share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
-    buckets = {}
-    for k, (s, sp) in enumerate(zip(shapes, splits)): buckets.setdefault((tuple(s), sp), []).append(k)
     def bucket_bytes(ks):   # whole matrices joined + orthogonalised, all-to-all buffers, all-gather buffers
         per_rep = max(sum(share[k] for k in ks if owner[k] // shard == q) for q in range(replicate))
         return (2 * busiest(numel, ks) + (2 * per_rep if shard > 1 else 0)
                 + (replicate * per_rep if replicate > 1 else 0))
+    held = [bucket_bytes(ks) for ks in muon_buckets(costs, shapes, splits)]   # two buckets in flight (overlap)
     return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs, range(len(shapes))),
-                                                  "bytes": ns_bytes * max(map(bucket_bytes, buckets.values()))}}
+                                                  "bytes": ns_bytes * max(map(sum, zip(held, held[1:] + [0])))}}
+
+# %% ../../nbs/51_optim.ipynb #2ab30f48
+def muon_critical_path(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5, ns_bytes: int = 2,
+                       flops_per_s: float = 4e14, shard_bytes_per_s: float = 4e11,
+                       replicate_bytes_per_s: float = 4e10) -> dict:
+    "Modelled seconds of Muon's distributed step: the ideal (work / ranks), one bucket at a time, and overlapped."
+    splits, world = splits or [None] * len(shapes), shard * replicate
+    costs = [sum(ns_flops(q, ns_steps) for q in part_shapes(s, sp)) for s, sp in zip(shapes, splits)]
+    owner, order = assign_owners(costs, world), muon_buckets(costs, shapes, splits)
+    share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
+    def moves(ks):   # one all-to-all (either way) and the replicas' all-gather, in seconds
+        a2a = max((max(sum(share[k] for k in ks if owner[k] // shard == g // shard and owner[k] != g),
+                       (shard - 1) * sum(share[k] for k in ks if owner[k] == g)) for g in range(world)), default=0)
+        per_rep = max(sum(share[k] for k in ks if owner[k] // shard == q) for q in range(replicate))
+        return ns_bytes * a2a / shard_bytes_per_s, ns_bytes * (replicate - 1) * per_rep / replicate_bytes_per_s
+    comp = [[sum(costs[k] for k in ks if owner[k] == g) / flops_per_s for g in range(world)] for ks in order]
+    mv = [moves(ks) for ks in order]
+    blocking = sum(2 * a + max(c) + ag for (a, ag), c in zip(mv, comp))
+    clock, free = [0.0] * world, {"S": 0.0, "R": 0.0}
+    def start(group, dur):   # when every rank has started it and the group's previous collective is done
+        if dur == 0 or (shard if group == "S" else replicate) == 1: return max(clock) * 0
+        free[group] = max(max(clock), free[group]) + dur
+        return free[group]
+    sent = [start("S", mv[0][0])] if order else []
+    back = []
+    for i in range(len(order)):
+        if i + 1 < len(order): sent.append(start("S", mv[i + 1][0]))
+        clock = [max(c, sent[i]) + comp[i][g] for g, c in enumerate(clock)]
+        back.append(start("S", mv[i][0]))
+        if i: clock = [max(c, back[i - 1]) for c in clock]; start("R", mv[i - 1][1])
+    if order: clock = [max(c, back[-1]) for c in clock]; start("R", mv[-1][1])
+    return dict(ideal=sum(costs) / world / flops_per_s, largest=max(costs, default=0) / flops_per_s,
+                blocking=blocking, overlapped=max(clock + [free["R"]]))
+
 
 # %% ../../nbs/51_optim.ipynb #d3c01f5d
 @patch
@@ -343,8 +431,8 @@ def step(self: Muon, closure=None):
             continue
         params, splits = [p for p, _ in items], [sp for _, sp in items]
         updates = [self._momentum_update(p, group) for p in params]
-        for p, O, sp in zip(params, distributed_orthogonalise(updates, params, splits, group, layout), splits):
-            _apply_update(p, O, group, sp)
+        done = distributed_orthogonalise(updates, params, splits, group, layout, self.overlap)
+        for p, O, sp in zip(params, done, splits): _apply_update(p, O, group, sp)
     return loss
 
 # %% ../../nbs/51_optim.ipynb #46739fa3
