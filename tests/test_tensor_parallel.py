@@ -1,0 +1,196 @@
+"""Tensor and sequence parallelism on 4 gloo ranks as a dp 2 x tp 2 mesh (FSDP2 over dp, DTensor TP/SP over tp):
+10 fp32 AdamW steps give one process's losses and gradients within 1e-5; activations saved for backward per rank at
+tp 2 are at most 0.6x tp 1's; parameters and optimizer state per rank are 1/(dp tp) + the replicated norms; Muon
+equals one process within 2e-6; KV-cache decoding under TP gives one process's logits; a dp 2 x tp 2 checkpoint
+resumes at dp 4 and in one process with equal weights and optimizer state. Two 4-rank worlds, about 60-90 s."""
+import json
+from pathlib import Path
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_ranks import run_ranks
+from gradient_garden.config import ConfigError, ModelConfig
+from gradient_garden.models.tendril import Tendril
+from gradient_garden.checkpoint.state_dict import StateDictAdapter
+from gradient_garden.checkpoint.checkpoints import (load_checkpoint, load_sharded_state, save_sharded_checkpoint,
+                                                    sharded_state)
+from gradient_garden.parallel.distributed import apply_fsdp
+from gradient_garden.parallel.tensor_parallel import (apply_tp, build_tp_mesh, check_tp, parallelize_tp,
+                                                      saved_activation_bytes)
+from gradient_garden.train.optim import Muon
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64, multiple_of=16)
+MEM_CFG = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128, multiple_of=16)
+B, T, STEPS, MUON_STEPS = 4, 16, 10, 3
+META = {"step": STEPS, "stage": "pretraining", "architecture": "tendril", "config": {}}
+
+def batches(n=STEPS, b=B, t=T, vocab=CFG.vocab_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (b, t + 1), generator=g) for _ in range(n)]
+
+def model(cfg=CFG):
+    torch.manual_seed(0)
+    return Tendril(cfg)
+
+def muon_optimizers(m):
+    "Muon for the blocks' matrices, AdamW for the rest (the split `build_optimizers` makes)."
+    mats = [p for n, p in m.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
+    rest = [p for n, p in m.named_parameters() if not (p.ndim == 2 and n.startswith("layers."))]
+    splits = [getattr(mod, "split_sizes", None) for n, mod in m.named_modules()
+              if n.startswith("layers.") and isinstance(mod, torch.nn.Linear)]
+    return [Muon([{"params": mats, "splits": splits}], lr=0.02, ns_dtype="fp32", distributed=False),
+            torch.optim.AdamW(rest, lr=1e-2)]
+
+def train(m, optimizers, xs, scale, after=lambda loss, m: None):
+    "Steps of the mean next-token loss over `xs`; `after(loss, m)` sees each step's loss and gradients."
+    for x in xs:
+        loss = m(x[:, :-1], labels=x[:, 1:]) / scale
+        loss.backward()
+        after(loss, m)
+        for o in optimizers: o.step(); o.zero_grad()
+
+def greedy_logits(m, prompt, new=4):
+    "Logits of the prompt's last position and of `new` greedy KV-cache steps."
+    cache, out = m.new_kv_cache(prompt.shape[0], 32), []
+    with torch.no_grad():
+        logits = m(prompt, kv_cache=cache)[:, -1]
+        pos = prompt.shape[1]
+        for _ in range(new):
+            out.append(logits)
+            tok = logits.argmax(-1, keepdim=True)
+            logits = m(tok, kv_cache=cache, start_pos=pos)[:, -1]
+            pos += 1
+    return torch.stack(out)
+
+def _full(t): return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+def _tp_world(rank, world, out):
+    "dp 2 x tp 2: training, memory, Muon, decoding and a checkpoint; rank 0 writes what it measured."
+    out, res = Path(out), {}
+    mesh = build_tp_mesh(world, 2)
+    dp, dpr = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    mine = lambda xs: [x[dpr * len(x) // dp:(dpr + 1) * len(x) // dp] for x in xs]
+    m = parallelize_tp(model(), mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses, grads = [], []
+    def record(loss, m):
+        l = loss.detach().clone()
+        dist.all_reduce(l, group=mesh["dp"].get_group())
+        losses.append(l.item() / dp)
+        grads.append({k: _full(p.grad) for k, p in m.named_parameters()})
+    train(m, [opt], mine(batches()), B * T // dp, record)
+    local = lambda ts: sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel() for t in ts)
+    res["param_share"] = local(m.parameters()) / sum(p.numel() for p in m.parameters())
+    states = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    res["optim_share"] = local(states) / sum(v.numel() for v in states)
+    res["placements"] = {n: str(p.placements) for n, p in m.named_parameters() if n.startswith("layers.0.")}
+    save_sharded_checkpoint(sharded_state(m, [opt]), META, out/"ckpt")
+    weights = {k: _full(v) for k, v in m.state_dict().items()}
+    optim_avg = {k: _full(opt.state[p]["exp_avg"]) for k, p in m.named_parameters()}
+    # Muon on the same mesh, from the same start
+    mu = parallelize_tp(model(), mesh)
+    train(mu, muon_optimizers(mu), mine(batches(MUON_STEPS)), B * T // dp)
+    muon_weights = {k: _full(v) for k, v in mu.state_dict().items()}
+    # activations saved for backward on this rank's micro-batch, tp 2 (with SP) against the same model unsplit
+    x = mine(batches(1, b=B, t=MEM_CFG.max_seq_len, vocab=MEM_CFG.vocab_size))[0]
+    one, two = model(MEM_CFG), apply_tp(model(MEM_CFG), mesh["tp"])
+    res["act_tp1"], res["act_tp2"] = (saved_activation_bytes(k, lambda: k(x[:, :-1], labels=x[:, 1:]))
+                                      for k in (one, two))
+    # KV-cache decoding under TP (no SP: one new token cannot split by sequence)
+    dec = apply_tp(model(), mesh["tp"], sequence_parallel=False)
+    decoded = greedy_logits(dec, batches(1, b=2, t=7, seed=1)[0])
+    if rank == 0:
+        torch.save(dict(losses=losses, grads=grads, weights=weights, optim_avg=optim_avg, muon=muon_weights,
+                        decoded=decoded), out/"tp.pt")
+        (out/"tp.json").write_text(json.dumps(res))
+
+def _dp4_world(rank, world, out):
+    "The dp 2 x tp 2 checkpoint read by FSDP2 over 4 ranks (the fused layout); rank 0 writes the full weights."
+    m = apply_fsdp(model(), "fp32")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train(m, [opt], batches(1), B * T)   # optimizer state to be overwritten
+    load_sharded_state(Path(out)/"ckpt", m, [opt])
+    weights = {k: _full(v) for k, v in m.state_dict().items()}
+    optim_avg = {k: _full(opt.state[p]["exp_avg"]) for k, p in m.named_parameters()}
+    if rank == 0: torch.save(dict(weights=weights, optim_avg=optim_avg), Path(out)/"dp4.pt")
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp")
+    run_ranks(_tp_world, 4, d/"init_tp", str(d))
+    run_ranks(_dp4_world, 4, d/"init_dp4", str(d))
+    return d
+
+@pytest.fixture(scope="module")
+def tp(worlds): return torch.load(worlds/"tp.pt"), json.loads((worlds/"tp.json").read_text())
+
+def fused(sd: dict) -> dict:
+    "A TP model's state (separate q/k/v, gate/up) in the one-process model's fused layout."
+    return StateDictAdapter(model()).join(sd)
+
+def one_process(optimizers_of, steps):
+    "The same run in this one process: losses, gradients per step, final weights."
+    m, losses, grads = model(), [], []
+    def record(loss, m):
+        losses.append(loss.item()); grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+    train(m, optimizers_of(m), batches(steps), B * T, record)
+    return m, losses, grads
+
+def test_losses_and_gradients_equal_one_process(tp):
+    got, _ = tp
+    m, losses, grads = one_process(lambda m: [torch.optim.AdamW(m.parameters(), lr=1e-2)], STEPS)
+    assert len(got["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=0, atol=1e-5)
+    for step, (g, ref) in enumerate(zip(got["grads"], grads)):
+        g = fused(g)
+        assert set(g) == set(ref)
+        for k in ref: torch.testing.assert_close(g[k], ref[k], rtol=0, atol=1e-5, msg=f"step {step + 1}: {k}")
+
+def test_the_mesh_splits_heads_and_sequence(tp):
+    _, res = tp
+    pl = res["placements"]
+    # FSDP2 over dp on top of TP: q/k/v, gate/up by rows (heads, halves), wo/w2 by columns, norms replicated over tp
+    assert pl["layers.0.attention.wq.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert pl["layers.0.attention.wo.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert pl["layers.0.feed_forward.w1.weight"] == pl["layers.0.attention.wq.weight"]
+    assert pl["layers.0.attention_norm.weight"] == "(Shard(dim=0), Replicate())"
+
+def test_activations_divide(tp):
+    _, res = tp
+    ratio = res["act_tp2"] / res["act_tp1"]
+    assert ratio <= 0.6, (res["act_tp1"], res["act_tp2"])
+
+def test_parameters_and_optimizer_state_divide(tp):
+    _, res = tp
+    norms = (2 * CFG.n_layers + 1) * CFG.dim / sum(p.numel() for p in model().parameters())
+    for share in (res["param_share"], res["optim_share"]):   # norm gains are replicated over tp: the epsilon
+        assert 1 / 4 <= share <= 1 / 4 + norms / 4 + 1e-9, (share, norms)
+
+def test_muon_equals_one_process(tp):
+    got, _ = tp
+    m, _, _ = one_process(muon_optimizers, MUON_STEPS)
+    ref, w = m.state_dict(), fused(got["muon"])
+    for k in ref: torch.testing.assert_close(w[k], ref[k], rtol=0, atol=2e-6, msg=k)
+    assert max((w[k] - model().state_dict()[k]).abs().max() for k in ref) > 1e-3   # it did move
+
+def test_kv_cache_decoding_equals_one_process(tp):
+    got, _ = tp
+    torch.testing.assert_close(got["decoded"], greedy_logits(model(), batches(1, b=2, t=7, seed=1)[0]),
+                               rtol=0, atol=1e-5)
+
+def test_checkpoint_reshards_to_dp4_and_one_process(tp, worlds):
+    got, _ = tp
+    saved = fused(got["weights"])
+    dp4 = torch.load(worlds/"dp4.pt")
+    one = load_checkpoint(worlds/"ckpt")
+    adapter = StateDictAdapter(model())
+    one = adapter.from_old(one)
+    for k in saved:
+        torch.testing.assert_close(dp4["weights"][k], saved[k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(one["model"][k], saved[k], rtol=0, atol=0, msg=k)
+    avg = fused(got["optim_avg"])
+    for k in avg: torch.testing.assert_close(dp4["optim_avg"][k], avg[k], rtol=0, atol=0, msg=k)
+
+def test_gqa_with_fewer_kv_heads_than_ranks_is_refused():
+    with pytest.raises(ConfigError, match="n_kv_heads = 2 cannot be split over 4"): check_tp(CFG, 4)
+    with pytest.raises(ConfigError, match="must divide model.n_heads"): check_tp(CFG, 3)
