@@ -259,6 +259,15 @@ class RLConfig:
     max_new_tokens: int = 16
     stop: list[str] = field(default_factory=list)  # stop strings (their first token) besides eot/eos
     mask_truncated: bool = False  # completions cut at max_new_tokens leave the loss
+    # "sequence": one ratio per completion, exp of its mean token log-ratio (GSPO); "token": one per token
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # sampler/trainer mismatch: rollouts weighted by trainer / sampler probability (TRL's vllm_importance_sampling_*)
+    importance_sampling_correction: bool = False
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        "sequence_mask"
+    importance_sampling_clip_min: Optional[float] = None  # truncate: clipped to [min, max]; mask: outside set to 0
+    importance_sampling_clip_max: Optional[float] = 3.0
+    rollout_precision: Literal["same", "fp32", "bf16", "fp16"] = "same"  # the sampler's; same: runtime.precision
     format_reward: float = 0.0  # weight of the well-formed-answer reward
     reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
     plain_prompts: bool = False  # BOS + text prompts for a model without a chat format

@@ -21,8 +21,8 @@ from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms
 # %% auto #0
 __all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next',
            'decode_step_applies', 'decode_step', 'hold_decode_weights', 'generate', 'plain_module', 'expand_groups',
-           'cut_at_stop', 'keep_rows', 'token_entropy', 'group_rollouts', 'encode_prompts', 'special_token_ids',
-           'generate_text', 'default_test_prompts']
+           'cut_at_stop', 'keep_rows', 'token_entropy', 'token_logps', 'group_rollouts', 'encode_prompts',
+           'special_token_ids', 'generate_text', 'default_test_prompts']
 
 # %% ../nbs/30_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -293,12 +293,18 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     logp = (logits.float() / temperature).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1).double()
 
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    "Log-probability `[B]` (float32) of each row's token `tokens[b]` under softmax(logits / temperature)."
+    return (logits.float() / temperature).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
 # %% ../nbs/30_generation.ipynb #974c58da
 @torch.no_grad()
 def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: int | None = None, stop_ids=(), pad_id: int = 0,
                    generator: torch.Generator | None = None, lockstep: bool = False,
-                   entropies: torch.Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
+                   entropies: torch.Tensor | None = None,
+                   logps: torch.Tensor | None = None) -> tuple[list[list[int]], list[bool]]:
     ("`group_size` completions per prompt (prompt i's at rows i*G..i*G+G-1), each with its stop token, and which "
      "stopped.")
     device, P, L = next(model.parameters()).device, len(prompts), max(len(p) for p in prompts)
@@ -307,8 +313,7 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
     tokens, real = _left_padded(prompts, total, pad_id, device)
     padded = any(len(p) != L for p in prompts)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    cpu = device.type == "cpu"
-    with _no_grad_mode(model), hold_decode_weights(model) if cpu else nullcontext():
+    with _no_grad_mode(model), hold_decode_weights(model) if device.type == "cpu" else nullcontext():
         cache = model.new_kv_cache(P, total)
         logits = model(tokens[:, :L], attn_mask=real[:, :L] if padded else None, kv_cache=cache,
                        logits_to_keep=1)[:, -1]
@@ -322,6 +327,7 @@ def group_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tok
             nxt = sample_next(logits.float(), temperature, top_p, top_k, generator)
             if entropies is not None:
                 entropies.index_add_(0, rows, token_entropy(logits, temperature).masked_fill(done, 0))
+            if logps is not None: logps[rows, step] = token_logps(logits, nxt, temperature).masked_fill(done, 0)
             tokens[:, pos] = nxt
             if padded: real[:, pos] = True
             out[rows, step] = torch.where(done, pad_id, nxt)

@@ -294,7 +294,8 @@ def _fixed_loader(rank, world, seed=0):
     loader = RolloutLoader(model, tok, exs, rl, None, 32, 32 // world // 2, 2, rank, world, seed=3)
     def sample(idx):
         outs = [[10 + (i * 7 + g * 3) % 50] * (1 + (i + g) % 5) + [2] for i in idx for g in range(4)]
-        return outs, [True] * len(outs), 0.0, torch.tensor([0.3 * len(o) for o in outs], dtype=torch.float64)
+        return (outs, [True] * len(outs), 0.0, torch.tensor([0.3 * len(o) for o in outs], dtype=torch.float64),
+                [None] * len(outs))
     loader._sample = sample
     loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0),
                                                  "total": float(len(text) % 3 == 0)}

@@ -5,6 +5,7 @@ optional k3 KL to the starting model and an entropy term: the objective of the `
 
 # %% ../../nbs/46_grpo.ipynb #af700b2b
 from __future__ import annotations
+import math
 from typing import Optional
 import torch
 import torch.nn.functional as F
@@ -12,8 +13,8 @@ from ..config import ConfigError
 from .base import IGNORE_INDEX
 
 # %% auto #0
-__all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'group_advantages', 'token_losses', 'loss_parts', 'entropy_sum', 'collate_rollouts',
-           'completion_logps']
+__all__ = ['RL_LOSSES', 'SCALE_REWARDS', 'IS_LEVELS', 'IS_MODES', 'group_advantages', 'policy_ratio', 'token_losses',
+           'loss_parts', 'entropy_sum', 'sampler_weights', 'mismatch_sums', 'collate_rollouts', 'completion_logps']
 
 # %% ../../nbs/46_grpo.ipynb #d47c15b5
 RL_LOSSES = ("grpo", "dr_grpo", "dapo")
@@ -35,19 +36,38 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     adv = torch.where(zero & on, 0.0, centred)                 # exactly zero, whatever the rounding of the mean
     return adv.flatten().to(rewards.dtype), zero.expand_as(r).flatten()
 
+# %% ../../nbs/46_grpo.ipynb #7929bcac
+IS_LEVELS = ("token", "sequence")
+
+def policy_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                 level: str = "token") -> torch.Tensor:
+    ("The policy's probability over the rollouts' old one: per token `[B, T]`, or (`sequence`, GSPO) per completion "
+     "`[B, 1]`, the exp of its mean token log-ratio.")
+    d = logps - old_logps
+    if level == "token": return torch.exp(d)
+    if level != "sequence":
+        raise ConfigError(f"rl.importance_sampling_level: got {level!r}; allowed: {', '.join(IS_LEVELS)}")
+    m = mask.to(d.dtype)
+    return torch.exp((d * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+
+
 # %% ../../nbs/46_grpo.ipynb #49feb90b
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, eps_low: float = 0.2,
-                 eps_high: float = 0.2, beta: float = 0.0, ref_logps: Optional[torch.Tensor] = None) -> tuple:
-    "Per-token clipped losses `[B, T]`, the ratio, and the k3 KL (None when `beta` is 0)."
-    ratio = torch.exp(logps - old_logps)
+                 eps_high: float = 0.2, beta: float = 0.0, ref_logps: Optional[torch.Tensor] = None,
+                 mask: Optional[torch.Tensor] = None, level: str = "token",
+                 is_weight: Optional[torch.Tensor] = None) -> tuple:
+    ("Per-token clipped losses `[B, T]` (times the mismatch weight `is_weight`, if given), the ratio `[B, T]` "
+     "(`sequence`: each row's), and the k3 KL (None when `beta` is 0).")
+    ratio = policy_ratio(logps, old_logps, mask, level)
     a = advantages[:, None]
     loss = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+    if is_weight is not None: loss = loss * is_weight
     kl = None
     if beta != 0.0:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
         loss = loss + beta * kl
-    return loss, ratio, kl
+    return loss.expand_as(logps), ratio.expand_as(logps), kl
 
 def loss_parts(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_new_tokens: int) -> tuple:
     "(sum, count) of a micro-batch: the loss of the whole batch is the sum over micro-batches and ranks / the count."
@@ -62,6 +82,38 @@ def entropy_sum(entropy: torch.Tensor, mask: torch.Tensor, count) -> torch.Tenso
     "A micro-batch's entropy term to add to its loss sum: divided by `count` it is the mean token entropy."
     m = mask.to(entropy.dtype)
     return (entropy * m).sum() * count / m.sum().clamp(min=1.0)
+
+# %% ../../nbs/46_grpo.ipynb #5dc50679
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+def sampler_weights(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                    mode: str = "sequence_mask", clip_min: Optional[float] = None,
+                    clip_max: Optional[float] = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    ("The weight of each rollout token `[B, T]` (sequence modes: each completion's, `[B, 1]`) that corrects for the "
+     "sampler's probabilities, truncated or masked outside [clip_min, clip_max]; and the ratio before the cap.")
+    if mode not in IS_MODES:
+        raise ConfigError(f"rl.importance_sampling_mode: got {mode!r}; allowed: {', '.join(IS_MODES)}")
+    d = torch.nan_to_num((old_logps - sampler_logps) * mask, nan=0.0)   # a token the sampler could not score: 1
+    if mode.startswith("sequence"): d = d.sum(-1, keepdim=True)
+    ratio = torch.exp(d)
+    lo, hi = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"): return ratio.clamp(min=lo, max=hi), ratio
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0), ratio
+
+# %% ../../nbs/46_grpo.ipynb #12be1280
+def mismatch_sums(old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, ratio: torch.Tensor,
+                  clip_min: Optional[float] = None, clip_max: Optional[float] = 3.0) -> tuple[torch.Tensor, float]:
+    ("`[KL sum, tokens, ratios capped, ratios]` (float64) of a batch's sampler-to-trainer k3 KL and its cap (`ratio` "
+     "from `sampler_weights`), and the largest ratio.")
+    m = mask.bool()
+    lr = (old_logps - sampler_logps).double()[m]
+    rows = m.any(-1, keepdim=True)
+    r = ratio.double()[m if ratio.shape == m.shape else rows]
+    lo, hi = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    capped = ((r < lo) | (r > hi)).double().sum()
+    sums = torch.stack([(lr.exp() - lr - 1).sum(), torch.tensor(float(lr.numel()), dtype=torch.float64), capped,
+                        torch.tensor(float(r.numel()), dtype=torch.float64)])
+    return sums, float(r.max()) if r.numel() else 1.0
 
 # %% ../../nbs/46_grpo.ipynb #d36e0f8a
 def collate_rollouts(prompts: list[list[int]], completions: list[list[int]], seq_len: int, pad_id: int) -> dict:

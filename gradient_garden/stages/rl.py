@@ -36,6 +36,10 @@ class RLTask:
     def __init__(self, rl, tokenizer=None, heldout: Optional[list] = None, lockstep: bool = False, seed: int = 0):
         if rl.loss_type not in RL_LOSSES:
             raise ConfigError(f"rl.loss_type: got {rl.loss_type!r}; allowed: {', '.join(RL_LOSSES)}")
+        lo, hi = rl.importance_sampling_clip_min, rl.importance_sampling_clip_max
+        if lo is not None and hi is not None and not 0 <= lo <= hi:
+            raise ConfigError(f"rl.importance_sampling_clip_min: got {lo}; must be in [0, "
+                              f"rl.importance_sampling_clip_max = {hi}]")
         self.rl, self.tok, self.heldout, self.lockstep, self.seed = rl, tokenizer, heldout or [], lockstep, seed
         self.chat_prompts = not rl.plain_prompts
 
@@ -48,37 +52,40 @@ class RLTask:
         return (batch["labels"] != IGNORE_INDEX) & batch["keep"].bool()[:, None]
 
     def count(self, batch: dict) -> torch.Tensor:
-        "Completions (grpo, dr_grpo), completion tokens (dapo), or held-out prompts (validation)."
+        ("Completions less dynamic sampling's fillers (grpo, dr_grpo), completion tokens in the loss (dapo), or "
+         "held-out prompts (validation).")
         if "heldout" in batch: return torch.tensor(len(batch["heldout"]))
         if self.rl.loss_type == "dapo": return self._mask(batch).sum()
-        return torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+        rows = batch["input_ids"].shape[0] - (int(batch["filler"].sum()) if "filler" in batch else 0)
+        return torch.tensor(rows, device=batch["input_ids"].device)
 
 # %% ../../nbs/48_rl.ipynb #f9907143
 @patch
 def loss(self: RLTask, model, batch: dict):
     "Summed loss of a rollout micro-batch and its count-weighted metrics (or a held-out batch's misses)."
     if "heldout" in batch: return self._heldout(model, batch)
-    rl, mask = self.rl, self._mask(batch)
+    rl, mask, off = self.rl, self._mask(batch), batch.get("off_policy")
+    sampled = mask if off is None else mask & ~off.to(mask.device).bool()[:, None]   # the rows the policy sampled
     coef = batch.get("entropy_coef", rl.entropy_coef)   # the adaptive control's coefficient for this step, if on
     logps, ent = completion_logps(model, batch, entropy_grad=coef > 0, temperature=rl.temperature)
     old = batch.get("old_logps")
     old = logps.detach() if old is None else old.to(logps)
     ref = batch.get("ref_logps")
-    adv = batch["advantages"].to(logps)
+    adv, w_is = batch["advantages"].to(logps), batch.get("is_weight")   # w_is: the sampler mismatch's weights
     per_token, ratio, kl = token_losses(logps, old, adv, rl.epsilon_low, rl.epsilon_high, rl.beta,
-                                        None if ref is None else ref.to(logps))
-    if "off_policy" in batch:
-        per_token, ratio = with_references(per_token, ratio, kl, logps, adv, batch["off_policy"], rl)
+                                        None if ref is None else ref.to(logps), mask, rl.importance_sampling_level,
+                                        None if w_is is None else w_is.to(logps))
+    if off is not None: per_token, ratio = with_references(per_token, ratio, kl, logps, adv, off, rl)
     loss_sum, _ = loss_parts(per_token, mask, rl.loss_type, rl.max_new_tokens)
     count = self.count(batch)
-    if coef: loss_sum = loss_sum - coef * entropy_sum(ent, mask, count)
-    ent, w, m = ent.detach(), count.double(), mask.double()
+    if coef: loss_sum = loss_sum - coef * entropy_sum(ent, sampled, count)   # a bonus on sampled tokens only
+    ent, w, m = ent.detach(), count.double(), sampled.double()
     tokens = m.sum().clamp(min=1)
     a = adv[:, None]
     clipped = ((ratio < 1 - rl.epsilon_low) & (a < 0)) | ((ratio > 1 + rl.epsilon_high) & (a > 0))
     metrics = {"entropy": (ent.double() * m).sum() / tokens * w,
                "clip_fraction": (clipped.double() * m).sum() / tokens * w}
-    if kl is not None: metrics["kl"] = (kl.detach().double() * m).sum() / tokens * w
+    if kl is not None: metrics["kl"] = (kl.detach().double() * mask).sum() / mask.sum().clamp(min=1) * w
     metrics |= {k: torch.tensor(float(v), dtype=torch.float64, device=w.device) * w for k, v in batch["stats"].items()}
     return loss_sum, metrics
 

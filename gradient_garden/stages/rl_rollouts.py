@@ -17,9 +17,10 @@ from ..models.tendril import unwrap_model
 from ..generation import group_rollouts, plain_module
 from ..evals.verifiers import Problem
 from ..evals.generative import encode_prompt
-from .base import stream_positions
+from .base import IGNORE_INDEX, stream_positions
 from .rewards import Rewarder
-from .grpo import collate_rollouts, completion_logps, group_advantages
+from .grpo import (collate_rollouts, completion_logps, group_advantages, mismatch_sums,
+                                         sampler_weights)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -34,6 +35,7 @@ class RolloutLoader:
                  precision: str = "fp32", reference=None):
         self.model, self.tok, self.rl, self.rewarder, self.reference = model, tokenizer, rl, rewarder, reference
         self.seq_len, self.micro, self.grad_accum, self.precision = seq_len, micro_batch_size, grad_accum, precision
+        self.rollout_precision = precision if rl.rollout_precision == "same" else rl.rollout_precision
         self.rank, self.world_size, self.seed = rank, world_size, seed
         ids = [encode_prompt(tokenizer, e.prompt, rl.plain_prompts) for e in examples]
         max_len = model.cfg.max_seq_len if hasattr(model, "cfg") else unwrap_model(model).cfg.max_seq_len
@@ -68,8 +70,8 @@ class RolloutLoader:
 @patch
 def _sample(self: RolloutLoader, idx: list[int]) -> tuple:
     ("Completions of prompts `idx` (G each: `rl.off_policy_rows` of them the reference answer) from the current "
-     "weights, which of them stopped, the seconds it took, and each row's summed token entropy (adaptive entropy "
-     "control only).")
+     "weights, which stopped, the seconds it took, each row's summed token entropy (adaptive entropy control only) "
+     "and its tokens' log-probabilities under the sampler (mismatch correction only; None for a reference row).")
     model, rl = plain_module(self.model), self.rl
     dev = next(model.parameters()).device
     seed = int(np.random.SeedSequence([self.seed, self.round, self.rank]).generate_state(1)[0])
@@ -78,18 +80,21 @@ def _sample(self: RolloutLoader, idx: list[int]) -> tuple:
     model.eval()
     n_sampled = rl.group_size - rl.off_policy_rows
     ent = torch.zeros(len(idx) * n_sampled, dtype=torch.float64, device=dev)
+    lps = torch.zeros(len(ent), rl.max_new_tokens, device=dev) if rl.importance_sampling_correction else None
     t0 = time.perf_counter()
     try:
-        with autocast_context(dev, self.precision):
+        with autocast_context(dev, self.rollout_precision):
             outs, stopped = group_rollouts(model, [self.prompt_ids[i] for i in idx], n_sampled, rl.max_new_tokens,
                                            rl.temperature, rl.top_p, rl.top_k, self.stop_ids, self.pad_id, gen,
                                            lockstep=is_fsdp(self.model) and self.world_size > 1,
-                                           entropies=ent if self.control is not None else None)
+                                           entropies=ent if self.control is not None else None, logps=lps)
     finally: model.train(was)
     secs = time.perf_counter() - t0
-    if rl.off_policy_rows: outs, stopped, ent = self._add_references(idx, outs, stopped, ent)   # below
-    return outs, stopped, secs, ent.cpu()
+    slp = [None] * len(outs) if lps is None else [l[:len(o)].cpu() for l, o in zip(lps, outs)]
+    if rl.off_policy_rows: outs, stopped, ent, slp = self._add_references(idx, outs, stopped, ent, slp)   # below
+    return outs, stopped, secs, ent.cpu(), slp
 
+# %% ../../nbs/47_rl_rollouts.ipynb #4be9f1a1
 @patch
 def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tuple[torch.Tensor, dict]:
     "Rewards `[N]` of the completions and the mean of each reward part."
@@ -124,11 +129,12 @@ def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tens
 @patch
 @torch.no_grad()
 def _extra_logps(self: RolloutLoader, batch: dict) -> dict:
-    "Old log-probabilities (several passes per rollout batch) and the reference's (beta > 0) of a micro-batch."
+    ("Old log-probabilities (several passes per rollout batch, or mismatch correction) and the reference's "
+     "(beta > 0) of a micro-batch.")
     dev = next(self.model.parameters()).device
     b = {k: v.to(dev) for k, v in batch.items() if torch.is_tensor(v)} | {"labels_from": batch.get("labels_from", 0)}
     with autocast_context(dev, self.precision):
-        if self.rl.num_iterations > 1:
+        if self.rl.num_iterations > 1 or self.rl.importance_sampling_correction:
             batch["old_logps"] = completion_logps(self.model, b, temperature=self.rl.temperature)[0].cpu()
         if self.reference is not None:
             batch["ref_logps"] = completion_logps(self.reference, b, temperature=self.rl.temperature)[0].cpu()
@@ -151,18 +157,18 @@ def differs(rewards: torch.Tensor) -> bool:
 # %% ../../nbs/47_rl_rollouts.ipynb #5650dbe6
 @patch
 def _sample_groups(self: RolloutLoader) -> tuple:
-    ("Groups `(prompt, completions, stopped, rewards, entropies)` of up to `rl.sampling_rounds` rounds, the reward "
+    ("Groups `(prompt, completions, stopped, rewards, entropies, sampler log-probs)` of up to `rl.sampling_rounds` rounds, the reward "
      "parts, the seconds, rounds, and whether any rank found a group whose sampled rows' rewards differ.")
     G, P, groups, parts, secs = self.rl.group_size, self.prompts_per_rank, [], {}, 0.0
     S = G - self.rl.off_policy_rows                                  # the sampled rows judge a group
     for n in range(1, self.rl.sampling_rounds + 1):
         idx = self._next_prompts()
-        outs, stopped, s, ent = self._sample(idx)
+        outs, stopped, s, ent, slp = self._sample(idx)
         rewards, p = self._score(idx, outs, stopped)
         self.round, secs = self.round + 1, secs + s
         parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
         new = [(i, outs[j * G:(j + 1) * G], stopped[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G],
-                ent[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+                ent[j * G:(j + 1) * G], slp[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
         if self.focus is not None:
             self.focus.update(all_reduce(self.focus.counts(self.examples, [g[:3] + (g[3][:S],) for g in new])))
         groups += new
@@ -221,9 +227,11 @@ def _rollout_round(self: RolloutLoader):
     self.buffer = []
     for s in range(0, len(rows), self.micro):
         b = collate_rollouts(rows[s:s + self.micro], outs[s:s + self.micro], self.seq_len, self.pad_id)
-        b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "stats": stats | coef} | coef
+        b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "filler": fill[s:s + self.micro],
+              "stats": stats | coef} | coef
         if rl.off_policy_rows: b["off_policy"] = off[s:s + self.micro]
         self.buffer.append(self._extra_logps(b))
+    if rl.importance_sampling_correction: self._correct_mismatch([lp for g in chosen for lp in g[5]])   # below
     self.pos, self.passes_left = 0, rl.num_iterations
 
 # %% ../../nbs/47_rl_rollouts.ipynb #38f4d3b7
@@ -370,16 +378,18 @@ def _reference(self: RolloutLoader, i: int) -> list[int]:
     return self._references[i]
 
 @patch
-def _add_references(self: RolloutLoader, idx: list[int], outs: list, stopped: list, ent: torch.Tensor) -> tuple:
+def _add_references(self: RolloutLoader, idx: list[int], outs: list, stopped: list, ent: torch.Tensor,
+                    slp: Optional[list] = None) -> tuple:
     ("Each prompt's sampled rows followed by `rl.off_policy_rows` copies of its reference completion (cut at "
      "`rl.max_new_tokens`).")
     k, n = self.rl.off_policy_rows, self.rl.group_size - self.rl.off_policy_rows
-    o, s = [], []
+    o, s, lp = [], [], []
     for j, i in enumerate(idx):
         ref = self._reference(i)
         o += outs[j * n:(j + 1) * n] + [ref[:self.rl.max_new_tokens]] * k
         s += stopped[j * n:(j + 1) * n] + [len(ref) <= self.rl.max_new_tokens] * k
-    return o, s, F.pad(ent.view(-1, n), (0, k)).flatten()
+        lp += (slp or [None] * len(outs))[j * n:(j + 1) * n] + [None] * k
+    return o, s, F.pad(ent.view(-1, n), (0, k)).flatten(), lp
 
 @patch
 def _reference_stats(self: RolloutLoader, groups: list) -> dict:
@@ -429,3 +439,25 @@ def _swap_in_failures(self: RolloutLoader, n_groups: int, rows: list, outs: list
         ref = self._reference(i)
         rows[r], outs[r], stopped[r] = self.prompt_ids[i], ref[:rl.max_new_tokens], len(ref) <= rl.max_new_tokens
         adv[r] = a if scale is None else a / (scale + 1e-4)
+
+# %% ../../nbs/47_rl_rollouts.ipynb #279ccbe2
+@patch
+def _correct_mismatch(self: RolloutLoader, sampler_logps: list):
+    ("Put the sampler's log-probabilities (rows of `sampler_logps`, None for a reference row) and the mismatch weights "
+     "in each micro-batch of the step, and the step's mismatch figures in its stats.")
+    rl, sums, top, r0 = self.rl, torch.zeros(4, dtype=torch.float64), 1.0, 0
+    lo, hi = rl.importance_sampling_clip_min, rl.importance_sampling_clip_max
+    for b in self.buffer:
+        lab, rows = b["labels"] != IGNORE_INDEX, sampler_logps[r0:r0 + len(b["labels"])]
+        samp, has = torch.zeros(lab.shape), torch.tensor([lp is not None for lp in rows])
+        for j, lp in enumerate(rows):
+            if lp is not None: samp[j, lab[j]] = lp[:int(lab[j].sum())].float()   # cut as the row is
+        m = lab & b["keep"].bool()[:, None] & has[:, None]
+        w, ratio = sampler_weights(b["old_logps"], samp, m, rl.importance_sampling_mode, lo, hi)
+        b["sampler_logps"], b["is_weight"] = samp, w.masked_fill(~has[:, None], 1.0)
+        s, t = mismatch_sums(b["old_logps"], samp, m, ratio, lo, hi)
+        sums, top, r0 = sums + s, max(top, t), r0 + len(rows)
+    sums, top = all_reduce(sums), all_reduce(torch.tensor([top], dtype=torch.float64), "max").item()
+    figures = dict(sampler_kl=(sums[0] / sums[1].clamp(min=1)).item(), is_ratio_max=top,
+                   is_capped=(sums[2] / sums[3].clamp(min=1)).item())
+    for b in self.buffer: b["stats"] = b["stats"] | figures
