@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse, copy, json, statistics, time
 import torch
 from gradient_garden.hardware import gpu_datasheet_flops
+from gradient_garden.runtime import dispatch_choices
 from common import add_smoke, apply_smoke, matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig
@@ -205,7 +206,10 @@ def main(argv=None):
         print(f"free-running agreement over {sample['rows']} rows ({args.agreement_batches} batches of {prompt_kind} "
               f"prompts): {sample['agreement']:.1%}; {sample['rows_differing']} rows differ, first at new token "
               f"{sample['first_differences']}")
-    result = dict(bench="generate", smoke=args.smoke, device=args.device,
+    choices = dispatch_choices()
+    for name, c in choices.items():
+        if name != "machine": print(f"dispatch {name} = {c['value']:,} ({c['why']}; on {choices['machine']})")
+    result = dict(bench="generate", smoke=args.smoke, device=args.device, dispatch=choices,
                   device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
                   checkpoint=args.checkpoint,

@@ -13,7 +13,7 @@ from .config import ConfigError
 # %% auto #0
 __all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'fsync_dir',
            'atomic_file', 'write_bytes_atomic', 'write_text_atomic', 'write_json_atomic', 'torch_save_atomic',
-           'atomic_dir']
+           'atomic_dir', 'machine_key', 'dispatch_cache_path', 'measured_choice', 'dispatch_choices']
 
 # %% ../nbs/01_runtime.ipynb #6a146fc2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -131,3 +131,49 @@ def atomic_dir(path, overwrite: bool = True):
         if overwrite: raise
         shutil.rmtree(tmp, ignore_errors=True)   # another process wrote the same folder first
     fsync_dir(path.parent)
+
+# %% ../nbs/01_runtime.ipynb #63b03834
+def machine_key() -> str:
+    "The CPU, ATen's kernels, the torch version and the thread count: what a measured dispatch choice depends on."
+    import platform
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), cpu)
+    isa, threads = torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()
+    return f"{cpu} | {isa} | torch {torch.__version__} | {threads} threads"
+
+def dispatch_cache_path() -> Path:
+    "The JSON file measured dispatch choices are kept in."
+    return Path(os.environ.get("GG_DISPATCH_CACHE") or Path.home()/".cache"/"gradient_garden"/"dispatch.json")
+
+# %% ../nbs/01_runtime.ipynb #0dd00721
+_DISPATCH: dict = {}   # this process's choices: (name, threads) -> {"value", "why"}
+
+def _forced_choice(name: str):
+    "The value `GG_DISPATCH` sets for `name`, or None."
+    for item in filter(None, os.environ.get("GG_DISPATCH", "").split(",")):
+        k, _, v = item.partition("=")
+        if k.strip() == name: return json.loads(v)
+    return None
+
+def measured_choice(name: str, measure) -> object:
+    "Dispatch choice `name` for this machine: `measure()` -> (value, why) run once per machine key, then read back."
+    memo = (name, torch.get_num_threads())
+    if memo in _DISPATCH: return _DISPATCH[memo]["value"]
+    if (forced := _forced_choice(name)) is not None:
+        _DISPATCH[memo] = {"value": forced, "why": "set by GG_DISPATCH"}; return forced
+    path, key = dispatch_cache_path(), machine_key()
+    try: cache = json.loads(path.read_text())
+    except (OSError, ValueError): cache = {}
+    if name not in cache.get(key, {}):
+        value, why = measure()
+        cache.setdefault(key, {})[name] = {"value": value, "why": why}
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True); write_json_atomic(path, cache)
+    _DISPATCH[memo] = cache[key][name]
+    return _DISPATCH[memo]["value"]
+
+def dispatch_choices() -> dict:
+    "The dispatch choices this process made: name -> {value, why}, with the machine key they hold for."
+    threads = torch.get_num_threads()
+    return {"machine": machine_key(), **{k: dict(v) for (k, n), v in _DISPATCH.items() if n == threads}}

@@ -6,31 +6,35 @@
 
 # %% ../../nbs/10_attention.ipynb #a0180e4a
 from __future__ import annotations
+import math, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from ..runtime import measured_choice
 
 # %% auto #0
-__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'CPU_HAS_AVX512', 'PACKED_MIN_MACS',
-           'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'RotateHeads', 'plain_ops', 'rotate_heads',
-           'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask', 'LayerKV', 'KVCache',
-           'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa', 'sdpa_kernel_class',
-           'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention', 'flex_gqa',
-           'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'packed_weight', 'inference_linear',
-           'Attention']
+__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'NEVER_PACKED', 'rope_inv_freq',
+           'precompute_rope', 'swap_halves', 'apply_rope', 'llama3_inv_freq', 'RotateHeads', 'plain_ops',
+           'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
+           'LayerKV', 'KVCache', 'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa',
+           'sdpa_kernel_class', 'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention',
+           'flex_gqa', 'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'measure_packed_min_macs',
+           'packed_min_macs', 'packed_weight', 'inference_linear', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
     "Angular speed of each of the `head_dim // 2` feature pairs: `theta ** (-2i / head_dim)`."
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float = 500000.0,
-                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    "fp32 tables `(cos, sin)`, each `[max_seq_len, head_dim]`, in the rotate-half layout; `sin` carries the sign."
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32),
-                         rope_inv_freq(head_dim, theta, device))
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float = 500000.0, device=None,
+                    scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    ("fp32 tables `(cos, sin)`, each `[max_seq_len, head_dim]`, in the rotate-half layout; `sin` carries the sign "
+     "(`scaling`: `llama3_inv_freq`'s arguments).")
+    inv_freq = rope_inv_freq(head_dim, theta, device)
+    if scaling: inv_freq = llama3_inv_freq(inv_freq, **scaling)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
@@ -44,6 +48,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
      "head_dim]`.")
     if cos.dtype != x.dtype: cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.addcmul(x * cos, swap_halves(x), sin)
+
+# %% ../../nbs/10_attention.ipynb #fb02148c
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_seq_len: int) -> torch.Tensor:
+    "Llama 3.1's long-context frequencies: slow pairs divided by `factor`, fast ones kept, a smooth blend between."
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    slow, fast = wavelen > original_max_seq_len / low_freq_factor, wavelen < original_max_seq_len / high_freq_factor
+    return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
 
 # %% ../../nbs/10_attention.ipynb #c5f7e5b2
 class RotateHeads(torch.autograd.Function):
@@ -296,12 +310,14 @@ def plain_linear(m: nn.Module) -> bool:
 
 # %% ../../nbs/10_attention.ipynb #6a43617e
 def fused_layout(model: nn.Module) -> dict[str, dict[str, int]]:
-    "Each fused weight's name -> the names of the weights it stacks along dim -2, with their row counts, in order."
+    "Each fused weight's (and bias') name -> the names of the tensors it stacks along dim 0, with their row counts."
     out = {}
     for name, m in model.named_modules():
         pre = f"{name}." if name else ""
         for fused, parts in m.__dict__.get("fused_projections", {}).items():
             out[f"{pre}{fused}.weight"] = {f"{pre}{p}.weight": rows for p, rows in parts.items()}
+            if getattr(getattr(m, fused), "bias", None) is not None:    # a biased fused layer: its bias stacks too
+                out[f"{pre}{fused}.bias"] = {f"{pre}{p}.bias": rows for p, rows in parts.items()}
     return out
 
 def fused_splits(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -309,10 +325,6 @@ def fused_splits(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(parts.values()) for k, parts in fused_layout(model).items()}
 
 # %% ../../nbs/10_attention.ipynb #40b4a0ff
-CPU_HAS_AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()
-# fp32 inference takes oneDNN's prepacked weight above this many multiply-adds per matmul
-PACKED_MIN_MACS = 2**19 if CPU_HAS_AVX512 else 2**21
-
 def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
     ("A CPU fp32/bf16 weight `[out, in]` in oneDNN's prepacked matmul layout (what Inductor's freezing makes), else "
      "None.")
@@ -321,14 +333,46 @@ def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
     if w.dtype not in (torch.float32, torch.bfloat16): return None
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)   # 8: the row count it is tuned for (any count works)
 
+# %% ../../nbs/10_attention.ipynb #59f13623
+NEVER_PACKED = 2**62   # a crossover no matmul reaches: fp32 never takes the prepacked weight
+
+def _fastest_seconds(fn, reps: int = 15) -> float:
+    "The fastest of `reps` timed calls of `fn` after two untimed ones: the least disturbed figure on a busy machine."
+    for _ in range(2): fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
+    return best
+
+def measure_packed_min_macs(sizes=(128, 256, 512, 1024, 2048), rows=(1, 8)) -> tuple[int, str]:
+    "fp32 decoding matmuls timed plain and prepacked on this machine: (multiply-adds above which packed wins, why)."
+    if prepack_cpu_weight(torch.ones(8, 8)) is None: return NEVER_PACKED, "oneDNN's prepacked matmul is not available"
+    shapes = []
+    with torch.no_grad():
+        for n in sizes:
+            w = torch.randn(n, n); p = prepack_cpu_weight(w)
+            for r in rows:
+                x = torch.randn(r, n)
+                plain = _fastest_seconds(lambda: F.linear(x, w))
+                packed = _fastest_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                shapes.append((r * n * n, plain / packed))
+    lost = [macs for macs, speedup in sorted(shapes) if speedup <= 1]
+    crossover = NEVER_PACKED if lost and lost[-1] == max(m for m, _ in shapes) else max(lost, default=0)
+    wins = ", ".join(f"{m:,}: {s:.2f}x" for m, s in sorted(shapes))
+    return crossover, f"prepacked/plain speed-up by multiply-adds per matmul ({torch.get_num_threads()} threads): {wins}"
+
+def packed_min_macs() -> int:
+    "The multiply-adds per fp32 matmul above which decoding takes the prepacked weight, measured once per machine."
+    return measured_choice("packed_min_macs", measure_packed_min_macs)
+
 # %% ../../nbs/10_attention.ipynb #a0c760eb
 def packed_weight(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     ("The prepacked weight `m` holds, if a matmul on `x` should take it: always in bf16, in fp32 above "
-     "`PACKED_MIN_MACS`.")
+     "`packed_min_macs()`.")
     w = m.__dict__.get("_packed_weight")
     if w is None or torch.compiler.is_compiling(): return None        # compiled graphs keep their own weight layout
     if w.dtype != torch.float32: return w
-    return w if x.numel() // x.shape[-1] * w.numel() > PACKED_MIN_MACS else None
+    return w if x.numel() // x.shape[-1] * w.numel() > packed_min_macs() else None
 
 def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
     ("`x @ W.T` of module `m`: without gradients from its prepacked weight where it pays, else with `weight` or `m` "
@@ -340,22 +384,32 @@ def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None 
 # %% ../../nbs/10_attention.ipynb #23807300
 class Attention(nn.Module):
     "Grouped-query self-attention with RoPE on SDPA; `layer_id` selects this layer's slot in a `KVCache`."
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int = 0):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int = 0, head_dim: int | None = None,
+                 qkv_bias: bool = False, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim, self.layer_id = n_heads, n_kv_heads, dim // n_heads, layer_id
+        self.n_heads, self.n_kv_heads, self.layer_id = n_heads, n_kv_heads, layer_id
+        self.head_dim = head_dim or dim // n_heads
         q, kv = n_heads * self.head_dim, n_kv_heads * self.head_dim
-        self.wqkv = nn.Linear(dim, q + 2 * kv, bias=False)             # rows: wq, wk, wv
+        self.wqkv = nn.Linear(dim, q + 2 * kv, bias=qkv_bias)          # rows: wq, wk, wv
         self.wo = nn.Linear(q, dim, bias=False)
+        self.q_norm, self.k_norm = q_norm, k_norm                       # per-head norms before RoPE (Qwen3), or None
         self.fused_projections = {"wqkv": {"wq": q, "wk": kv, "wv": kv}}
         self.wqkv.split_sizes = (q, kv, kv)                              # Muon orthogonalises each block on its own
 
 # %% ../../nbs/10_attention.ipynb #ee0d1215
 @patch
+def _norm_heads(self: Attention, qkv: torch.Tensor) -> torch.Tensor:
+    "`qkv` `[B, T, H + 2 KV, d]` with each query and key head RMS-normalised by `q_norm` / `k_norm` (Qwen3), if any."
+    if self.q_norm is None: return qkv
+    H, KV = self.n_heads, self.n_kv_heads
+    return torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV]), qkv[:, :, H + KV:]], 2)
+
+@patch
 def _qkv(self: Attention, x, cos, sin):
     "Queries, keys, values `[B, T, heads, head_dim]`, with RoPE applied to queries and keys."
     B, T, _ = x.shape
     H, KV, d = self.n_heads, self.n_kv_heads, self.head_dim
-    qkv = inference_linear(x, self.wqkv).view(B, T, H + 2 * KV, d)
+    qkv = self._norm_heads(inference_linear(x, self.wqkv).view(B, T, H + 2 * KV, d))
     qk, v = rotate_heads(qkv, cos, sin, H + KV)
     q, k = qk.split([H, KV], dim=2)
     return q, k, v
