@@ -2,8 +2,8 @@
 
 For each weight shape and row count, the median time of one call, MKL fp32 / oneDNN fp32 (prepacked with
 `torch.ops.mkldnn._reorder_linear_weight`, as `generation.hold_decode_weights` holds them) / oneDNN bf16, and a
-1024^3 GEMM's GFLOP/s in each. `models.attention.PACKED_MIN_MACS` is where oneDNN's fixed cost per call stops
-losing to MKL in fp32.
+1024^3 GEMM's GFLOP/s in each. `models.attention.packed_min_macs()` finds where oneDNN's fixed cost per call stops
+losing to MKL in fp32 by a shorter measurement of the same kind, on first use on each machine.
 
     python bench/cpu_matmul.py                 # torch's threads
     python bench/cpu_matmul.py --threads 1
