@@ -5,7 +5,7 @@ format check, and one verifier per kind of problem."""
 
 # %% ../../nbs/33_verifiers.ipynb #363736d4
 from __future__ import annotations
-import re
+import logging, re
 from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -58,6 +58,9 @@ def final_answer(completion: str) -> Optional[str]:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 # %% ../../nbs/33_verifiers.ipynb #3f125873
+for name in ("math_verify.parser", "math_verify.grader"):   # their one note: timeouts are off
+    logging.getLogger(name).setLevel(logging.ERROR)
+
 def gsm8k_match(completion: str, answer: str) -> bool:
     "True when the one final answer of `completion` equals the `#### n` of a GSM8K `answer` (by `math-verify`)."
     want, got = gsm8k_final(answer), final_answer(completion)
