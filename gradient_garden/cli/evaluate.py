@@ -242,26 +242,40 @@ def evaluate_model(args, names: list[str], lm_tasks: list[str], env, device) -> 
 # %% ../../nbs/73_cli_evaluate.ipynb #99efc395
 def _fmt(v) -> str: return "-" if v is None else f"{v:.4f}"
 
+def _cell(scores: dict, metric: str, part: str) -> str:
+    "One table cell: the score, with its standard error when there is one."
+    v, se = scores.get(f"{metric}/{part}"), scores.get(f"{metric}_stderr/{part}")
+    return _fmt(v) if v is None or se is None else f"{v:.3f} ± {se:.3f}"
+
 def _parts_table(scores: dict) -> str:
-    ("Scores broken down by part (`metric/part` keys) as a table, a row a part and a column a metric; '' when there "
-     "are none.")
-    split = [k.split("/", 1) for k in scores if "/" in k]
+    ("Scores broken down by part (`metric/part` keys) as a table, a row a part and a column a metric (± its standard "
+     "error); '' when there are none.")
+    split = [k.split("/", 1) for k in scores if "/" in k and not k.split("/")[0].endswith("_stderr")]
     metrics, parts = list(dict.fromkeys(m for m, _ in split)), list(dict.fromkeys(p for _, p in split))
     if not parts: return ""
     width = max(14, *map(len, parts))
-    rows = [f"  {'':{width}s}" + "".join(f"  {m:>12s}" for m in metrics)]
-    rows += [f"  {p:{width}s}" + "".join(f"  {_fmt(scores.get(f'{m}/{p}')):>12s}" for m in metrics) for p in parts]
+    cols = {m: max(12, len(m), *(len(_cell(scores, m, p)) for p in parts)) for m in metrics}
+    rows = [f"  {'':{width}s}" + "".join(f"  {m:>{cols[m]}s}" for m in metrics)]
+    rows += [f"  {p:{width}s}" + "".join(f"  {_cell(scores, m, p):>{cols[m]}s}" for m in metrics) for p in parts]
     return "\n" + "\n".join(rows)
 
+# %% ../../nbs/73_cli_evaluate.ipynb #513fe1b8
+def _figure_text(m: dict, k: str) -> str:
+    "`k`'s score, with ± its standard error and its 95% interval when `m` has them."
+    if f"{k}_ci95" not in m: return f"{k} {_fmt(m[k])}"
+    lo, hi = m[f"{k}_ci95"]
+    return f"{k} {_fmt(m[k])} ± {_fmt(m[f'{k}_stderr'])} [{lo:.4f}, {hi:.4f}]"
+
 def _task_line(name: str, m: dict) -> str:
-    ("A task's scores: acc/acc_norm with standard errors, or its other metrics, with a table below of any broken down "
-     "by part.")
+    ("A task's scores: acc/acc_norm with standard errors, or its other metrics (with standard errors and 95% intervals "
+     "where known), and a table below of any broken down by part.")
     if "acc" in m and not m["source"].startswith("lm-eval"):
         return (f"{name:14s} acc {_fmt(m['acc'])} ± {_fmt(m['acc_stderr'])}  acc_norm {_fmt(m['acc_norm'])} "
                 f"± {_fmt(m['acc_norm_stderr'])}  n={m['n']}  ({m['source']})")
     scores = {k: v for k, v in m.items() if isinstance(v, float) and not k.endswith("_stderr")}
-    shown = [f"{k} {_fmt(v)}" for k, v in scores.items() if "/" not in k]
-    return f"{name:14s} {'  '.join(shown)}  n={m['n']}  ({m['source']})" + _parts_table(scores)
+    shown = [_figure_text(m, k) for k in scores if "/" not in k]
+    return f"{name:14s} {'  '.join(shown)}  n={m['n']}  ({m['source']})" + _parts_table(scores | {
+        k: v for k, v in m.items() if "_stderr/" in k})
 
 # %% ../../nbs/73_cli_evaluate.ipynb #3294b640
 def samples_path(results_file, task: str) -> Path:
