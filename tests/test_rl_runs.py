@@ -162,3 +162,16 @@ def test_compiled_blocks_follow_eager(rl_inputs, tmp_path):
     assert a[1]["reward_mean"] == b[1]["reward_mean"] and a[1]["completion_len"] == b[1]["completion_len"]
     for s in (1, 2): assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-4 * max(1.0, abs(a[s]["loss"])), (s, a[s]["loss"],
                                                                                                      b[s]["loss"])
+
+
+def test_bf16_rollouts_corrected_with_gspo_ratios(rl_inputs, tmp_path):
+    ("An fp32 run whose rollouts decode in bf16 (`rl.rollout_precision`), corrected by TRL's sequence-level masked "
+     "importance sampling, with GSPO's sequence ratios: each step logs the mismatch and a finite loss.")
+    out = tmp_path/"corrected"
+    train(small(rl_inputs, out, **{"training.max_steps": 2, "rl.rollout_precision": "bf16", "rl.loss_type": "grpo",
+                                   "rl.importance_sampling_correction": "true",
+                                   "rl.importance_sampling_level": "sequence"}))
+    r = records(out)
+    for s in (1, 2):
+        assert r[s]["sampler_kl"] > 1e-8 and r[s]["is_ratio_max"] > 1.0 and 0 <= r[s]["is_capped"] <= 1, r[s]
+        assert torch.isfinite(torch.tensor(r[s]["loss"]))
