@@ -39,6 +39,7 @@ class RuntimeConfig:
     fsdp: bool = False
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
+    tp: int = 1         # tensor-parallel ranks (24_tensor_parallel); the data-parallel ranks are world / tp
     compile: bool = False
     num_workers: int = 0        # background threads that prepare (and pin) the next batches
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores

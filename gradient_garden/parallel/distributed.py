@@ -274,6 +274,9 @@ def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Modul
 def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
     ("Wrap `model` for the run (FSDP2/HSDP or DDP, `torch.compile` when asked); a meta-device model is materialised "
      "from `init_seed`.")
+    if runtime.tp != 1:   # the trainer's batches, loss and counts are data-parallel: TP is 24_tensor_parallel's
+        raise ConfigError(f"runtime.tp: got {runtime.tp}; the trainer runs data parallelism only (tensor parallelism: "
+                          "gradient_garden.parallel.tensor_parallel.parallelize_tp)")
     # before compile and FSDP2/DDP, torchtitan's order
     apply_activation_checkpointing(model, runtime.activation_checkpointing)
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same
