@@ -395,6 +395,12 @@ def _checkpoint_group(self: CheckpointManager):
     if self._group is None: self._group = dist.new_group(backend="gloo")
     return self._group
 
+@patch
+def _await_commit(self: CheckpointManager):
+    ("Every rank waits here for rank 0's commit and prune, on the checkpoint group: under its long timeout, not "
+     "the training steps' short one.")
+    if (g := self._checkpoint_group()) is not None: dist.barrier(group=g)
+
 def staging_options(accelerator: bool | None = None) -> StagingOptions:
     ("Pinned buffers, a side-stream copy in the background and non-blocking copies on an accelerator; a plain copy on "
      "CPU.")
@@ -425,6 +431,7 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
         save_sharded_checkpoint(app_state, meta, final)
         self._val_loss[final.name] = val_loss
         if _is_main(): self.prune()
+        self._await_commit()
         return final
     group = self._checkpoint_group()
     tmp = begin_sharded(final)
@@ -489,10 +496,11 @@ def wait(self: CheckpointManager) -> Path | None:
         if self.raise_failures: raise CheckpointWriteError(msg) from None
         if _is_main(): warnings.warn(msg)
         return None
-    if not _is_main(): return final
-    commit_sharded(tmp, final, meta)
-    self._val_loss[final.name] = meta["val_loss"]
-    self.prune()
+    if _is_main():
+        commit_sharded(tmp, final, meta)
+        self._val_loss[final.name] = meta["val_loss"]
+        self.prune()
+    self._await_commit()   # (rmtree on shared storage may take long)
     return final
 
 # %% ../../nbs/28_checkpoints.ipynb #b6bf3ae6

@@ -15,7 +15,7 @@ from ..config import ConfigError, GlobalConfig
 from ..checks import notice, validate
 from ..recipes import save_config, load_dotenv
 from ..parallel.collectives import barrier, broadcast_object
-from ..parallel.distributed import DistEnv, agree, init_distributed, parallelize, watch_collectives
+from ..parallel.distributed import DistEnv, Agreement, init_distributed, parallelize, watch_collectives
 from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops
 from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot
@@ -49,11 +49,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # %% ../../nbs/56_run.ipynb #9e130b40
 class StopRequest:
     "SIGTERM, SIGUSR1 and a first Ctrl-C ask to stop after the current step; a later Ctrl-C aborts at once."
-    def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None):
+    def __init__(self, signals=STOP_SIGNALS, debounce_s: float | None = None, check_every_s: float = 2.0):
         # torchrun's echo of a keypress
         if debounce_s is None: debounce_s = 1.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
         self.signals, self.debounce_s = signals, debounce_s
         self.signum, self.at, self._old = None, 0.0, {}
+        self.agreement = Agreement(check_every_s)   # several ranks: agree once every about `check_every_s` seconds
 
     @property
     def name(self) -> str | None: return signal.Signals(self.signum).name if self.signum else None
@@ -73,10 +74,12 @@ def _handle(self: StopRequest, signum, frame):
 # %% ../../nbs/56_run.ipynb #6874b41d
 @patch
 def agreed(self: StopRequest, env: DistEnv | None = None) -> bool:
-    ("True on every rank when any rank has been asked to stop (on several ranks a CPU collective: call it on all of "
-     "them).")
+    ("True on every rank, at the same step, once any rank has been asked to stop (call it after every step on all "
+     "ranks: every few steps it is a CPU collective).")
     if env is None or not env.distributed: return self.signum is not None
-    flag = agree(env, [self.signum or 0])[0]   # the CPU group: it never waits for the device
+    flags = self.agreement(env, [self.signum or 0])   # None between agreements: no communication
+    if flags is None: return False
+    flag = flags[0]
     if flag and self.signum is None: self.signum = flag  # a peer rank was signalled
     return bool(flag)
 
@@ -384,6 +387,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()
     # a rank that stops answering ends the run within the collective timeout, with one line naming it
-    with StopRequest() as stop, watch_collectives(env, step=lambda: f"{trainer.state.step + 1}"):
+    stop = StopRequest(check_every_s=cfg.runtime.stop_check_s)   # agreed about every stop_check_s on several ranks
+    with stop, watch_collectives(env, step=lambda: f"{trainer.state.step + 1}"):
         trainer.stop_request = stop
         return trainer.fit() | dict(run_dir=str(trainer.run_dir))

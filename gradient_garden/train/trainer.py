@@ -16,7 +16,8 @@ from ..config import GlobalConfig, grad_accum_steps
 from ..runtime import autocast_context, resolve_precision
 from ..hardware import peak_flops
 from ..parallel.collectives import all_reduce, barrier, is_fsdp
-from ..parallel.distributed import DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_
+from ..parallel.distributed import (DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_,
+                                                  mesh_shape, virtual_order)
 from ..checkpoint.checkpoints import CheckpointManager
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
@@ -30,7 +31,7 @@ from ..data.loaders import prefetching
 from ..evals.multiple_choice import evaluate_from_config
 
 # %% auto #0
-__all__ = ['make_grad_scaler', 'set_tf32', 'Trainer', 'device_scalar', 'virtual_shares', 'set_aside_grads', 'add_set_aside_grads']
+__all__ = ['make_grad_scaler', 'set_tf32', 'Trainer', 'device_scalar', 'set_aside_grads', 'add_set_aside_grads']
 
 # %% ../../nbs/55_trainer.ipynb #5d932186
 def make_grad_scaler(device: torch.device, precision: str):
@@ -114,12 +115,6 @@ def _reads_host_after(self: Trainer, step: int) -> bool:
     return step % t.log_every == 0 or step in (1, t.max_steps) or bool(c.every and step % c.every == 0)
 
 # %% ../../nbs/55_trainer.ipynb #bbc7bbbc
-def virtual_shares(batches: list, n: int) -> list[list]:
-    ("A step's micro-batches grouped by which of `n` data-parallel ranks would take each "
-     "(micro-step i goes to rank i % n).")
-    n = max(n, 1)
-    return [batches[r::n] for r in range(n)]
-
 def set_aside_grads(model: nn.Module, kept: list | None) -> list:
     ("Take the gradients out of `model`'s parameters, added after `kept` (the earlier shares' sum); the parameters "
      "keep none.")
@@ -141,22 +136,22 @@ def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[tor
     ("Copy each host micro-batch to the device just before its forward and backward (gradients synchronised on the "
      "last); the summed loss and task metrics.")
     loss_total = torch.zeros((), device=self.env.device, dtype=torch.float64)
-    metric_sums, kept = {}, None
-    # one share unless virtual_ranks
-    shares = virtual_shares(batches, self.cfg.training.virtual_ranks // self.env.world_size)
-    for s, share in enumerate(shares):
-        if s: kept = set_aside_grads(self.model, kept)   # the earlier shares' sum, as the other ranks would hold it
-        for i, host in enumerate(share):
-            batch = self._to_device(host)   # one micro-batch on the device at a time, copied without blocking the host
-            last = s == len(shares) - 1 and i == len(share) - 1
-            with grad_sync(self.model, sync=last, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
-                loss_sum, metrics, aux = self._forward_loss(batch)
-                loss = loss_sum / count * self.env.world_size
-                if aux is not None: loss = loss + aux / self.grad_accum
-                self.scaler.scale(loss).backward()
-            loss_total += loss_sum.detach().double()
-            for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
-    if kept is not None: add_set_aside_grads(self.model, kept)
+    metric_sums, order = {}, self._virtual_order(len(batches))   # one group of one group unless virtual_ranks
+    final, outer_kept, kept = order[-1][-1][-1], None, None   # gradients synchronise in the last micro-step's backward
+    for q, outer in enumerate(order):
+        if q: outer_kept = set_aside_grads(self.model, outer_kept)   # the earlier groups' sum, as their ranks hold it
+        for j, inner in enumerate(outer):
+            kept = set_aside_grads(self.model, kept) if j else None   # this group's earlier micro-steps
+            for i in inner:   # one micro-batch on the device at a time, copied without blocking the host
+                with grad_sync(self.model, sync=i == final, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
+                    loss_sum, metrics, aux = self._forward_loss(self._to_device(batches[i]))
+                    loss = loss_sum / count * self.env.world_size
+                    if aux is not None: loss = loss + aux / self.grad_accum
+                    self.scaler.scale(loss).backward()
+                loss_total += loss_sum.detach().double()
+                for k, v in metrics.items(): metric_sums[k] = metric_sums.get(k, 0.0) + v.detach().double()
+        if kept is not None: add_set_aside_grads(self.model, kept)
+    if outer_kept is not None: add_set_aside_grads(self.model, outer_kept)
     return loss_total, metric_sums
 
 @patch
@@ -173,6 +168,14 @@ def _optimizer_step(self: Trainer) -> torch.Tensor | None:
     self.scaler.update()
     for o in self.optimizers: o.zero_grad(set_to_none=True)
     return grad_norm
+
+# %% ../../nbs/55_trainer.ipynb #ebf18b5f
+@patch
+def _virtual_order(self: Trainer, n_micro: int) -> list:
+    "The order `training.virtual_ranks` sums the step's micro-batches in: DDP's, or FSDP2's / HSDP's (`virtual_order`)."
+    n, rt = self.cfg.training.virtual_ranks // self.env.world_size, self.cfg.runtime
+    fsdp = n > 1 and rt.fsdp and rt.fsdp_accumulation == "reduce_scatter"
+    return virtual_order(n_micro, n, mesh_shape(rt, n, n)[0] if fsdp else 1, fsdp)
 
 # %% ../../nbs/55_trainer.ipynb #7f566551
 @patch
@@ -262,7 +265,8 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
     if self.env.world_size == 1 < saved != self.cfg.training.virtual_ranks and self.log_to_console:
         print(f"note: this checkpoint was saved by {saved} ranks; one process adds their gradients in another order, "
               f"so the run follows theirs within float rounding (training.virtual_ranks={saved} adds them as the "
-              "ranks did)", file=sys.stderr)
+              "ranks did: bit for bit after 2 ranks of DDP or FSDP2 in fp32; rings of more ranks sum in orders of "
+              "their own)", file=sys.stderr)
 
 # %% ../../nbs/55_trainer.ipynb #2f747796
 @patch
@@ -489,6 +493,14 @@ def _fit_start(self: Trainer) -> tuple:
     progress = Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
     return stop, logger, before, progress, make_profiler(cfg, self.run_dir, env)
 
+# %% ../../nbs/55_trainer.ipynb #c817473e
+@patch
+def _finish_saves(self: Trainer):
+    "Commit the last background save and meet every rank, under the long timeout (rank 0 may be pruning meanwhile)."
+    with self._untimed():
+        if self.ckpt_manager is not None: self.ckpt_manager.wait()
+        barrier()
+
 # %% ../../nbs/55_trainer.ipynb #a5016fab
 @patch
 def fit(self: Trainer) -> dict:
@@ -520,8 +532,7 @@ def fit(self: Trainer) -> dict:
                     progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} "
                                    "validations")
                     break
-        if self.ckpt_manager is not None: self.ckpt_manager.wait()  # the last background save is committed
-        barrier()
+        self._finish_saves()
     finally: progress.close(); logger.close()
     res = self._fit_result(start_step, last_val, stopped_early, stopped_by)
     if self.log_to_console:
