@@ -48,6 +48,7 @@ class RuntimeConfig:
     fsdp_accumulation: Literal["reduce_scatter", "no_sync"] = "reduce_scatter"  # FSDP2 micro-steps; see 22_distributed
     collective_timeout_s: float = 120.0        # a rank waiting longer in a collective ends the run (training steps)
     long_collective_timeout_s: float = 1800.0  # the same for start-up, the first step, validation, evals, checkpoints
+    stop_check_s: float = 2.0                  # ranks agree on stop requests once every this many seconds of steps
     flight_recorder: int = 2000                # NCCL flight-recorder entries per rank, dumped on a timeout (0: off)
 
 # %% ../nbs/00_config.ipynb #117522bf

@@ -25,10 +25,12 @@ try:
 except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
-__all__ = ['HANG_KEY', 'INIT_BLOCK_ELEMENTS', 'FSDP_ACCUMULATION', 'DistEnv', 'flight_recorder_env', 'init_distributed',
-           'destroy_distributed', 'set_collective_timeout', 'agree', 'CollectiveTimeout', 'is_collective_timeout',
-           'collective_of', 'stuck_ranks_line', 'watch_collectives', 'mesh_shape', 'build_mesh', 'init_rows',
-           'materialize', 'apply_fsdp', 'parallelize', 'grad_sync', 'grad_norm', 'clip_grad_norm_', 'memory_footprint']
+__all__ = ['QUEUED_BACKENDS', 'HANG_KEY', 'INIT_BLOCK_ELEMENTS', 'FSDP_ACCUMULATION', 'DistEnv', 'flight_recorder_env',
+           'init_distributed', 'destroy_distributed', 'device_timeout_s', 'set_collective_timeout', 'agree',
+           'Agreement', 'CollectiveTimeout', 'is_collective_timeout', 'collective_of', 'stuck_ranks_line',
+           'with_retries', 'watch_store', 'watch_collectives', 'mesh_shape', 'build_mesh', 'init_rows', 'materialize',
+           'apply_fsdp', 'parallelize', 'grad_sync', 'step_bytes', 'wire_bytes', 'virtual_order', 'grad_norm',
+           'clip_grad_norm_', 'memory_footprint']
 
 # %% ../../nbs/22_distributed.ipynb #6d8b29ce
 @dataclass
@@ -91,14 +93,24 @@ def destroy_distributed():
 
 
 # %% ../../nbs/22_distributed.ipynb #6370359e
-_TIMEOUT_S = [None]   # the collective timeout in force, for the message of a rank that waited it out
+_TIMEOUT_S = [None]   # the agreement's timeout in force, for the message of a rank that waited it out
+QUEUED_BACKENDS = ("nccl",)   # backends whose work items time out counting from when they were queued
+
+def device_timeout_s(seconds: float) -> float:
+    "The timeout of queued (NCCL) work when the host-side agreement's is `seconds`: twice as long, so ours fires first."
+    return 2 * seconds
 
 def set_collective_timeout(env: DistEnv, seconds: float):
-    "Collectives on every process group of the run except the checkpoint group fail after `seconds` (a no-op alone)."
+    ("The CPU group's collectives fail after `seconds`, the other groups' after `seconds` or, where work is queued "
+     "(NCCL), `device_timeout_s(seconds)`; the checkpoint group keeps its own; a no-op alone.")
     if not (env.distributed and dist.is_initialized()) or _TIMEOUT_S[0] == seconds: return
     for g in list(dist.distributed_c10d._world.pg_map):
-        if g is not env.checkpoint_group: dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), g)
+        if g is env.checkpoint_group: continue
+        queued = g is not env.cpu_group and any(b in str(dist.get_backend(g)) for b in QUEUED_BACKENDS)
+        s = device_timeout_s(seconds) if queued else seconds
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=s), g)
     _TIMEOUT_S[0] = seconds
+
 
 # %% ../../nbs/22_distributed.ipynb #0d998b40
 def agree(env: DistEnv, flags: list[int]) -> list[int]:
@@ -108,6 +120,28 @@ def agree(env: DistEnv, flags: list[int]) -> list[int]:
     t = torch.tensor(flags, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=env.cpu_group)
     return t.tolist()
+
+# %% ../../nbs/22_distributed.ipynb #5acca3cc
+class Agreement:
+    ("`agree` once every `k` steps, `k` re-chosen at each agreement (the smallest of the ranks' choices) so that `k` "
+     "steps last about `every_s` seconds.")
+    def __init__(self, every_s: float = 2.0, max_k: int = 10_000, clock=time.perf_counter):
+        self.every_s, self.max_k, self.clock = every_s, max_k, clock
+        self.k, self.steps, self.due, self.t = 1, 0, 1, None   # period, steps counted, next agreement, its time
+
+    def propose(self) -> int:
+        "This rank's period in steps: `every_s` over the mean step time since the last agreement (1 at the start)."
+        if self.t is None: return 1
+        step_s = (self.clock() - self.t) / self.k
+        return max(1, min(self.max_k, int(self.every_s / max(step_s, 1e-9))))
+
+    def __call__(self, env: DistEnv, flags: list[int]) -> list[int] | None:
+        "Count one step; on an agreement step every flag's largest value over the ranks, else None (no communication)."
+        self.steps += 1
+        if self.steps < self.due: return None
+        *out, neg_k = agree(env, [*flags, -self.propose()])
+        self.k, self.due, self.t = -neg_k, self.steps - neg_k, self.clock()
+        return out
 
 # %% ../../nbs/22_distributed.ipynb #ee0275d7
 class CollectiveTimeout(RuntimeError):
@@ -157,18 +191,32 @@ def stuck_ranks_line(store, env: DistEnv, where: str, grace_s: float = 3.0) -> t
     got = got.decode() if isinstance(got, bytes) else got
     return got, got == line
 
+# %% ../../nbs/22_distributed.ipynb #23d114fc
+def with_retries(fn, attempts: int = 6, first_s: float = 0.25, sleep=time.sleep):
+    "`fn()`, retried after 0.25, 0.5, 1, 2 and 4 s (doubling) while it raises; the last attempt's error propagates."
+    for i in range(attempts):
+        try: return fn()
+        except Exception:
+            if i == attempts - 1: raise
+            sleep(first_s * 2**i)
+
+def watch_store(store, done: threading.Event, reporting: threading.Event, poll_s: float = 0.5, exit=os._exit):
+    ("The watcher thread: every `poll_s`, end the process once a rank has published the hang line, or once the "
+     "store stays unreachable through every retry.")
+    while not done.wait(poll_s):
+        try: told = with_retries(lambda: store.check([f"{HANG_KEY}/line"]), sleep=done.wait)
+        except Exception: told = True   # the store (rank 0's agent) is gone: so is the run
+        if told and not reporting.is_set() and not done.is_set(): exit(1)   # said once, by a rank that waited
+
 # %% ../../nbs/22_distributed.ipynb #07d37d7b
 @contextlib.contextmanager
 def watch_collectives(env: DistEnv, step: callable = lambda: None, poll_s: float = 0.5, grace_s: float = 2.0):
     "Inside: a timed-out collective becomes `CollectiveTimeout` naming the stuck ranks; a stuck rank exits when told."
     if not (env.distributed and dist.is_initialized()): yield; return
     store, done, reporting = dist.distributed_c10d._get_default_store(), threading.Event(), threading.Event()
-    def watcher():   # a rank outside any collective learns here that the others gave up on it
-        while not done.wait(poll_s):
-            try: told = store.check([f"{HANG_KEY}/line"])
-            except Exception: told = True   # the store (rank 0's agent) is gone: so is the run
-            if told and not reporting.is_set(): os._exit(1)   # the line is said once, by a rank that waited
-    threading.Thread(target=watcher, daemon=True, name="gg-collective-watch").start()
+    # a rank outside any collective learns here that the others gave up on it
+    threading.Thread(target=watch_store, args=(store, done, reporting, poll_s), daemon=True,
+                     name="gg-collective-watch").start()
     try: yield
     except RuntimeError as e:
         told = _told(store)
@@ -300,17 +348,63 @@ def _fsdp_gradient_sync(model: nn.Module, sync: bool):
     try: yield
     finally: model.set_requires_gradient_sync(True)
 
+@contextlib.contextmanager
+def _hsdp_all_reduce(model: nn.Module, sync: bool):
+    "HSDP: reduce-scatter within the shard group every micro-step; all-reduce across replicas only when `sync`."
+    model.set_requires_all_reduce(sync)
+    try: yield
+    finally: model.set_requires_all_reduce(True)
+
 def grad_sync(model: nn.Module, sync: bool, fsdp_accumulation: str = "reduce_scatter"):
     ("Context for one micro-step: DDP (and FSDP2 in `no_sync`) reduce only when `sync`; FSDP2 reduce-scatters every "
-     "one by default.")
+     "one by default, and HSDP all-reduces across replicas only when `sync`.")
     if fsdp_accumulation not in FSDP_ACCUMULATION:
         raise ConfigError(f"runtime.fsdp_accumulation: got {fsdp_accumulation!r}; expected one of "
                           f"{', '.join(map(repr, FSDP_ACCUMULATION))}")
     inner = model._orig_mod if hasattr(model, "_orig_mod") else model
     if isinstance(inner, nn.parallel.DistributedDataParallel) and not sync: return inner.no_sync()
-    if is_fsdp(inner) and not sync and fsdp_accumulation == "no_sync":
-        return _fsdp_gradient_sync(unwrap_model(inner), False)
+    if is_fsdp(inner) and not sync:
+        how = _fsdp_gradient_sync if fsdp_accumulation == "no_sync" else _hsdp_all_reduce
+        return how(unwrap_model(inner), False)
     return contextlib.nullcontext()
+
+# %% ../../nbs/22_distributed.ipynb #925c5496
+def _padded(p: torch.Tensor, shard: int) -> int:
+    "Elements of parameter `p` once FSDP2 pads its rows to a multiple of `shard`."
+    return -(-p.shape[0] // shard) * shard * math.prod(p.shape[1:])
+
+def step_bytes(model: nn.Module, replicate: int, shard: int, accum: int, fsdp_accumulation: str = "reduce_scatter",
+               param_bytes: int = 4, reduce_bytes: int = 4) -> dict:
+    ("Bytes each rank hands to one optimizer step's collectives of weights and gradients, by mesh dimension "
+     "(`shard`, `replicate`) and collective.")
+    if shard == 1:   # DDP: every gradient all-reduced once a step
+        n = sum(p.numel() for p in model.parameters())
+        return {"replicate": {"all_reduce": reduce_bytes * n}} if replicate > 1 else {}
+    units = [list(b.parameters()) for b in model.layers]
+    blocks = {id(p) for u in units for p in u}
+    units.append([p for p in model.parameters() if id(p) not in blocks])   # the root's own: embeddings, norm, head
+    sizes = [sum(_padded(p, shard) for p in u) for u in units]
+    gathered = sum(sizes) + sum(sizes[:len(units) - 2])   # forward: all; backward: the blocks resharded after it
+    reduces = accum if fsdp_accumulation == "reduce_scatter" else 1
+    out = {"shard": {"all_gather": accum * param_bytes * gathered // shard,
+                     "reduce_scatter": reduces * reduce_bytes * sum(sizes)}}
+    if replicate > 1: out["replicate"] = {"all_reduce": reduce_bytes * sum(sizes) // shard}
+    return out
+
+def wire_bytes(step: dict, replicate: int, shard: int) -> dict:
+    "Bytes each rank sends per step over each mesh dimension when ring algorithms carry `step_bytes`' collectives."
+    per = {"all_gather": shard - 1, "reduce_scatter": (shard - 1) / shard, "all_reduce": 2 * (replicate - 1) / replicate}
+    return {dim: sum(b * per[op] for op, b in ops.items()) for dim, ops in step.items()}
+
+# %% ../../nbs/22_distributed.ipynb #b4858a28
+def virtual_order(n_micro: int, ranks: int, replicate: int = 1, fsdp: bool = False) -> list[list[list[int]]]:
+    ("One step's `n_micro` micro-batch indices nested as `ranks` data-parallel ranks add their gradients "
+     "(micro-step i on rank i % ranks): `[outer][middle][inner]`, the innermost summed first.")
+    if ranks <= 1: return [[list(range(n_micro))]]
+    per = n_micro // ranks
+    if not fsdp: return [[[j * ranks + r for j in range(per)]] for r in range(ranks)]   # each rank's, then the ranks
+    shard = ranks // replicate   # each micro-step's shard group, then the micro-steps, then the replica groups
+    return [[[j * ranks + q * shard + s for s in range(shard)] for j in range(per)] for q in range(replicate)]
 
 # %% ../../nbs/22_distributed.ipynb #6b18cf2f
 def _local(t: torch.Tensor) -> torch.Tensor:
