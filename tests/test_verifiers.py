@@ -80,3 +80,32 @@ def test_well_formed_follows_the_final_answer():
     g = gsm(G18)
     assert [well_formed(g, c, True) for c in ("#### 17", "#### 17 or 18", "17")] == [1.0, 0.0, 0.0]
     assert well_formed(g, "#### 18", False) == 0.0
+
+
+# -- a format reward cannot outweigh correctness after the group's normalisation ---------------------------------
+
+def _advantages(rewarder, group):
+    "GRPO's z-scored advantages (the stage's own `group_advantages`) of one group's completions."
+    import torch
+    from gradient_garden.stages.grpo import group_advantages
+    totals = rewarder.group_totals([rewarder(gsm(G18), c, s) for c, s in group])
+    return group_advantages(torch.tensor(totals), len(group), "group")[0]
+
+def test_format_reward_cannot_lift_a_group_of_wrong_answers():
+    from gradient_garden.stages.rewards import Rewarder
+    wrong = [("#### 0", True), ("I think 17", True), ("#### 17 or 18", True), ("#### 5", False)]
+    assert _advantages(Rewarder(0.1), wrong).abs().max().item() == 0.0
+    assert _advantages(Rewarder(0.0), wrong).abs().max().item() == 0.0
+
+def test_right_answers_outrank_every_wrong_one_whatever_their_form():
+    from gradient_garden.stages.rewards import Rewarder
+    for w in (0.1, 0.5, 0.9):
+        adv = _advantages(Rewarder(w), [("#### 18", True), ("#### 0", True), ("#### 3", True), ("so 18", True),
+                                        ("#### 18 (per 2 weeks)", True), ("#### 18", False)])
+        assert min(adv[0], adv[4]) > max(adv[1], adv[2], adv[3], adv[5]), (w, adv)
+
+def test_format_weight_at_or_above_correctness_is_refused():
+    from gradient_garden.config import ConfigError
+    from gradient_garden.stages.rewards import Rewarder
+    with pytest.raises(ConfigError, match="rl.format_reward: got 1.0; must be >= 0 and below the correctness weight"):
+        Rewarder(1.0)

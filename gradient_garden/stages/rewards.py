@@ -45,16 +45,28 @@ class Rewarder:
     ("Sum of correctness (weight `correct`), form (weight `format_reward`) and user functions, with each part's mean "
      "kept.")
     def __init__(self, format_weight: float = 0.0, functions: tuple = (), correct_weight: float = 1.0):
+        if not 0 <= format_weight < correct_weight:
+            raise ConfigError(f"rl.format_reward: got {format_weight}; must be >= 0 and below the correctness weight "
+                              f"{correct_weight} (a well-formed wrong answer must earn less than a right one)")
         self.format_weight, self.correct_weight = format_weight, correct_weight
         self.functions = [(p, load_reward_function(p, f"rl.reward_functions[{i}]")) for i, p in enumerate(functions)]
 
     def __call__(self, ex: Problem, completion: str, stopped: bool) -> dict:
         "The reward of one completion and its parts."
-        parts = {"correct": correctness(ex, completion)}
+        parts = {"correct": correctness(ex, completion, stopped)}
         if self.format_weight: parts["format"] = well_formed(ex, completion, stopped)
         for p, fn in self.functions: parts[p] = call_reward(fn, p, ex, completion)
         total = self.correct_weight * parts["correct"] + self.format_weight * parts.get("format", 0.0)
         return parts | {"total": total + sum(parts[p] for p, _ in self.functions)}
+
+# %% ../../nbs/45_rewards.ipynb #72e3a22e
+from fastcore.basics import patch
+
+@patch
+def group_totals(self: Rewarder, rewards: list[dict]) -> list[float]:
+    "The totals of one group's rewards, without the format part where the group's correctness does not differ."
+    if len({r["correct"] for r in rewards}) > 1: return [r["total"] for r in rewards]
+    return [r["total"] - self.format_weight * r.get("format", 0.0) for r in rewards]
 
 # %% ../../nbs/45_rewards.ipynb #2bb3981a
 RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob"},
