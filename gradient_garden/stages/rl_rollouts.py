@@ -102,11 +102,12 @@ def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tu
     for j, (o, s) in enumerate(zip(outs, stopped)):
         text = self.tok.decode([t for t in o if t not in stop_set])
         r = self.rewarder(self.examples[idx[j // G]], text, s)
-        rewards.append(r["total"])
+        rewards.append(r)
         for k, v in r.items():
             # the sampled rows' parts
             if k != "total" and j % G < G - self.rl.off_policy_rows: parts[k] = parts.get(k, 0.0) + v
-    return torch.tensor(rewards, dtype=torch.float32), parts
+    totals = [t for g in range(0, len(rewards), G) for t in self.rewarder.group_totals(rewards[g:g + G])]
+    return torch.tensor(totals, dtype=torch.float32), parts
 
 # %% ../../nbs/47_rl_rollouts.ipynb #af806801
 def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
