@@ -35,6 +35,7 @@ EXPECTED = {
     "serve.py": ["results", "target_8x_ge_4"],
     "sft_packing.py": ["supervised_tokens_per_s", "speedup_packing_vs_padding"],
     "startup_memory.py": ["peak_ratio", "whole_peak_mib", "meta_peak_mib"],
+    "stop_agreement.py": ["worlds", "model_512"],
     "train_loop.py": ["ratio", "bare_tokens_per_s", "trainer_tokens_per_s"],
 }
 # the heavier ones (each starts several trainings or a full `gg prepare`); CI still runs them
