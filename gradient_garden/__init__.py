@@ -36,23 +36,25 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.data.prepare`: Sources, weighted mixes and a streaming tokenizer that writes train/val token shards:
   resumable, memory-bounded,
 - `gradient_garden.data.verifiable`: Small tasks with known answers — arithmetic, spelling, reversal, string edits —
-  generated on the spot, with a
+  generated on the spot, with dev
 - `gradient_garden.evals.benchmarks`: HellaSwag, WinoGrande and ARC-Challenge as lm-evaluation-harness reads them: each
   hub row turned into
 - `gradient_garden.evals.generative`: Greedy exact match, pass@k and avg@k of a model's own answers, checked by the
-  verifiers; the embedded held-out
+  verifiers, each with its standard
 - `gradient_garden.evals.lm_eval`: The platform's model registered with lm-evaluation-harness: `loglikelihood`,
   `loglikelihood_rolling` and
 - `gradient_garden.evals.multiple_choice`: HellaSwag, WinoGrande and ARC-Challenge scored the way lm-evaluation-harness
   scores them, in batches, split
 - `gradient_garden.evals.verifiers`: What says whether a generated answer is right: the embedded tasks' exact match,
-  GSM8K's final number, a format
+  GSM8K's one final answer, a
 - `gradient_garden.generation`: Greedy, temperature, top-k and top-p sampling with a repetition penalty; batches of
   prompts of different lengths
 - `gradient_garden.hardware`: What a device can do: the dense datasheet peak of known GPUs, a measured matmul peak
   elsewhere, and the precision
 - `gradient_garden.models.attention`: Rotary position embeddings from precomputed tables, grouped-query attention on
   PyTorch's fused SDPA kernels
+- `gradient_garden.models.float8`: float8 matmuls in a model's Linear layers with torchao (tensorwise or rowwise
+  scaling), applied from outside.
 - `gradient_garden.models.hf`: Translate a Tendril config to the `transformers` `LlamaConfig` of the same model and
   back, and refuse what has no
 - `gradient_garden.models.lora`: Train a few million adapter weights instead of the whole model: `apply_lora`,
@@ -69,6 +71,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   `broadcast_object`, `all_gather_objects`),
 - `gradient_garden.parallel.distributed`: Start from the torchrun environment (or fall back to one process), pick the
   device and backend, and apply data
+- `gradient_garden.parallel.tensor_parallel`: Split every block's matrices over tensor-parallel ranks by heads (q/k/v,
+  wo) and by hidden columns (gate/up, w2),
 - `gradient_garden.recipes`: Recipes that bundle a `GlobalConfig` with a data mix; dotted `--set` overrides; the
   resolved config every run keeps;
 - `gradient_garden.runtime`: The names of dtypes, the choice of device, the autocast context of mixed precision, and

@@ -36,6 +36,7 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     # auto: bf16 where the device has fast bf16 (train.trainer)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"  # float8 matmuls in the Linear layers (16_float8)
     fsdp: bool = False
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes

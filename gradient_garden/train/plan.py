@@ -473,6 +473,10 @@ def _teacher_lines(p: Plan) -> list[str]:
             "training FLOPs), not in the time below"]
 
 # %% ../../nbs/53_plan.ipynb #f1671ddb
+def _float8_words(cfg: GlobalConfig) -> str:
+    "` + float8 <recipe> Linear matmuls` when the run sets `runtime.float8`, else nothing."
+    return "" if cfg.runtime.float8 == "none" else f" + float8 {cfg.runtime.float8} Linear matmuls"
+
 def format_plan(p: Plan) -> str:
     "The plan as a table (one row per term, one column per layout) and a few lines of text."
     c, t = p.counts, p.cfg.training
@@ -480,7 +484,8 @@ def format_plan(p: Plan) -> str:
              f"AdamW {c['adamw']:,})",
              f"target: {p.world} x {p.device.name} ({p.nodes} node{'s' * (p.nodes > 1)} x {p.gpus_per_node}), "
              f"{p.device.memory / GiB:.0f} GiB each, {p.budget / GiB:.1f} GiB usable; "
-             f"precision {p.cfg.runtime.precision}, micro batch {t.micro_batch_size} x {t.seq_len}, "
+             f"precision {p.cfg.runtime.precision}{_float8_words(p.cfg)}, "
+             f"micro batch {t.micro_batch_size} x {t.seq_len}, "
              f"grad accumulation {grad_accum_steps(p.cfg, p.world)}", ""]
     host = p.memory[p.layout]["staging_host"]
     staging = [f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of host memory per rank, "

@@ -25,6 +25,7 @@ from .plan import check_fit, estimate_workload
 from ..checkpoint.checkpoints import (base_weights, check_compatible, list_checkpoints, load_checkpoint,
                                                     resolve_checkpoint)
 from ..models.lora import apply_lora
+from ..models.float8 import apply_float8, float8_emulated
 from ..models.tendril import unwrap_model
 from ..models.registry import build_model
 from ..tokenizer import init_tokenizer
@@ -34,7 +35,7 @@ from ..stages.distillation import wrap_with_distillation
 
 # %% auto #0
 __all__ = ['STOP_SIGNALS', 'RUN_RECORDS', 'build_stage', 'StopRequest', 'RunLock', 'truncate_records', 'run_contents',
-           'prepare_run_dir', 'first_difference', 'config_as_saved', 'restart_point', 'build_run_model',
+           'prepare_run_dir', 'first_difference', 'config_as_saved', 'restart_point', 'run_float8', 'build_run_model',
            'mfu_peak_line', 'run_training']
 
 # %% ../../nbs/56_run.ipynb #b21eb1af
@@ -258,6 +259,17 @@ def _load_base_weights(model: torch.nn.Module, weights: dict, cfg: GlobalConfig)
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     set_model_state_dict(unwrap_model(model), weights, options=StateDictOptions(full_state_dict=True))
 
+# %% ../../nbs/56_run.ipynb #151d71dc
+def run_float8(model: torch.nn.Module, cfg: GlobalConfig, env: DistEnv) -> torch.nn.Module:
+    "`model` with `runtime.float8` applied (16_float8): emulated off float8 GPUs, FSDP2's float8 all-gather with fsdp."
+    if cfg.runtime.float8 == "none": return model
+    if cfg.lora.enabled:
+        raise ConfigError(f"runtime.float8: got {cfg.runtime.float8!r} with lora.enabled; the adapters wrap the same "
+                          "Linear layers, set runtime.float8: none")
+    fsdp = env.distributed and cfg.runtime.fsdp and cfg.runtime.float8 == "tensorwise"
+    apply_float8(model, cfg.runtime.float8, emulate=float8_emulated(env.device), fsdp_all_gather=fsdp)
+    return model
+
 # %% ../../nbs/56_run.ipynb #b20d361b
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
     "The run's model: built on the meta device, parallelised, then each rank's shards made, initialised or loaded."
@@ -268,8 +280,8 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
         model = build_model(cfg.model)
         if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
         if cfg.lora.enabled: apply_lora(model, cfg.lora)
-        return parallelize(model.to(env.device), cfg.runtime, env)
-    model = parallelize(model, cfg.runtime, env, init_seed=cfg.training.seed)
+        return parallelize(run_float8(model, cfg, env).to(env.device), cfg.runtime, env)
+    model = parallelize(run_float8(model, cfg, env), cfg.runtime, env, init_seed=cfg.training.seed)
     if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
     return model
 
@@ -345,6 +357,9 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     # `auto` made concrete before anything uses it
     cfg.runtime.precision, why = resolve_precision(env.device, requested)
     if env.is_main: print(f"precision: {cfg.runtime.precision} ({why})", flush=True)
+    if env.is_main and cfg.runtime.float8 != "none":
+        print(f"float8: {cfg.runtime.float8} scaling in the Linear layers" + (
+              " (emulated: float8 rounding, fp32 matmuls)" if float8_emulated(env.device) else ""), flush=True)
     try: check_stage(validate(cfg, env.world_size), env.world_size)
     except ConfigError as e: e.same_on_every_rank = True; raise
     for section in unread_sections(cfg):   # nothing a user sets is silently ignored
@@ -356,7 +371,8 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     except ConfigError as e: e.same_on_every_rank = True; raise
     lock = _claim_run_dir(cfg, env, checkpoint, ckpt, start_step, overwrite, restarting)
     box = [ckpt]; del ckpt  # `_train` drops the checkpoint's tensors once they are loaded
-    precision = dict(requested=requested, used=cfg.runtime.precision, why=why)
+    precision = dict(requested=requested, used=cfg.runtime.precision, why=why) | (
+        {"float8": cfg.runtime.float8} if cfg.runtime.float8 != "none" else {})
     try: return _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, reset_loader,
                        reset_val_history, callbacks, precision)
     finally: lock.release()

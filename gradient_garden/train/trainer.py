@@ -392,6 +392,7 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
             ("tokens", f"{tokens:,} this session, {res['tokens_seen']:,} in all"),
             ("wall time", format_duration(seconds)),
             ("tokens/s", f"{tps:,.0f}"), ("MFU", f"{tps * self._flops_per_token() / peak:.2%}"),
+            ("float8", f"{self.cfg.runtime.float8} scaling" if self.cfg.runtime.float8 != "none" else None),
             ("train loss", format_metric(last["loss"]) if "loss" in last else None), ("val loss", val),
             (score, f"{format_metric(before[score])} -> {format_metric(last[score])}" if score in before
              else format_metric(last.get(score))) if score else ("", None),
