@@ -16,7 +16,7 @@ from gradient_garden.checkpoint.checkpoints import (load_checkpoint, load_sharde
                                                     sharded_state)
 from gradient_garden.parallel.distributed import apply_fsdp
 from gradient_garden.parallel.tensor_parallel import (apply_tp, build_tp_mesh, check_tp, parallelize_tp,
-                                                      saved_activation_bytes)
+                                                      saved_activation_bytes, tp_activation_bytes)
 from gradient_garden.train.optim import Muon
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64, multiple_of=16)
@@ -162,6 +162,12 @@ def test_activations_divide(tp):
     ratio = res["act_tp2"] / res["act_tp1"]
     print(f"activations saved per rank: tp 1 {res['act_tp1']:,} B, tp 2 {res['act_tp2']:,} B, ratio {ratio:.3f}")
     assert ratio <= 0.6, (res["act_tp1"], res["act_tp2"])
+    # the plan's model (53_plan's tp column): all divides but the two all-gathered block inputs, whole on every rank
+    per_rank_batch = B // 2
+    gathered = 2 * MEM_CFG.n_layers * per_rank_batch * MEM_CFG.max_seq_len * MEM_CFG.dim * 4
+    model_bytes = tp_activation_bytes(res["act_tp1"], gathered, 2)
+    print(f"the plan's model: {model_bytes:,.0f} B, {model_bytes / res['act_tp2'] - 1:+.1%} of the measured")
+    assert abs(model_bytes / res["act_tp2"] - 1) <= 0.1
 
 def test_parameters_and_optimizer_state_divide(tp):
     _, res = tp
