@@ -143,8 +143,8 @@ def memory_child(args):
     if name.startswith("tendril"): model = Tendril(cfg)
     else:
         from transformers import LlamaForCausalLM
-        from gradient_garden.models.hf import hf_llama_config
-        model = LlamaForCausalLM(hf_llama_config(cfg))
+        from gradient_garden.models.hf import hf_config
+        model = LlamaForCausalLM(hf_config(cfg))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     if name.endswith("compiled"):

@@ -6,8 +6,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   atomically, read back without unpickling
 - `gradient_garden.checkpoint.dcp_files`: Reading a `torch.distributed.checkpoint` directory without unpickling code,
   checking its shard files before dcp
-- `gradient_garden.checkpoint.hf`: Write a Tendril as a Hugging Face Llama folder (`config.json`, safetensors weights,
-  tokenizer files) that
+- `gradient_garden.checkpoint.hf`: Write a Tendril as a Hugging Face folder of its family, Llama, Mistral, Qwen2 or
+  Qwen3 (`config.json`,
 - `gradient_garden.checkpoint.state_dict`: One adapter between a model's own state dict (q/k/v stored as one `wqkv`,
   gate/up as one `w13`), the layout
 - `gradient_garden.checks`: The values that parse but cannot be right: ranges (NaN and infinity included) and
@@ -55,8 +55,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   PyTorch's fused SDPA kernels
 - `gradient_garden.models.float8`: float8 matmuls in a model's Linear layers with torchao (tensorwise or rowwise
   scaling), applied from outside.
-- `gradient_garden.models.hf`: Translate a Tendril config to the `transformers` `LlamaConfig` of the same model and
-  back, and refuse what has no
+- `gradient_garden.models.hf`: Translate a Tendril config to the `transformers` config of the same model (`LlamaConfig`,
+  `MistralConfig`,
 - `gradient_garden.models.lora`: Train a few million adapter weights instead of the whole model: `apply_lora`,
   `merge_lora` / `unmerge_lora`,
 - `gradient_garden.models.moe`: A Tendril whose feed-forward is a set of SwiGLU experts picked per token by a learned

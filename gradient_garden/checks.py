@@ -120,11 +120,11 @@ def _check_model(cfg: GlobalConfig):
         _positive(f"model.{p}", getattr(m, p))
     for p in ["total_batch_size", "micro_batch_size", "seq_len", "max_steps", "log_every"]:
         _positive(f"training.{p}", getattr(t, p))
-    if m.dim % m.n_heads:
+    if m.head_size is None and m.dim % m.n_heads:
         raise ConfigError(f"model.dim: got {m.dim}; must be divisible by model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"model.n_heads: got {m.n_heads}; head_dim = dim / n_heads = {m.dim // m.n_heads} must be "
-                          "even for RoPE")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.n_heads: got {m.n_heads}; head_dim = {m.head_dim} (model.head_size, else dim / "
+                          "n_heads) must be even for RoPE")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: got {m.n_kv_heads}; must divide model.n_heads = {m.n_heads}")
     if t.seq_len > m.max_seq_len:

@@ -78,9 +78,19 @@ class ModelConfig:
     z_loss_coef: float = 0.001
     # auto: flex_attention for document masks on CUDA, SDPA elsewhere
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"
+    # the variants of the open models (14_hf imports them): each one an option of the one model
+    head_size: Optional[int] = None     # width of a head when it is not dim // n_heads (Qwen3)
+    qkv_bias: bool = False              # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool = False               # RMSNorm of each query and key head before RoPE (Qwen3)
+    rope_scaling: Literal["none", "llama3"] = "none"   # Llama 3.1's long-context RoPE frequencies
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    hf_model_type: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"   # the family a Hugging Face export names
 
     @property
-    def head_dim(self) -> int: return self.dim // self.n_heads
+    def head_dim(self) -> int: return self.head_size or self.dim // self.n_heads
 
 # %% ../nbs/00_config.ipynb #4e59787b
 @dataclass

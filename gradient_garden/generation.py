@@ -108,7 +108,7 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
         att, ff = layer.attention, layer.feed_forward
         H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
         x = rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps)
-        qkv = _linear(x, att.wqkv).view(B, T, H + 2 * KV, d)
+        qkv = att._norm_heads(_linear(x, att.wqkv).view(B, T, H + 2 * KV, d))   # per-head norms (Qwen3), if any
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
         k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
         out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)

@@ -30,6 +30,7 @@ class StateDictAdapter:
 def _native_name(self: StateDictAdapter, key: str) -> str:
     ("The native name of old-layout `key`: a projection's weight -> its fused weight, its LoRA tensor -> the fused "
      "layer's slice.")
+    if key in self.fused_of: return self.fused_of[key]            # a projection's weight or bias
     mod, _, leaf = key.rpartition(".")
     fused = self.fused_of.get(f"{mod}.weight")
     if fused is None: return key
@@ -41,18 +42,22 @@ def is_old(self: StateDictAdapter, keys) -> bool:
     return any(self._native_name(k) != k for k in keys)
 
 # %% ../../nbs/27_state_dict.ipynb #68c274ee
+def _rows(t: torch.Tensor) -> int:
+    "The dimension a fused tensor stacks its projections along: -2 for weights (experts' too), 0 for biases."
+    return -2 if t.dim() > 1 else 0
+
 @patch
 def split(self: StateDictAdapter, sd: dict) -> dict:
-    "Native -> old: each fused weight split along dim -2 into the projections it stacks, in row order."
+    "Native -> old: each fused weight (and bias) split along its rows into the projections it stacks, in row order."
     out = {}
     for key, t in sd.items():
         if key not in self.layout: out[key] = t; continue
-        out.update(zip(self.layout[key], t.split(list(self.layout[key].values()), dim=-2)))
+        out.update(zip(self.layout[key], t.split(list(self.layout[key].values()), dim=_rows(t))))
     return out
 
 @patch
 def join(self: StateDictAdapter, sd: dict) -> dict:
-    "Old -> native: projections stacked along dim -2 into their fused weight, their LoRA tensors renamed to its slices."
+    "Old -> native: projections stacked along their rows into their fused tensor, LoRA tensors renamed to its slices."
     out, parts = {}, {}
     for key, t in sd.items():
         name = self._native_name(key)
@@ -62,7 +67,7 @@ def join(self: StateDictAdapter, sd: dict) -> dict:
         names = list(self.layout[fused])
         if set(got) != set(names):
             raise ConfigError(f"state dict: {fused} stacks {', '.join(names)}; got only {', '.join(sorted(got))}")
-        out[fused] = torch.cat([got[n] for n in names], dim=-2)
+        out[fused] = torch.cat([got[n] for n in names], dim=_rows(got[names[0]]))
     return out
 
 # %% ../../nbs/27_state_dict.ipynb #e76df5f2
@@ -77,7 +82,7 @@ def join_optimizer(self: StateDictAdapter, osd: dict) -> dict:
     for fused, got in parts.items():
         names = list(self.layout[fused])
         if set(got) != set(names): continue                      # some projections never stepped: start afresh
-        state[fused] = {k: torch.cat([got[n][k] for n in names], dim=-2) if torch.is_tensor(v) and v.ndim >= 2 else v
+        state[fused] = {k: torch.cat([got[n][k] for n in names], dim=_rows(v)) if torch.is_tensor(v) and v.ndim else v
                         for k, v in got[names[0]].items()}
     groups = [dict(g, params=list(dict.fromkeys(self._native_name(p) for p in g["params"])))
               for g in osd["param_groups"]]
@@ -107,7 +112,11 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w2.weight": "mlp.down_proj.weight",
           "feed_forward.w3.weight": "mlp.up_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight"}
+          "ffn_norm.weight": "post_attention_layernorm.weight",
+          # the options of the other families: Qwen2's q/k/v biases, Qwen3's per-head norms
+          "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
+          "attention.wv.bias": "self_attn.v_proj.bias", "attention.q_norm.weight": "self_attn.q_norm.weight",
+          "attention.k_norm.weight": "self_attn.k_norm.weight"}
 
 def _hf_name(name: str) -> str | None:
     "The Hugging Face name of an old-layout Tendril tensor, or None."
@@ -119,39 +128,41 @@ def _hf_name(name: str) -> str | None:
 
 @patch
 def hf_module(self: StateDictAdapter, name: str) -> str:
-    "The `LlamaForCausalLM` name of a linear layer (`layers.0.attention.wq` -> `model.layers.0.self_attn.q_proj`)."
+    "The Hugging Face name of a linear layer (`layers.0.attention.wq` -> `model.layers.0.self_attn.q_proj`)."
     hf = _hf_name(name + ".weight")
     if hf is None:
-        raise ConfigError(f"module {name!r} has no LlamaForCausalLM equivalent; a PEFT adapter can only adapt its "
-                          "layers")
+        raise ConfigError(f"module {name!r} has no Hugging Face (Llama, Qwen) equivalent; a PEFT adapter can only "
+                          "adapt its layers")
     return hf.removesuffix(".weight")
 
 # %% ../../nbs/27_state_dict.ipynb #62207821
 @patch
 def _llama_names(self: StateDictAdapter) -> dict[str, str]:
-    "Hugging Face name -> old-layout name of every tensor a `LlamaForCausalLM` of this model stores."
+    "Hugging Face name -> old-layout name of every tensor the Hugging Face model (Llama, Qwen3, ...) stores."
     cfg = check_llama_compatible(self.cfg)
     ours = ["tok_embeddings.weight", "norm.weight"] + ([] if cfg.tie_embeddings else ["output.weight"])
-    ours += [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in _LAYER]
+    extra = {"bias": cfg.qkv_bias, "q_norm": cfg.qk_norm, "k_norm": cfg.qk_norm}
+    kept = [k for k in _LAYER if all(on or part not in k for part, on in extra.items())]
+    ours += [f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in kept]
     return {_hf_name(k): k for k in ours}
 
 @patch
 def to_hf(self: StateDictAdapter, sd: dict) -> dict[str, torch.Tensor]:
-    "Native -> `LlamaForCausalLM` names: fused weights split, tensors renamed, no head when embeddings are tied."
+    "Native -> Hugging Face names: fused weights and biases split, tensors renamed, no head when embeddings are tied."
     tied, out = check_llama_compatible(self.cfg).tie_embeddings, {}
     for k, v in self.split(sd).items():
         if k == "output.weight" and tied: continue
         name = _hf_name(k)
         if name is None:
-            raise ConfigError(f"model tensor {k!r} has no LlamaForCausalLM equivalent (merge LoRA adapters before "
-                              "exporting; mixture-of-experts models cannot be exported as Llama)")
+            raise ConfigError(f"model tensor {k!r} has no Hugging Face (Llama, Qwen) equivalent (merge LoRA adapters "
+                              "before exporting; mixture-of-experts models cannot be exported as Llama)")
         out[name] = v
     return out
 
 # %% ../../nbs/27_state_dict.ipynb #d7943043
 @patch
 def from_hf(self: StateDictAdapter, hf_sd: dict) -> dict[str, torch.Tensor]:
-    ("`LlamaForCausalLM` names -> native: checked against the names the model needs, tied head restored, projections "
+    ("Hugging Face names -> native: checked against the names the model needs, tied head restored, projections "
      "joined.")
     names, tied = self._llama_names(), self.cfg.tie_embeddings
     out = {names[k]: v for k, v in hf_sd.items() if k in names}
@@ -159,7 +170,7 @@ def from_hf(self: StateDictAdapter, hf_sd: dict) -> dict[str, torch.Tensor]:
     unexpected = sorted(k for k in hf_sd if k not in names and not k.endswith("rotary_emb.inv_freq")
                         and not (k == "lm_head.weight" and tied))
     if missing or unexpected:
-        raise ConfigError(f"Hugging Face weights do not fit the Llama config (missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]})")
+        raise ConfigError(f"Hugging Face weights do not fit the {self.cfg.hf_model_type} config (missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]})")
     if tied: out["output.weight"] = out["tok_embeddings.weight"]
     return self.join(out)

@@ -310,7 +310,7 @@ def plain_linear(m: nn.Module) -> bool:
 
 # %% ../../nbs/10_attention.ipynb #6a43617e
 def fused_layout(model: nn.Module) -> dict[str, dict[str, int]]:
-    "Each fused weight's (and bias') name -> the names of the tensors it stacks along dim 0, with their row counts."
+    "Each fused weight's (and bias') name -> the names of the tensors it stacks along its rows, with their row counts."
     out = {}
     for name, m in model.named_modules():
         pre = f"{name}." if name else ""

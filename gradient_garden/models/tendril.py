@@ -21,8 +21,8 @@ from .attention import (Attention, KVCache, additive_mask, attention_backend, at
 __all__ = ['LOSS_CHUNK_ELEMENTS', 'LOSS_IMPL', 'LOSS_COMPILE_BACKEND', 'RESCORE_TOP_K', 'ffn_hidden_dim', 'RMSNormFunction',
            'rms_norm', 'RMSNorm', 'SwiGLUFunction', 'swiglu', 'FeedForward', 'chunk_loss_and_grad', 'compiled_chunk_fn',
            'LinearCrossEntropyFunction', 'loss_impl', 'linear_cross_entropy', 'TransformerBlock', 'check_model_config',
-           'TrainableModel', 'unwrap_model', 'trainable', 'unfused_parameters', 'Tendril', 'rescore_top_logits',
-           'count_parameters', 'dense_matmul_params', 'tendril_flops_per_token']
+           'rope_scaling', 'TrainableModel', 'unwrap_model', 'trainable', 'unfused_parameters', 'Tendril',
+           'rescore_top_logits', 'count_parameters', 'dense_matmul_params', 'tendril_flops_per_token']
 
 # %% ../../nbs/11_tendril.ipynb #2fc6111d
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None = None) -> int:
@@ -240,7 +240,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig, feed_forward: nn.Module | None = None):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer_id)
+        qk_norms = [RMSNorm(cfg.head_dim, cfg.norm_eps) for _ in "qk"] if cfg.qk_norm else [None, None]
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer_id, head_dim=cfg.head_dim,
+                                   qkv_bias=cfg.qkv_bias, q_norm=qk_norms[0], k_norm=qk_norms[1])
         self.feed_forward = feed_forward if feed_forward is not None else \
             FeedForward(cfg.dim, ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier))
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -256,14 +258,24 @@ def check_model_config(cfg: ModelConfig) -> ModelConfig:
     "Raise `ConfigError` for a model shape that cannot be built; return `cfg`."
     for p in ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"]:
         if getattr(cfg, p) <= 0: raise ConfigError(f"model.{p}: got {getattr(cfg, p)!r}; must be > 0")
-    if cfg.dim % cfg.n_heads:
-        raise ConfigError(f"model.dim: got {cfg.dim}; must be divisible by model.n_heads = {cfg.n_heads}")
+    if cfg.head_size is None and cfg.dim % cfg.n_heads:
+        raise ConfigError(f"model.dim: got {cfg.dim}; must be divisible by model.n_heads = {cfg.n_heads} (or set "
+                          "model.head_size)")
     if cfg.head_dim % 2:
         raise ConfigError(f"model.n_heads: got {cfg.n_heads}; head_dim = dim / n_heads = {cfg.head_dim} must be even "
                           "for RoPE")
     if cfg.n_heads % cfg.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: got {cfg.n_kv_heads}; must divide model.n_heads = {cfg.n_heads}")
+    if cfg.head_size is not None and cfg.head_size <= 0:
+        raise ConfigError(f"model.head_size: got {cfg.head_size}; must be > 0 (or null for dim / n_heads)")
     return cfg
+
+def rope_scaling(cfg: ModelConfig) -> dict | None:
+    "`llama3_inv_freq`'s arguments for `cfg` (`model.rope_scaling: llama3`), or None for plain RoPE."
+    if cfg.rope_scaling == "none": return None
+    return dict(factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                high_freq_factor=cfg.rope_high_freq_factor, original_max_seq_len=cfg.rope_original_max_seq_len)
+
 
 # %% ../../nbs/11_tendril.ipynb #45fdd052
 class TrainableModel:
@@ -309,10 +321,11 @@ def trainable(model: nn.Module) -> TrainableModel:
 _UNFUSED_ORDER = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")   # the parameters' order before q/k/v and w1/w3 were fused
 
 def unfused_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    "`named_parameters` with each fused weight as views of its projections' row blocks, in the unfused layout's order."
+    "`named_parameters` with each fused weight (or bias) as views of its projections' row blocks, in the unfused order."
     layout, items = fused_layout(model), []
     for name, p in model.named_parameters():
-        if name in layout: items += zip(layout[name], p.split(list(layout[name].values()), dim=-2))
+        rows = -2 if p.dim() > 1 else 0                                # a bias stacks along its only dimension
+        if name in layout: items += zip(layout[name], p.split(list(layout[name].values()), dim=rows))
         else: items.append((name, p))
     parent, leaf = (lambda n: n.rsplit(".", 2)[0]), (lambda n: n.rsplit(".", 2)[-2] if n.count(".") else n)
     first = {}
@@ -350,14 +363,16 @@ class Tendril(TrainableModel, nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        "N(0, init_std) weights, init_std / sqrt(2 n_layers) for `wo` and `w2`, unit norm gains, fresh RoPE tables."
+        ("N(0, init_std) weights, init_std / sqrt(2 n_layers) for `wo` and `w2`, unit norm gains, zero biases, fresh "
+         "RoPE tables.")
         std = self.cfg.init_std
         # fused weights block by block: a seed gives the weights it always gave
         for name, p in unfused_parameters(self):
-            if p.dim() == 1: nn.init.ones_(p)
+            if name.endswith(".bias"): nn.init.zeros_(p)
+            elif p.dim() == 1: nn.init.ones_(p)
             else: _normal_(p, std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(_RESIDUAL_OUT) else std)
         cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                   device=self.rope_cos.device)
+                                   device=self.rope_cos.device, scaling=rope_scaling(self.cfg))
         self.rope_cos.copy_(cos); self.rope_sin.copy_(sin)
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int | None = None) -> KVCache:
@@ -369,8 +384,10 @@ class Tendril(TrainableModel, nn.Module):
 # %% ../../nbs/11_tendril.ipynb #58cdcc81
 @patch
 def param_init(self: Tendril, name: str) -> tuple[str, float]:
-    "How parameter `name` starts: `('ones', 1.0)` for norm gains, `('normal', std)` for weights (`init_weights`' rule)."
+    ("How parameter `name` starts: `('ones', 1.0)` for norm gains, `('normal', std)` for weights (std 0 for biases: "
+     "`init_weights`' rule).")
     p = self.get_parameter(name)
+    if name.endswith(".bias"): return "normal", 0.0          # N(0, 0): zero
     if p.dim() == 1: return "ones", 1.0
     if name.endswith(_RESIDUAL_OUT): return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
     return "normal", self.cfg.init_std
@@ -379,7 +396,7 @@ def param_init(self: Tendril, name: str) -> tuple[str, float]:
 def init_buffers(self: Tendril):
     "Recompute the RoPE tables in place (after `to_empty` they hold garbage)."
     cos, sin = precompute_rope(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                               device=self.rope_cos.device)
+                               device=self.rope_cos.device, scaling=rope_scaling(self.cfg))
     with torch.no_grad(): self.rope_cos.copy_(cos); self.rope_sin.copy_(sin)
 
 # %% ../../nbs/11_tendril.ipynb #fba784cd
