@@ -21,6 +21,7 @@ from ..models.registry import build_model, flops_per_token
 from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declared_splits
 from ..models.lora import apply_lora
 from ..parallel.activation_checkpointing import SAVE_OPS
+from ..parallel.tensor_parallel import tp_memory
 from ..runtime import DTYPES, resolve_precision
 from ..stages.registry import get_stage
 
@@ -326,6 +327,8 @@ def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: in
     grad_accum_steps(cfg, world)  # the batch must divide over the ranks
     mem = {name: memory_plan(cfg, par, world if par != "single" else 1, shard, "cpu" if dev.name == "cpu" else "cuda")
            for name, (par, shard) in layouts(nodes, gpus_per_node).items()}
+    if cfg.runtime.tp > 1 and world > 1:   # FSDP2 over world / tp ranks, TP and SP over tp (24_tensor_parallel)
+        mem[f"fsdp+tp{cfg.runtime.tp}"] = tp_memory(mem["fsdp2"], cfg)
     layout = "single" if world == 1 else ("fsdp2" if cfg.runtime.fsdp else "ddp")
     source = "stated" if mfu is not None else "default"
     if mfu_from is not None:
