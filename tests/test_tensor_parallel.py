@@ -210,3 +210,15 @@ def test_the_trainers_parallelize_refuses_tp():
     from gradient_garden.parallel.distributed import DistEnv, parallelize
     with pytest.raises(ConfigError, match="runtime.tp: got 2; the trainer runs data parallelism only"):
         parallelize(model(), RuntimeConfig(tp=2), DistEnv())
+
+def test_gg_plan_shows_a_tp_column():
+    "`gg plan` with runtime.tp = 2: a column of FSDP2 over world / 2 ranks and TP over 2, by `tp_memory`."
+    from gradient_garden.config import GlobalConfig, RuntimeConfig
+    from gradient_garden.train.plan import format_plan, plan
+    from gradient_garden.parallel.tensor_parallel import tp_memory
+    cfg = GlobalConfig(model=CFG, runtime=RuntimeConfig(tp=2, precision="bf16"))
+    p = plan(cfg, gpus_per_node=4)
+    assert p.memory["fsdp+tp2"] == tp_memory(p.memory["fsdp2"], cfg)
+    assert p.memory["fsdp+tp2"]["activations"]["none"] < 0.6 * p.memory["fsdp2"]["activations"]["none"]
+    header = next(l for l in format_plan(p).splitlines() if l.startswith("GiB per rank"))
+    assert header.split()[-1] == "fsdp+tp2", header
