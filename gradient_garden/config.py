@@ -281,6 +281,8 @@ class RLConfig:
     importance_sampling_clip_min: Optional[float] = None  # truncate: clipped to [min, max]; mask: outside set to 0
     importance_sampling_clip_max: Optional[float] = 3.0
     rollout_precision: Literal["same", "fp32", "bf16", "fp16"] = "same"  # the sampler's; same: runtime.precision
+    # step k+1's rollouts sampled (from a copy of step k's weights) while step k updates; needs the correction above
+    async_rollouts: bool = False
     format_reward: float = 0.0  # weight of the well-formed-answer reward
     reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
     plain_prompts: bool = False  # BOS + text prompts for a model without a chat format

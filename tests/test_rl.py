@@ -297,9 +297,14 @@ def _fixed_loader(rank, world, seed=0):
         return (outs, [True] * len(outs), 0.0, torch.tensor([0.3 * len(o) for o in outs], dtype=torch.float64),
                 [None] * len(outs))
     loader._sample = sample
-    loader.rewarder = lambda ex, text, stopped: {"correct": float(len(text) % 3 == 0),
-                                                 "total": float(len(text) % 3 == 0)}
+    loader.rewarder = LengthReward()
     return model, loader, RLTask(rl)
+
+
+class LengthReward(Rewarder):
+    "Right (1) when the answer's length is a multiple of 3: a reward a random model's samples differ in."
+    def __init__(self): super().__init__()
+    def __call__(self, ex, text, stopped): c = float(len(text) % 3 == 0); return {"correct": c, "total": c}
 
 
 def _step_sums(model, loader, task, steps=2):

@@ -14,7 +14,7 @@ from gradient_garden.stages.grpo import (IS_MODES, RL_LOSSES, collate_rollouts, 
 from gradient_garden.stages.rl import RLTask
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
-from test_rl import trl_trainer  # noqa: E402  (TRL's trainer with only what `_compute_loss` reads)
+from test_rl import LengthReward, trl_trainer  # noqa: E402  (TRL's trainer with what `_compute_loss` reads)
 
 
 def trl_is_block() -> str:
@@ -131,7 +131,7 @@ def tiny_loader(rl: RLConfig, precision="fp32", seed=0):
                           add_generation_prompt=True: ([1] + [3 + ord(c) % 80 for c in msgs[0]["content"][:9]], None))
     exs = [Problem("verifiable", "add", f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
     loader = RolloutLoader(model, tok, exs, rl, None, 32, 8, 1, seed=3, precision=precision)
-    loader.rewarder = lambda ex, text, stopped: {"total": float(len(text) % 3 == 0)}
+    loader.rewarder = LengthReward()
     return model, loader
 
 

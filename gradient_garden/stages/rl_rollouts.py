@@ -5,7 +5,8 @@ micro-batches, resumable; dynamic sampling, task focus, adaptive entropy control
 
 # %% ../../nbs/47_rl_rollouts.ipynb #423be794
 from __future__ import annotations
-import math, time
+import copy, math, time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 import numpy as np
 import torch
@@ -24,8 +25,8 @@ from .grpo import (collate_rollouts, completion_logps, group_advantages, mismatc
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RolloutLoader', 'differs', 'choose_groups', 'TaskFocus', 'position_coin', 'EntropyControl', 'reference_completion',
-           'reference_losses', 'with_references']
+__all__ = ['RolloutLoader', 'differs', 'choose_groups', 'pending_rollouts', 'TaskFocus', 'position_coin', 'EntropyControl',
+           'reference_completion', 'reference_losses', 'with_references', 'check_async']
 
 # %% ../../nbs/47_rl_rollouts.ipynb #f934e6d2
 class RolloutLoader:
@@ -36,6 +37,7 @@ class RolloutLoader:
         self.model, self.tok, self.rl, self.rewarder, self.reference = model, tokenizer, rl, rewarder, reference
         self.seq_len, self.micro, self.grad_accum, self.precision = seq_len, micro_batch_size, grad_accum, precision
         self.rollout_precision = precision if rl.rollout_precision == "same" else rl.rollout_precision
+        if rl.async_rollouts: check_async(rl, model)   # below
         self.rank, self.world_size, self.seed = rank, world_size, seed
         ids = [encode_prompt(tokenizer, e.prompt, rl.plain_prompts) for e in examples]
         max_len = model.cfg.max_seq_len if hasattr(model, "cfg") else unwrap_model(model).cfg.max_seq_len
@@ -55,7 +57,7 @@ class RolloutLoader:
         self.focus = TaskFocus([e.task for e in self.examples], rl.task_focus) if rl.task_focus else None   # below
         self.skipped, self.failed = 0, []     # prompts whose samples all failed, and their references' advantages
         self.control = EntropyControl.from_rl(rl) if rl.use_adaptive_entropy else None   # below
-        self.buffer, self.pos, self.passes_left = [], 0, 0
+        self.buffer, self.pos, self.passes_left, self.pending, self._snap, self._pool = [], 0, 0, None, None, None
         self.stop_ids = sorted({t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None} |
                                {tokenizer.encode(s)[0] for s in rl.stop if tokenizer.encode(s)})
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -68,13 +70,13 @@ class RolloutLoader:
 
 # %% ../../nbs/47_rl_rollouts.ipynb #0b3ae876
 @patch
-def _sample(self: RolloutLoader, idx: list[int]) -> tuple:
+def _sample(self: RolloutLoader, idx: list[int], model=None, round_: Optional[int] = None) -> tuple:
     ("Completions of prompts `idx` (G each: `rl.off_policy_rows` of them the reference answer) from the current "
-     "weights, which stopped, the seconds it took, each row's summed token entropy (adaptive entropy control only) "
+     "weights (or `model`'s), which stopped, the seconds it took, each row's summed token entropy (adaptive entropy control only) "
      "and its tokens' log-probabilities under the sampler (mismatch correction only; None for a reference row).")
-    model, rl = plain_module(self.model), self.rl
+    model, rl = plain_module(self.model) if model is None else model, self.rl
     dev = next(model.parameters()).device
-    seed = int(np.random.SeedSequence([self.seed, self.round, self.rank]).generate_state(1)[0])
+    seed = int(np.random.SeedSequence([self.seed, self.round if round_ is None else round_, self.rank]).generate_state(1)[0])
     gen = torch.Generator(device=dev).manual_seed(seed)
     was = model.training
     model.eval()
@@ -155,16 +157,30 @@ def differs(rewards: torch.Tensor) -> bool:
     "Whether a group's rewards are not all equal (its advantages are not all zero)."
     return bool((rewards != rewards[0]).any())
 
+# %% ../../nbs/47_rl_rollouts.ipynb #86f8d068
+@patch
+def _take_prompts(self: RolloutLoader) -> list[int]:
+    "This round's prompts: those sampled one step ahead (async), else the stream's next."
+    return self.pending[0] if self.pending is not None else self._next_prompts()
+
+@patch
+def _sampled(self: RolloutLoader, idx: list[int]) -> tuple:
+    "This round's rollouts: those a thread sampled during the last update (async; waited for), else sampled now."
+    if self.pending is None: return self._sample(idx)
+    out, self.pending = self.pending[1].result(), None
+    return out
+
 # %% ../../nbs/47_rl_rollouts.ipynb #5650dbe6
 @patch
 def _sample_groups(self: RolloutLoader) -> tuple:
-    ("Groups `(prompt, completions, stopped, rewards, entropies, sampler log-probs)` of up to `rl.sampling_rounds` rounds, the reward "
-     "parts, the seconds, rounds, and whether any rank found a group whose sampled rows' rewards differ.")
+    ("Groups `(prompt, completions, stopped, rewards, entropies, sampler log-probs)` of up to `rl.sampling_rounds` "
+     "rounds, the reward parts, the seconds, rounds, and whether any rank found a group whose sampled rows' rewards "
+     "differ.")
     G, P, groups, parts, secs = self.rl.group_size, self.prompts_per_rank, [], {}, 0.0
     S = G - self.rl.off_policy_rows                                  # the sampled rows judge a group
     for n in range(1, self.rl.sampling_rounds + 1):
-        idx = self._next_prompts()
-        outs, stopped, s, ent, slp = self._sample(idx)
+        idx = self._take_prompts()                                   # below: async, one step ahead
+        outs, stopped, s, ent, slp = self._sampled(idx)
         rewards, p = self._score(idx, outs, stopped)
         self.round, secs = self.round + 1, secs + s
         parts = {k: parts.get(k, 0.0) + v for k, v in p.items()}
@@ -177,6 +193,7 @@ def _sample_groups(self: RolloutLoader) -> tuple:
         good = sum(differs(g[3][:S]) for g in groups)
         short, found = all_reduce(torch.tensor([max(P - good, 0), good], dtype=torch.float64)).tolist()
         if short == 0: break
+    if self.rl.async_rollouts: self._launch()   # the next step's, while this one trains
     return groups, parts, secs, n, found > 0
 
 # %% ../../nbs/47_rl_rollouts.ipynb #aba3b2c1
@@ -255,7 +272,19 @@ def state_dict(self: RolloutLoader) -> dict:
                 pos=self.pos, passes_left=self.passes_left, buffer=self.buffer if self.passes_left else [],
                 skipped=self.skipped, failed=[list(f) for f in self.failed],
                 focus=None if self.focus is None else dict(self.focus.rate),
-                entropy_control=None if self.control is None else self.control.state_dict()) | ref
+                entropy_control=None if self.control is None else self.control.state_dict(),
+                pending=self._pending_state()) | ref
+
+@patch
+def _pending_state(self: RolloutLoader) -> Optional[dict]:
+    "The rollouts sampled ahead and their prompts (waited for), for the loader's state."
+    return None if self.pending is None else {"prompts": self.pending[0], "rollouts": self.pending[1].result()}
+
+def pending_rollouts(d: Optional[dict]) -> Optional[tuple]:
+    "The `(prompts, done future)` of a saved `_pending_state`."
+    if not d: return None
+    f = Future(); f.set_result(tuple(d["rollouts"]))
+    return list(d["prompts"]), f
 
 # %% ../../nbs/47_rl_rollouts.ipynb #aaa9e78a
 @patch
@@ -271,7 +300,7 @@ def load_state_dict(self: RolloutLoader, d: dict):
                           "resume on as many (or with --reset-loader)")
     self.epoch, self.cursor, self.round = int(d["epoch"]), int(d["cursor"]), int(d["round"])
     self.pos, self.passes_left = int(d.get("pos", 0)), int(d.get("passes_left", 0))
-    self.buffer = list(d.get("buffer", []))
+    self.buffer, self.pending = list(d.get("buffer", [])), pending_rollouts(d.get("pending"))   # below
     self.skipped, self.failed = int(d.get("skipped", 0)), [(int(i), float(a)) for i, a in d.get("failed", [])]
     if self.focus is not None and d.get("focus"):
         self.focus.rate = {t: float(d["focus"].get(t, 1.0)) for t in self.focus.tasks}
@@ -462,3 +491,27 @@ def _correct_mismatch(self: RolloutLoader, sampler_logps: list):
     figures = dict(sampler_kl=(sums[0] / sums[1].clamp(min=1)).item(), is_ratio_max=top,
                    is_capped=(sums[2] / sums[3].clamp(min=1)).item())
     for b in self.buffer: b["stats"] = b["stats"] | figures
+
+# %% ../../nbs/47_rl_rollouts.ipynb #c23fa623
+def check_async(rl, model):
+    "The settings `rl.async_rollouts` runs with, or one line naming the one it needs."
+    if not rl.importance_sampling_correction:
+        raise ConfigError("rl.async_rollouts: got true; needs rl.importance_sampling_correction: true (rollouts one "
+                          "step old are corrected by importance sampling)")
+    if rl.sampling_rounds != 1:
+        raise ConfigError(f"rl.async_rollouts: got true; needs rl.sampling_rounds: 1 (got {rl.sampling_rounds}): a "
+                          "second round would wait on the update it overlaps")
+    if is_fsdp(model):
+        raise ConfigError("rl.async_rollouts: got true; a sharded model (runtime.fsdp) has no whole copy to sample "
+                          "from: set rl.async_rollouts: false")
+
+# %% ../../nbs/47_rl_rollouts.ipynb #68c3d05b
+@patch
+def _launch(self: RolloutLoader):
+    "Start sampling the next step's prompts on a copy of the current weights, in a thread, while this step trains."
+    src = plain_module(self.model)
+    if self._snap is None: self._snap = copy.deepcopy(src).requires_grad_(False)
+    else: self._snap.load_state_dict(src.state_dict())
+    if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+    idx = self._next_prompts()
+    self.pending = (idx, self._pool.submit(self._sample, idx, self._snap, self.round))
