@@ -12,8 +12,9 @@ from ..config import ConfigError
 
 # %% auto #0
 __all__ = ['WORDS', 'TASKS', 'SPLITS', 'PROBLEM_SPLITS', 'TEST_PERCENT', 'DEV_PERCENT', 'TEST_PER_TASK', 'SYSTEM_PROMPT',
-           'split_of', 'VerifiableExample', 'sample_examples', 'heldout_examples', 'test_examples', 'normalize_answer',
-           'exact_match', 'to_messages', 'sample_conversations', 'corrupt_answer', 'sample_preference_pairs']
+           'split_of', 'VerifiableExample', 'sample_examples', 'heldout_examples', 'figure_examples',
+           'normalize_answer', 'exact_match', 'to_messages', 'sample_conversations', 'corrupt_answer',
+           'sample_preference_pairs']
 
 # %% ../../nbs/05_verifiable.ipynb #9d12fc3c
 WORDS = """able acid aged also area army away baby back ball band bank base bath bear beat been beer bell belt best
@@ -126,7 +127,7 @@ def heldout_examples(n_per_task: int = 20, tasks=None, seed: int = 0, split: str
     if split not in ("dev", "test"): raise ConfigError(f"held-out split: got {split!r}; allowed: dev, test")
     return [e for t in _check_tasks(tasks) for e in sample_examples(n_per_task, split, [t], seed, unique=True)]
 
-def test_examples(tasks=None) -> list[VerifiableExample]:
+def figure_examples(tasks=None) -> list[VerifiableExample]:
     "The test set of figures: `TEST_PER_TASK` distinct test problems of each task."
     return heldout_examples(TEST_PER_TASK, tasks, seed=0, split="test")
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 from ..config import ConfigError
 from ..parallel.collectives import all_gather_objects
-from ..data.verifiable import heldout_examples, test_examples
+from ..data.verifiable import heldout_examples, figure_examples
 from ..generation import group_rollouts, plain_module
 from .verifiers import Problem, correctness, from_verifiable, gsm8k_final
 
@@ -191,7 +191,7 @@ def register_generative_set(s: GenerativeSet) -> GenerativeSet:
 # %% ../../nbs/34_generative.ipynb #9da8b2db
 def embedded_test(arg=None) -> list[Problem]:
     "The embedded verifiable tasks' test problems, 40 per task (400): the set figures are reported on."
-    return [from_verifiable(e) for e in test_examples()]
+    return [from_verifiable(e) for e in figure_examples()]
 
 def embedded_dev(arg=None) -> list[Problem]:
     "The embedded verifiable tasks' dev problems, 20 per task: the set runs are tuned on."
