@@ -10,6 +10,7 @@ one pass per rollout batch. Ours decodes with our KV cache (the prompt prefilled
 stdout is one JSON object with the figures.
 
     python bench/rl.py --smoke      # a random dim-64 model with a 1k BPE, 2 prompts x G 2, 4 new tokens, one timed step
+    python bench/rl.py --only ours --rollouts both --threads 2   # rl.async_rollouts against sampling then updating
 
 Without TRL installed its side is skipped with a line."""
 from __future__ import annotations
@@ -28,6 +29,9 @@ def parse():
     p.add_argument("--steps", type=int, default=4, help="timed steps per side (after one warm-up step)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", choices=["ours", "trl"], default=None)
+    p.add_argument("--rollouts", choices=["sync", "async", "both"], default="sync",
+                   help="ours: sample then update (sync), the next step's rollouts sampled during the update "
+                        "(rl.async_rollouts, with the correction it needs), or both from the same start")
     args = apply_smoke(add_smoke(p).parse_args(), prompts=2, group=2, max_new_tokens=4, steps=1)
     if args.smoke: args.checkpoint = smoke_checkpoint(smoke_dir("rl"))
     return args
@@ -67,13 +71,14 @@ def setup(args):
     return cfg, model, tok, exs
 
 
-def bench_ours(args, cfg, model, tok, exs) -> dict:
+def bench_ours(args, cfg, model, tok, exs, async_on: bool = False) -> dict:
     from gradient_garden.config import RLConfig
     from gradient_garden.evals.verifiers import Problem
     from gradient_garden.stages.rewards import Rewarder
     from gradient_garden.stages.rl import RLTask
     from gradient_garden.stages.rl_rollouts import RolloutLoader
-    rl = RLConfig(group_size=args.group, loss_type="dapo", temperature=1.0, max_new_tokens=args.max_new_tokens)
+    rl = RLConfig(group_size=args.group, loss_type="dapo", temperature=1.0, max_new_tokens=args.max_new_tokens,
+                  importance_sampling_correction=async_on, async_rollouts=async_on)
     examples = [Problem("verifiable", e.task, e.prompt, e.answer, {"answer": e.answer}) for e in exs]
     rows = args.prompts * args.group
     loader = RolloutLoader(model, tok, examples, rl, Rewarder(), 128, rows, 1, seed=0)
@@ -138,20 +143,25 @@ def main():
     if args.threads: torch.set_num_threads(args.threads)
     cfg, model, tok, exs = setup(args)
     res = {}
-    if args.only != "trl": res["ours"] = bench_ours(args, cfg, model, tok, exs)
+    if args.only != "trl" and args.rollouts != "async": res["ours"] = bench_ours(args, cfg, model, tok, exs)
+    if args.only != "trl" and args.rollouts != "sync":
+        res["ours_async"] = bench_ours(args, cfg, setup(args)[1], tok, exs, async_on=True)
     if args.only != "ours" and reference_available("trl", "TRL's GRPOTrainer (the reference)"):
         _, model2, _, _ = setup(args)
         res["trl"] = bench_trl(args, cfg, model2, tok, exs)
     print(f"prompts {args.prompts} x G {args.group}, max new tokens {args.max_new_tokens}, {args.steps} timed steps, "
           f"{torch.get_num_threads()} threads")
     for k, r in res.items():
-        print(f"{k:>5}: {r['completions_per_s']:8.1f} completions/s  step {r['step_s']:.2f} s"
+        print(f"{k:>10}: {r['completions_per_s']:8.1f} completions/s  step {r['step_s']:.2f} s"
               + (f"  rollout share {r['rollout_share']:.0%}" if "rollout_share" in r else ""))
-    ratio = res["ours"]["completions_per_s"] / res["trl"]["completions_per_s"] if len(res) == 2 else None
+    ratio = res["ours"]["completions_per_s"] / res["trl"]["completions_per_s"] if {"ours", "trl"} <= set(res) else None
     if ratio is not None: print(f"ratio ours / TRL: {ratio:.2f}x")
+    overlap = (res["ours_async"]["completions_per_s"] / res["ours"]["completions_per_s"]
+               if {"ours", "ours_async"} <= set(res) else None)
+    if overlap is not None: print(f"ratio async / sync: {overlap:.2f}x")
     print(json.dumps(dict(bench="rl", smoke=args.smoke, prompts=args.prompts, group=args.group,
                           max_new_tokens=args.max_new_tokens, steps=args.steps, threads=torch.get_num_threads(), **res,
-                          ours_over_trl=ratio)))
+                          ours_over_trl=ratio, async_over_sync=overlap)))
 
 
 if __name__ == "__main__":
