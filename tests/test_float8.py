@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, run_gg
-from gloo_ranks import run_ranks
 
 RECIPE = "recipes/pretraining/debug.yaml"
 

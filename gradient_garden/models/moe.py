@@ -14,10 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['ROUTERS', 'check_moe_config', 'route', 'expert_counts', 'load_balancing_loss', 'router_z_loss', 'StackedLinear',
-           'grouped_mm', 'GroupedExperts', 'moe_dispatch', 'reference_moe', 'grouped_mm_syncs', 'dispatch_capacity',
-           'MoEFeedForward', 'TendrilMoE', 'router_metrics_from_load', 'router_load_from_metrics', 'plot_router_load',
-           'moe_active_matmul_params', 'moe_flops_per_token', 'upcycle']
+__all__ = ['ROUTERS', 'HAS_GROUPED_MM', 'check_moe_config', 'route', 'expert_counts', 'load_balancing_loss', 'router_z_loss',
+           'StackedLinear', 'grouped_mm_loop', 'grouped_mm', 'expert_ffn', 'GroupedExperts', 'moe_dispatch',
+           'reference_moe', 'grouped_mm_syncs', 'dispatch_capacity', 'MoEFeedForward', 'TendrilMoE',
+           'router_metrics_from_load', 'router_load_from_metrics', 'plot_router_load', 'moe_active_matmul_params',
+           'moe_flops_per_token', 'upcycle']
 
 # %% ../../nbs/12_moe.ipynb #1c54333d
 from ..config import ConfigError, ModelConfig
@@ -111,15 +112,34 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 # %% ../../nbs/12_moe.ipynb #2e44e01b
+HAS_GROUPED_MM = hasattr(F, "grouped_mm")   # torch._grouped_mm's public wrapper, in builds from 2.9
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    "The grouped matmul as a loop over groups: `a[start:end] @ b[g]` for each group g (any torch build)."
+    ends = offs.tolist()
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+
 @torch.compiler.disable
 def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     "`F.grouped_mm` run outside any compiled graph."
     return F.grouped_mm(a, b, offs=offs)
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    ("`F.grouped_mm(a, b, offs=offs)`; kept out of `torch.compile` graphs for dtypes its compiler rules reject (all "
-     "but bf16).")
+    ("`F.grouped_mm(a, b, offs=offs)` (the loop where the build lacks it); kept out of `torch.compile` graphs for "
+     "dtypes its compiler rules reject (all but bf16).")
+    if not HAS_GROUPED_MM: return grouped_mm_loop(a, b, offs)
     return F.grouped_mm(a, b, offs=offs) if a.dtype == torch.bfloat16 else _grouped_mm_eager(a, b, offs)
+
+# %% ../../nbs/12_moe.ipynb #19e33ce0
+def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    "SwiGLU experts of stacked weights `w13 [E, 2 hidden, dim]`, `w2 [E, dim, hidden]` on rows `x` (see `forward`)."
+    dt = _matmul_dtype(x)
+    # [E, dim, 2 hidden], a view in the weights' dtype
+    w13 = w13.mT.to(dt)
+    w2 = w2.mT.to(dt).contiguous()                      # [E, hidden, dim]
+    mm = torch.bmm if offs is None else partial(grouped_mm, offs=offs)
+    gate, up = mm(x.to(dt), w13).chunk(2, dim=-1)
+    return mm(F.silu(gate) * up, w2)
 
 # %% ../../nbs/12_moe.ipynb #29ef78de
 class GroupedExperts(nn.Module):
@@ -134,13 +154,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
         "Rows `x [M, dim]` sorted by expert with group ends `offs [E]` (int32), or `x [E, C, dim]` padded per expert."
-        dt = _matmul_dtype(x)
-        # [E, dim, 2 hidden], a view in the weights' dtype
-        w13 = self.w13.weight.mT.to(dt)
-        w2 = self.w2.weight.mT.to(dt).contiguous()                      # [E, hidden, dim]
-        mm = torch.bmm if offs is None else partial(grouped_mm, offs=offs)
-        gate, up = mm(x.to(dt), w13).chunk(2, dim=-1)
-        return mm(F.silu(gate) * up, w2)
+        return expert_ffn(x, self.w13.weight, self.w2.weight, offs)
 
 # %% ../../nbs/12_moe.ipynb #17689558
 @patch
