@@ -15,8 +15,8 @@ import yaml
 __all__ = ['STAGE_NAME', 'ConfigError', 'RunConfig', 'RuntimeConfig', 'ModelConfig', 'EarlyStoppingConfig', 'TrainingConfig',
            'AdamWConfig', 'MuonConfig', 'OptimizersConfig', 'PathsConfig', 'ValidationConfig', 'EvalsConfig',
            'GenerationConfig', 'CheckpointingConfig', 'TokenizerConfig', 'LoraConfig', 'DistillationConfig',
-           'DPOConfig', 'RLConfig', 'WandbConfig', 'TorchProfilerConfig', 'stage_folder', 'GlobalConfig', 'from_plain',
-           'to_plain', 'grad_accum_steps', 'syntax_error_line', 'read_data_file']
+           'DPOConfig', 'RLConfig', 'WandbConfig', 'TorchProfilerConfig', 'FaultToleranceConfig', 'stage_folder',
+           'GlobalConfig', 'from_plain', 'to_plain', 'grad_accum_steps', 'syntax_error_line', 'read_data_file']
 
 # %% ../nbs/00_config.ipynb #b3a413df
 class ConfigError(ValueError):
@@ -311,6 +311,17 @@ class TorchProfilerConfig:
     profile_memory: bool = False
     with_stack: bool = False
 
+@dataclass
+class FaultToleranceConfig:
+    "Per-step fault tolerance across replica groups with torchft (see 23_fault_tolerance); off unless `enabled`."
+    enabled: bool = False
+    lighthouse: str = ""          # e.g. http://host:29510; empty: the TORCHFT_LIGHTHOUSE environment variable
+    replica_group: int = -1       # this group's index in [0, replica_groups); -1: REPLICA_GROUP_ID
+    replica_groups: int = 2       # groups the data is split across; each takes training.total_batch_size per step
+    min_replicas: int = 1         # groups a step needs before it is applied
+    timeout_s: float = 60.0       # cross-group all-reduce, commit vote and healing transfer
+    quorum_timeout_s: float = 120.0
+
 # %% ../nbs/00_config.ipynb #d1d29a3a
 STAGE_NAME = re.compile(r"[A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -339,6 +350,7 @@ class GlobalConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     torch_profiler: TorchProfilerConfig = field(default_factory=TorchProfilerConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     stage_options: dict = field(default_factory=dict)   # a plugin stage's own options, checked by its `Stage`
 
     @property

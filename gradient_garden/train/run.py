@@ -16,6 +16,7 @@ from ..checks import notice, validate
 from ..recipes import save_config, load_dotenv
 from ..parallel.collectives import barrier, broadcast_object
 from ..parallel.distributed import DistEnv, Agreement, init_distributed, parallelize, watch_collectives
+from ..parallel.fault_tolerance import data_env, open_fault_tolerance
 from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops
 from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot
@@ -383,11 +384,13 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     "Build the model, stage and trainer, write config and snapshot, and fit."
     ckpt = box.pop()
     model = build_run_model(cfg, env, ckpt)
-    parts = build_stage(cfg, tokenizer, env, model)
+    parts = build_stage(cfg, tokenizer, data_env(cfg, env), model)   # replica groups read different shares
     seed_everything(cfg.training.seed)
     trainer = Trainer(cfg, model, parts.task, parts.train_loader, parts.val_loader, tokenizer=tokenizer, env=env,
                       final_evaluate=parts.evaluate)
     trainer.callbacks.extend(callbacks)
+    # fault tolerance across replica groups (23_fault_tolerance): the trainer calls it three times a step
+    trainer.fault_tolerance = open_fault_tolerance(cfg, env, trainer.live_state, trainer.load_live_state)
     if env.is_main and trainer.log_to_console:
         print(mfu_peak_line(env.device, cfg.runtime.precision, trainer.tf32), flush=True)
     if ckpt is not None and ckpt.get("stage") == cfg.training.stage:
@@ -406,4 +409,6 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     stop = StopRequest(check_every_s=cfg.runtime.stop_check_s)   # agreed about every stop_check_s on several ranks
     with stop, watch_collectives(env, step=lambda: f"{trainer.state.step + 1}"):
         trainer.stop_request = stop
-        return trainer.fit() | dict(run_dir=str(trainer.run_dir))
+        try: return trainer.fit() | dict(run_dir=str(trainer.run_dir))
+        finally:
+            if trainer.fault_tolerance is not None: trainer.fault_tolerance.shutdown()

@@ -18,7 +18,7 @@ from ..hardware import peak_flops
 from ..parallel.collectives import all_reduce, barrier, is_fsdp
 from ..parallel.distributed import (DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_,
                                                   mesh_shape, virtual_order)
-from ..checkpoint.checkpoints import CheckpointManager
+from ..checkpoint.checkpoints import CheckpointManager, rng_state, set_rng_state
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
 from ..generation import default_test_prompts, encode_prompts, generate
@@ -161,6 +161,8 @@ def _optimizer_step(self: Trainer) -> torch.Tensor | None:
     grad_norm = None
     # a background save's copy of the weights is done
     if self.ckpt_manager is not None: self.ckpt_manager.wait_for_staging()
+    ft = getattr(self, "fault_tolerance", None)   # replica groups (23_fault_tolerance): average, vote, or drop
+    if ft is not None and not ft.commit(self.model): return None   # a group failed mid-step: every group drops it
     if self.cfg.training.grad_clip:
         for o in self.optimizers: self.scaler.unscale_(o)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip)  # same norm on any layout
@@ -182,6 +184,8 @@ def _virtual_order(self: Trainer, n_micro: int) -> list:
 def train_step(self: Trainer) -> dict:
     "Take `grad_accum` host micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
     cfg, dev = self.cfg, self.env.device
+    ft = getattr(self, "fault_tolerance", None)
+    if ft is not None: ft.start_step()   # this step's quorum; a group that is behind heals here, before the lr
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
     t0 = time.perf_counter()
@@ -194,6 +198,7 @@ def train_step(self: Trainer) -> dict:
     count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
     loss_total, metric_sums = self._micro_steps(batches, count)
     grad_norm = self._optimizer_step()
+    if ft is not None and not ft.committed: return None   # dropped by the replica groups: the step is not counted
     out = dict(loss=all_reduce(loss_total) / count, n_units=count, n_tokens=n_tokens, **lrs)
     for k, v in metric_sums.items(): out[k] = all_reduce(v) / count
     if grad_norm is not None: out["grad_norm"] = grad_norm
@@ -267,6 +272,28 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
               f"so the run follows theirs within float rounding (training.virtual_ranks={saved} adds them as the "
               "ranks did: bit for bit after 2 ranks of DDP or FSDP2 in fp32; rings of more ranks sum in orders of "
               "their own)", file=sys.stderr)
+
+# %% ../../nbs/55_trainer.ipynb #a93fa12a
+@patch
+def live_state(self: Trainer) -> dict:
+    "This rank's state in memory, for a replica group that heals: weights, optimizers, counters, loader and RNG."
+    self.settle_tokens()
+    return dict(model=unwrap_model(self.model).state_dict(), optimizers=[o.state_dict() for o in self.optimizers],
+                step=self.state.step, tokens_seen=self.state.tokens_seen, val_history=list(self.state.val_history),
+                best_val_loss=self.state.best_val_loss, loader=self.train_loader.state_dict(), rng=rng_state(),
+                scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                early=dict(best=self.early.best, bad=self.early.bad) if self.early else {})
+
+@patch
+def load_live_state(self: Trainer, sd: dict):
+    "Take a peer's `live_state`: from here this rank goes on exactly as the peer does."
+    unwrap_model(self.model).load_state_dict(sd["model"])
+    for o, s in zip(self.optimizers, sd["optimizers"]): o.load_state_dict(s)
+    self.state.step, self.state.tokens_seen, self._pending_tokens = sd["step"], sd["tokens_seen"], None
+    self.state.val_history, self.state.best_val_loss = list(sd["val_history"]), sd["best_val_loss"]
+    self.train_loader.load_state_dict(sd["loader"]); set_rng_state(sd["rng"])
+    if sd["scaler"]: self.scaler.load_state_dict(sd["scaler"])
+    if self.early and sd["early"]: self.early.best, self.early.bad = sd["early"]["best"], sd["early"]["bad"]
 
 # %% ../../nbs/55_trainer.ipynb #2f747796
 @patch
@@ -516,6 +543,7 @@ def fit(self: Trainer) -> dict:
         with (prof if prof is not None else contextlib.nullcontext()):
             while self.state.step < t.max_steps:
                 out, val_loss = self.train_step(), None
+                if out is None: continue   # a step the replica groups dropped (23_fault_tolerance)
                 if not self._warm: self._warm = True; set_collective_timeout(env, cfg.runtime.collective_timeout_s)
                 if prof is not None: prof.step()
                 step, rec = self.state.step, self._interval_record(out)

@@ -1,0 +1,100 @@
+"""Per-step fault tolerance with torchft on CPU (gloo): a lighthouse in this process and two replica groups, each a
+`gg train` process of its own. One group is `kill -9`ed mid-run; the other keeps stepping without a restart; the
+killed one is started again with the same command, heals from its peer's live state and rejoins; both end with
+bit-equal weights and optimizer state. Also the one-line errors for a missing lighthouse and a missing torchft."""
+import json, os, signal, subprocess, time
+os.environ.setdefault("RUST_LOG", "warn")   # the lighthouse in this process logs every quorum at INFO otherwise
+from pathlib import Path
+import pytest
+import torch
+from conftest import GG, ROOT, run_gg
+from test_train_e2e import RECIPE, small
+from gradient_garden.checkpoint.checkpoints import list_checkpoints, load_checkpoint
+
+LighthouseServer = pytest.importorskip("torchft.coordination").LighthouseServer
+STEPS = 300
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RUST_LOG": "warn"}
+
+def sets(prepared, out: Path, group: int, lighthouse: str) -> list[str]:
+    "A tiny fp32 Tendril, 2 micro-batches a step, the final checkpoint only, as replica group `group` of 2."
+    tiny = {"model.dim": 64, "model.n_layers": 2, "model.max_seq_len": 64, "training.seq_len": 64,
+            "training.micro_batch_size": 4, "training.total_batch_size": 512,
+            "runtime.device": "cpu", "runtime.precision": "fp32", "checkpointing.every": STEPS,
+            "checkpointing.format": "full", "generation.every": 0, "validation.enabled": "false",
+            "evals.hellaswag": "false", "evals.winogrande": "false", "evals.arc_challenge": "false",
+            "fault_tolerance.enabled": "true", "fault_tolerance.lighthouse": lighthouse,
+            "fault_tolerance.replica_group": group, "fault_tolerance.replica_groups": 2,
+            "fault_tolerance.min_replicas": 1, "fault_tolerance.timeout_s": 10}
+    return small(prepared, out/f"group{group}", steps=STEPS, **tiny)
+
+def run_dir(out: Path, group: int) -> Path: return out/f"group{group}"/"runs"/"pretraining"/"debug"
+
+def last_step(out: Path, group: int) -> int:
+    "The latest step in group `group`'s metrics.jsonl (0 before the first)."
+    p = run_dir(out, group)/"metrics.jsonl"
+    rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.is_file() else []
+    return max((r["step"] for r in rows), default=0)
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    "`gg ARGS` as a process of its own, its output into `log`."
+    return subprocess.Popen(GG + [str(a) for a in args], cwd=ROOT, env=ENV, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+
+def wait_until(cond, what: str, procs=(), timeout=240):
+    "Poll `cond()` until true; fail naming `what` if a process in `procs` ends first or time runs out."
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond(): return
+        for p in procs: assert p.poll() is None, f"a replica group ended before {what}"
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+@pytest.mark.slow   # 100-140 s on a shared 2-core machine: 300 steps, so a restarted process finds its peer running
+def test_a_killed_replica_group_heals_and_rejoins(prepared, tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    args = [["train", "--recipe", RECIPE, "--set", *sets(prepared, tmp_path, g, lighthouse.address())] for g in (0, 1)]
+    g0 = start(args[0], tmp_path/"group0.log")
+    g1 = start(args[1], tmp_path/"group1.log")
+    try:
+        wait_until(lambda: last_step(tmp_path, 1) >= 5, "group 1's fifth step", [g0, g1])
+        os.kill(g1.pid, signal.SIGKILL); g1.wait(timeout=30)
+        killed_at = last_step(tmp_path, 0)
+        wait_until(lambda: last_step(tmp_path, 0) >= killed_at + 5, "group 0 stepping alone", [g0])
+        alone_to = last_step(tmp_path, 0)
+        g1 = start(args[1], tmp_path/"group1_again.log")   # the same command again
+        assert g1.wait(timeout=240) == 0, (tmp_path/"group1_again.log").read_text()[-3000:]
+        assert g0.wait(timeout=240) == 0, (tmp_path/"group0.log").read_text()[-3000:]
+    finally:
+        for p in (g0, g1):
+            if p.poll() is None: p.kill()
+        lighthouse.shutdown()
+    again = (tmp_path/"group1_again.log").read_text()
+    healed = [l for l in again.splitlines() if "replica group 1: healed from a live peer's state at step" in l]
+    assert len(healed) == 1, again[-3000:]
+    healed_at = int(healed[0].rsplit(" ", 1)[1])
+    assert alone_to < healed_at < STEPS, (killed_at, alone_to, healed_at)   # it joined a run that had gone on
+    a, b = (load_checkpoint(list_checkpoints(run_dir(tmp_path, g)/"checkpoints")[-1]) for g in (0, 1))
+    assert a["step"] == b["step"] == STEPS
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["loader"] == b["loader"]   # the same position in the global order: each group reads its own share
+    print(f"group 1 killed at group 0's step {killed_at}; group 0 alone to step {alone_to}; group 1 healed at step "
+          f"{healed_at}; both finished {STEPS} steps with bit-equal weights")
+
+def test_fault_tolerance_without_a_lighthouse_is_one_line(prepared, tmp_path):
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=2),
+               "fault_tolerance.enabled=true", "fault_tolerance.replica_group=0", check=False,
+               env={"TORCHFT_LIGHTHOUSE": None})
+    assert r.returncode != 0
+    assert "fault_tolerance.lighthouse: got '' and TORCHFT_LIGHTHOUSE is not set" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+def test_fault_tolerance_without_torchft_is_one_line(prepared, tmp_path):
+    hide = tmp_path/"hide"; hide.mkdir()
+    (hide/"torchft.py").write_text("raise ImportError('No module named torchft (hidden for this test)')\n")
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=2),
+               "fault_tolerance.enabled=true", "fault_tolerance.replica_group=0",
+               "fault_tolerance.lighthouse=http://localhost:1", check=False, env={"PYTHONPATH": str(hide)})
+    assert r.returncode != 0
+    assert "torchft cannot be imported" in r.stderr and "pip install 'gradient-garden[ft]'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
