@@ -73,6 +73,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   device and backend, and apply data
 - `gradient_garden.parallel.expert_parallel`: TendrilMoE's experts spread over ranks, tokens sent to their experts and
   back by all-to-all: `apply_expert_parallel`.
+- `gradient_garden.parallel.fault_tolerance`: Replica groups that keep training when one of them dies (torchft), and a
+  restarted one that heals from a live peer.
 - `gradient_garden.parallel.tensor_parallel`: Split every block's matrices over tensor-parallel ranks by heads (q/k/v,
   wo) and by hidden columns (gate/up, w2),
 - `gradient_garden.recipes`: Recipes that bundle a `GlobalConfig` with a data mix; dotted `--set` overrides; the
