@@ -106,6 +106,7 @@ class TrainingConfig:
     ("The optimisation budget: stage, batch in tokens, micro batch, sequence length, steps (`packing`: SFT rows hold "
      "several chats).")
     stage: str = "pretraining"      # a registered stage (40_stages) or a plugin's `module:attr` naming its `Stage`
+    init_from: Optional[str] = None  # hf:<folder or hub id>: start from that Hugging Face model (29_hf_files)
     seed: int = 1337
     total_batch_size: int = 8192
     micro_batch_size: int = 8

@@ -9,15 +9,15 @@ from __future__ import annotations
 import copy, json, shutil, warnings
 from pathlib import Path
 import torch
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, GlobalConfig, ModelConfig, TokenizerConfig, to_plain
 from ..models.hf import check_llama_compatible, hf_config, model_config_from_hf
 from ..models.lora import lora_modules, save_peft_adapter, unload_lora
 from ..models.tendril import Tendril
 from .state_dict import StateDictAdapter
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_files', 'export_hf', 'load_hf',
-           'export_hf_with_adapter']
+__all__ = ['TOKENIZER_FILES', 'HF_START', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_files', 'export_hf', 'load_hf',
+           'export_hf_with_adapter', 'hf_start_folder', 'adopt_hf_model', 'hf_start_checkpoint']
 
 # %% ../../nbs/29_hf_files.ipynb #689c80b6
 def to_hf_model(model: Tendril, tokenizer=None):
@@ -62,6 +62,8 @@ def copy_tokenizer_files(src, out_dir) -> list[str]:
     for n in copied: shutil.copy2(src / n, out_dir / n)
     return copied
 
+
+# %% ../../nbs/29_hf_files.ipynb #859fab16
 def export_hf(model: Tendril, out_dir, tokenizer=None, tokenizer_dir=None, dtype: torch.dtype | None = None) -> Path:
     ("Write `model` as a Hugging Face folder of its family (`config.json` naming e.g. `Qwen3ForCausalLM`; tokenizer "
      "files too).")
@@ -110,3 +112,50 @@ def export_hf_with_adapter(model: Tendril, out_dir, tokenizer=None, tokenizer_di
     adapter = save_peft_adapter(model, out/"adapter", rename=StateDictAdapter(model).hf_module,
                                 base_model_name_or_path=str(out.resolve()), dtype=dtype)
     return out, adapter
+
+# %% ../../nbs/29_hf_files.ipynb #8e50556d
+HF_START = "hf:"
+
+def hf_start_folder(spec: str | None) -> Path | None:
+    "The local folder `training.init_from` names (`hf:<folder or hub id>`; a hub id downloaded), or None."
+    if not spec: return None
+    if not spec.startswith(HF_START):
+        raise ConfigError(f"training.init_from: got {spec!r}; expected {HF_START}<folder or hub id>")
+    name = spec[len(HF_START):]
+    path = Path(name).expanduser()
+    if path.is_dir(): return path
+    if path.is_absolute() or name.startswith(".") or name.count("/") != 1:
+        raise ConfigError(f"training.init_from: {name} is not a folder (nor a hub id such as Qwen/Qwen3-0.6B)")
+    from huggingface_hub import snapshot_download   # lazy: only a hub id needs it, on a machine that may download
+    return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
+
+# %% ../../nbs/29_hf_files.ipynb #4322f171
+def _has_chat_template(folder: Path) -> bool:
+    "True when the folder's tokenizer files carry a chat template (`chat_template.jinja` or in `tokenizer_config.json`)."
+    if (folder/"chat_template.jinja").is_file(): return True
+    tc = folder/"tokenizer_config.json"
+    return tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))
+
+def adopt_hf_model(cfg: GlobalConfig) -> GlobalConfig:
+    "`cfg` with its `model` section and tokenizer read from the folder `training.init_from` names (unchanged if none)."
+    from transformers import AutoConfig   # lazy: transformers takes seconds to import
+    folder = hf_start_folder(cfg.training.init_from)
+    if folder is None: return cfg
+    if not (folder/"config.json").is_file():
+        raise ConfigError(f"training.init_from: {folder} is not a Hugging Face model folder (no config.json)")
+    model = model_config_from_hf(AutoConfig.from_pretrained(folder), where=str(folder/"config.json"))
+    cfg.model = ModelConfig(**{**model.__dict__, "attention_backend": cfg.model.attention_backend})
+    cfg.tokenizer = TokenizerConfig(backend="huggingface", path=str(folder))
+    return cfg
+
+# %% ../../nbs/29_hf_files.ipynb #5e87a2ae
+def hf_start_checkpoint(cfg: GlobalConfig) -> dict | None:
+    ("The checkpoint dict a run of `cfg` starts from when `training.init_from` names a Hugging Face folder (after "
+     "`adopt_hf_model`), else None.")
+    folder = hf_start_folder(cfg.training.init_from)
+    if folder is None: return None
+    with torch.device("meta"): shell = Tendril(cfg.model)
+    weights = StateDictAdapter(shell).from_hf(_read_hf_weights(folder))
+    stage = "instruct" if _has_chat_template(folder) and cfg.training.stage != "pretraining" else "pretraining"
+    return dict(step=0, stage=stage, architecture=cfg.model.architecture, config=to_plain(cfg), model=weights,
+                from_hf=str(folder))

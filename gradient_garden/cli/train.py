@@ -14,15 +14,16 @@ from ..config import ConfigError
 from ..recipes import load_config
 from ..stages.registry import STAGES, check_stage
 from ..checkpoint.checkpoints import list_checkpoints
+from ..checkpoint.hf import HF_START, adopt_hf_model
 from ..parallel.distributed import destroy_distributed
 from ..train.plan import format_plan, plan
 from ..train.run import prepare_run_dir, restart_point, run_training
 
 # %% auto #0
-__all__ = ['add_config_args', 'config_from_args', 'add_train_args', 'run_train', 'stopped_line', 'forward_to_children',
-           'forwarding_stop_signals', 'default_train_notebook', 'report_path', 'add_notebook_args',
-           'KernelStartStopped', 'stop_if_signalled', 'kernel_log_manager', 'kernel_error', 'notebook_parameters',
-           'run_notebook', 'add_plan_args', 'run_plan']
+__all__ = ['add_config_args', 'config_from_args', 'add_hf_start_arg', 'add_train_args', 'run_train', 'stopped_line',
+           'forward_to_children', 'forwarding_stop_signals', 'default_train_notebook', 'report_path',
+           'add_notebook_args', 'KernelStartStopped', 'stop_if_signalled', 'kernel_log_manager', 'kernel_error',
+           'notebook_parameters', 'run_notebook', 'add_plan_args', 'run_plan']
 
 # %% ../../nbs/74_cli_train.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -42,15 +43,22 @@ def config_from_args(args) -> tuple:
     try:
         cfg, recipe = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides,
                                   stage=getattr(args, "stage", None))
+        if getattr(args, "hf_checkpoint", None): cfg.training.init_from = HF_START + args.hf_checkpoint
         check_stage(cfg, int(os.environ.get("WORLD_SIZE", 1)))   # a plugin's stage is imported here, before any work
         return cfg, recipe
     except ConfigError as e: e.same_on_every_rank = True; raise
 
 # %% ../../nbs/74_cli_train.ipynb #127497d4
+def add_hf_start_arg(p: argparse.ArgumentParser):
+    "Add `--hf-checkpoint DIR`: start from a Hugging Face model (sets `training.init_from: hf:DIR`)."
+    p.add_argument("--hf-checkpoint", metavar="DIR", help="start from this Hugging Face model folder or hub id "
+                   "(training.init_from: hf:DIR); its config.json decides the model, its tokenizer files the tokenizer")
+
 def add_train_args(p: argparse.ArgumentParser):
     "Flags of `gg train` (and `gg notebook`)."
     add_config_args(p)
     p.add_argument("--checkpoint", help="resume from (or, for a new stage, start from) this checkpoint file")
+    add_hf_start_arg(p)
     p.add_argument("--reset-optimizers", action="store_true",
                    help="ignore the optimizer state stored in the checkpoint")
     p.add_argument("--start-step", type=int, help="override the step counter")
@@ -239,6 +247,7 @@ def run_notebook(args) -> int:
 def add_plan_args(p: argparse.ArgumentParser):
     "Flags of `gg plan`."
     add_config_args(p)
+    add_hf_start_arg(p)
     p.add_argument("--gpu", default="H100", help="H100, H200, A100, L40S or cpu (default H100)")
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--nodes", type=int, default=1)
@@ -251,7 +260,8 @@ def run_plan(args) -> int:
     "`gg plan`: print the plan; exit status 1 (after printing it) when it does not fit."
     cfg, _ = load_config(recipe=args.recipe, config=args.config, overrides=args.overrides, stage=args.stage,
                          world_size=1)
-    check_stage(cfg)
+    if args.hf_checkpoint: cfg.training.init_from = HF_START + args.hf_checkpoint
+    check_stage(adopt_hf_model(cfg))   # a Hugging Face start: the folder's model is the one planned
     p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from)
     print(format_plan(p))
     return 0 if p.fits else 1

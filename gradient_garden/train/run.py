@@ -25,6 +25,7 @@ from .trainer import Trainer
 from .plan import check_fit, estimate_workload
 from ..checkpoint.checkpoints import (base_weights, check_compatible, list_checkpoints, load_checkpoint,
                                                     resolve_checkpoint)
+from ..checkpoint.hf import adopt_hf_model, hf_start_checkpoint
 from ..models.lora import apply_lora
 from ..models.float8 import apply_float8, float8_emulated
 from ..models.tendril import unwrap_model
@@ -276,7 +277,8 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
     "The run's model: built on the meta device, parallelised, then each rank's shards made, initialised or loaded."
     torch.manual_seed(cfg.training.seed)
     with torch.device("meta"): model = build_model(cfg.model)
-    new_stage = ckpt is not None and ckpt.get("stage") != cfg.training.stage
+    # a new stage, or a Hugging Face model (`training.init_from`): start from its weights, not resume it
+    new_stage = ckpt is not None and (ckpt.get("stage") != cfg.training.stage or "from_hf" in ckpt)
     if cfg.lora.enabled or not hasattr(model, "param_init"):   # built whole: LoRA wraps a loaded base model
         model = build_model(cfg.model)
         if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
@@ -304,7 +306,8 @@ def _claim_run_dir(cfg: GlobalConfig, env: DistEnv, checkpoint, ckpt: dict | Non
     if env.is_main:
         try:
             lock.acquire()
-            own = ckpt["step"] if ckpt and ckpt.get("stage") == cfg.training.stage else 0 if restarting else None
+            resumed = ckpt and ckpt.get("stage") == cfg.training.stage and "from_hf" not in ckpt
+            own = ckpt["step"] if resumed else 0 if restarting else None
             resume = start_step if start_step is not None else own
             here = restarting or bool(checkpoint) and (resolve_checkpoint(checkpoint).resolve().parent
                                          == (cfg.run_dir/"checkpoints").resolve())
@@ -341,6 +344,7 @@ def _checked_inputs(cfg: GlobalConfig, env: DistEnv, checkpoint, start_step) -> 
         check_compatible(ckpt, cfg, allow_stage_change=True, tokenizer_identity=tokenizer.identity)
         if "model" not in ckpt and ckpt.get("stage") != cfg.training.stage:  # a new stage starts from full weights
             ckpt = load_checkpoint(checkpoint, optimizers=False)
+    else: ckpt = hf_start_checkpoint(cfg)   # `training.init_from: hf:...`: the weights of a Hugging Face model
     _check_start(cfg, start_step, ckpt)
     check_start(cfg, ckpt)   # the stage order, then what the stage needs of its start (RL: a chat model)
     # before anything is allocated
@@ -361,7 +365,7 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if env.is_main and cfg.runtime.float8 != "none":
         print(f"float8: {cfg.runtime.float8} scaling in the Linear layers" + (
               " (emulated: float8 rounding, fp32 matmuls)" if float8_emulated(env.device) else ""), flush=True)
-    try: check_stage(validate(cfg, env.world_size), env.world_size)
+    try: check_stage(validate(adopt_hf_model(cfg), env.world_size), env.world_size)   # the folder decides the model
     except ConfigError as e: e.same_on_every_rank = True; raise
     for section in unread_sections(cfg):   # nothing a user sets is silently ignored
         notice(f"{section}: set away from its defaults, but the {cfg.training.stage} stage does not read it")
@@ -393,7 +397,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     trainer.fault_tolerance = open_fault_tolerance(cfg, env, trainer.live_state, trainer.load_live_state)
     if env.is_main and trainer.log_to_console:
         print(mfu_peak_line(env.device, cfg.runtime.precision, trainer.tf32), flush=True)
-    if ckpt is not None and ckpt.get("stage") == cfg.training.stage:
+    if ckpt is not None and ckpt.get("stage") == cfg.training.stage and "from_hf" not in ckpt:
         trainer.load_checkpoint_state(ckpt, reset_optimizers=reset_optimizers, reset_loader=reset_loader,
                                       reset_val_history=reset_val_history, start_step=start_step)
     elif start_step is not None: trainer.state.step = start_step

@@ -1,0 +1,138 @@
+"""Every stage starts from a Hugging Face folder (`training.init_from: hf:DIR`, `gg train --hf-checkpoint DIR`): a
+Qwen3-shaped folder built locally with `transformers` (its tokenizer files beside it) starts SFT, DPO (the reference
+is the imported model: the first loss is log 2), distillation (teacher = the same folder: the first KL is 0), LoRA,
+on one process and under FSDP2 on 2 gloo ranks (the same losses), each resuming bit-exactly; `gg plan` plans it."""
+import json, math, shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import ROOT, run_gg
+from gradient_garden.checkpoint.checkpoints import load_checkpoint
+from gradient_garden.checkpoint.hf import load_hf
+from gradient_garden.config import GlobalConfig, TokenizerConfig, from_plain
+from gradient_garden.data.verifiable import WORDS, sample_conversations
+from gradient_garden.stages.dpo import prepare_dpo
+from gradient_garden.stages.sft import prepare_instruct
+from gradient_garden.tokenizer import init_tokenizer, train_bpe
+from gradient_garden.train.run import run_training
+
+VOCAB, SEQ = 768, 64
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    "A Qwen3 folder (random weights, norm gains drawn, tied embeddings, 32-wide heads) with its tokenizer, and data."
+    base = tmp_path_factory.mktemp("hf_start")
+    texts = [m["content"] for c in sample_conversations(2000, seed=0) for m in c] + [" ".join(WORDS)] * 3
+    tok_dir = train_bpe(texts, VOCAB, base/"tok")
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=SEQ, tie_word_embeddings=True, initializer_range=0.05)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight"): p.normal_(1.0, 0.2)
+    folder = base/"Qwen3-tiny"
+    hf.save_pretrained(folder)
+    shutil.copytree(tok_dir, folder, dirs_exist_ok=True)
+    tok = init_tokenizer(TokenizerConfig(path=str(folder)))
+    g = GlobalConfig(tokenizer=TokenizerConfig(path=str(folder)))
+    g.paths.datasets = str(base/"datasets")
+    src = {"type": "verifiable", "train": 200, "val": 20, "seed": 0}
+    prepare_instruct({"sources": [src]}, g, base/"datasets"/"instruct", tok, progress=False)
+    prepare_dpo({"sources": [dict(src, seed=1)]}, g, base/"datasets"/"dpo", tok, progress=False)
+    return dict(base=base, folder=folder, datasets=base/"datasets")
+
+
+def _cfg(inputs, stage, runs, steps=4, **over) -> GlobalConfig:
+    d = {"training": {"stage": stage, "init_from": f"hf:{inputs['folder']}", "max_steps": steps, "seed": 7,
+                      "micro_batch_size": 4, "seq_len": SEQ, "total_batch_size": 8 * SEQ, "log_every": 1},
+         "optimizers": {"adamw": {"warmup_steps": 1, "max_lr": 1e-3, "min_lr": 1e-4}},
+         "validation": {"every": 2, "steps": 1}, "checkpointing": {"every": 2, "keep_last": 5},
+         "generation": {"every": 0}, "evals": {"every": 0}, "runtime": {"device": "cpu", "precision": "fp32"},
+         "paths": {"datasets": str(inputs["datasets"]), "runs": str(runs)}}
+    for k, v in over.items(): d.setdefault(k, {}).update(v)
+    return from_plain(GlobalConfig, d)
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir)/"metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir) -> dict:
+    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+
+
+def _full_and_resumed(inputs, tmp_path, stage, **over):
+    "Run 4 steps, then again from the step-2 checkpoint; return both runs' configs."
+    full = _cfg(inputs, stage, tmp_path/"full", **over)
+    run_training(full)
+    resumed = _cfg(inputs, stage, tmp_path/"resumed", **over)
+    run_training(resumed, checkpoint=full.run_dir/"checkpoints"/"step_0000002.pt")
+    a, b = _losses(full.run_dir), _losses(resumed.run_dir)
+    assert sorted(b) == [3, 4] and all(a[s] == b[s] for s in b), (stage, a, b)
+    return full, resumed
+
+
+def test_sft_starts_from_the_folder_and_resumes_exactly(inputs, tmp_path):
+    tiny = {"adamw": {"max_lr": 1e-30, "min_lr": 1e-30}}   # a step of 1e-30 moves no fp32 weight of these sizes
+    start = _cfg(inputs, "instruct", tmp_path/"start", steps=1, optimizers=tiny, checkpointing={"every": 1})
+    run_training(start)
+    saved = load_checkpoint(start.run_dir/"checkpoints"/"step_0000001.pt")
+    model, cfg = load_hf(inputs["folder"])
+    assert saved["config"]["model"]["hf_model_type"] == "qwen3" and saved["config"]["model"]["head_size"] == 32
+    for k, v in model.state_dict().items(): assert torch.equal(saved["model"][k], v), k   # the folder's weights
+    _full_and_resumed(inputs, tmp_path, "instruct")
+
+
+def test_dpo_reference_is_the_imported_model(inputs, tmp_path):
+    full, _ = _full_and_resumed(inputs, tmp_path, "dpo")
+    assert abs(_losses(full.run_dir)[1] - math.log(2)) < 1e-5   # policy = reference at the first step
+
+
+def test_distillation_from_the_same_folder_starts_at_zero_kl(inputs, tmp_path):
+    over = {"distillation": {"enabled": True, "teacher": str(inputs["folder"]), "alpha": 1.0}}
+    full, _ = _full_and_resumed(inputs, tmp_path, "instruct", **over)
+    first = _records(full.run_dir)[0]
+    kl = next(v for k, v in first.items() if "kl" in k)
+    assert abs(kl) < 1e-5, first
+
+
+def test_lora_starts_from_the_folder_and_resumes_exactly(inputs, tmp_path):
+    full, _ = _full_and_resumed(inputs, tmp_path, "instruct", lora={"enabled": True, "rank": 4})
+    saved = load_checkpoint(full.run_dir/"checkpoints"/"step_0000004.pt")
+    assert any(k.endswith("lora_A") for k in saved["model"])
+
+
+def _cli_sets(inputs, runs, **extra) -> list[str]:
+    s = {"paths.runs": runs, "paths.datasets": inputs["datasets"], "training.max_steps": 4, "training.log_every": 1,
+         "training.seq_len": SEQ, "training.micro_batch_size": 2, "training.total_batch_size": 8 * SEQ,
+         "validation.enabled": "false", "generation.every": 0, "evals.every": 0, "checkpointing.every": 4,
+         "runtime.device": "cpu", "runtime.precision": "fp32", "optimizers.adamw.warmup_steps": 1, **extra}
+    return [f"{k}={v}" for k, v in s.items()]
+
+
+@pytest.mark.slow   # about 90 s: three runs, two of them on 2 ranks
+def test_ddp_and_fsdp2_on_two_ranks_match_one_process(inputs, tmp_path):
+    from test_distributed import assert_close, torchrun
+    recipe = ROOT/"recipes"/"instruct"/"debug.yaml"
+    run_gg("train", "--recipe", recipe, "--hf-checkpoint", inputs["folder"], "--set",
+           *_cli_sets(inputs, tmp_path/"one"))
+    one = _losses(tmp_path/"one"/"instruct"/"debug")
+    for name, fsdp in (("ddp", "false"), ("fsdp2", "true")):
+        torchrun("train", "--recipe", recipe, "--hf-checkpoint", inputs["folder"], "--set",
+                 *_cli_sets(inputs, tmp_path/name, **{"runtime.fsdp": fsdp}))
+        assert_close(one, _losses(tmp_path/name/"instruct"/"debug"), range(1, 5))
+
+
+def test_plan_plans_the_folders_model(inputs):
+    r = run_gg("plan", "--recipe", ROOT/"recipes"/"instruct"/"debug.yaml", "--hf-checkpoint", inputs["folder"],
+               "--gpu", "cpu", check=False)
+    model, _ = load_hf(inputs["folder"])
+    n = sum(p.numel() for p in model.parameters())
+    assert f"{n:,}" in r.stdout or f"{n}" in r.stdout, r.stdout[-2000:]
