@@ -185,7 +185,7 @@ def train_step(self: Trainer) -> dict:
     "Take `grad_accum` host micro-batches, back-propagate the exact global mean, clip and step. Returns step metrics."
     cfg, dev = self.cfg, self.env.device
     ft = getattr(self, "fault_tolerance", None)
-    if ft is not None: ft.start_step()   # this step's quorum; a group that is behind heals here, before the lr
+    if ft is not None: ft.start_step(self.state.step)   # the quorum; a group behind the others heals here
     lrs = set_learning_rates(self.optimizers, self.state.step, cfg.optimizers, cfg.training.max_steps)
     lrs = {("lr" if k == "adamw" else f"lr_{k}"): v for k, v in lrs.items()}
     t0 = time.perf_counter()
