@@ -1,9 +1,9 @@
 """Tensor and sequence parallelism on 4 gloo ranks as a dp 2 x tp 2 mesh (FSDP2 over dp, DTensor TP/SP over tp):
 10 fp32 AdamW steps give one process's losses and gradients within 1e-5; activations saved for backward per rank at
 tp 2 are at most 0.6x tp 1's; parameters and optimizer state per rank are 1/(dp tp) + the replicated norms; Muon
-equals one process within 2e-6; KV-cache decoding under TP gives one process's logits; a dp 2 x tp 2 checkpoint
-resumes at dp 4 and in one process with equal weights and optimizer state. One 4-rank world: 65 s, the file
-82 s, measured on a 2-core machine shared with other jobs (load average 16-19)."""
+equals one process within 2e-6; KV-cache decoding and selective activation checkpointing under TP give one
+process's logits and gradients; a dp 2 x tp 2 checkpoint resumes at dp 4 and in one process with equal weights and
+optimizer state. One 4-rank world: 65 s, the file 82 s, on a 2-core machine shared with other jobs (load 16-19)."""
 import json
 from pathlib import Path
 import pytest
@@ -21,6 +21,7 @@ from gradient_garden.parallel.tensor_parallel import (apply_tp, build_tp_mesh, c
 from gradient_garden.train.optim import Muon
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=64, multiple_of=16)
+MHA_CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=64, multiple_of=16)
 MEM_CFG = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128, multiple_of=16)
 B, T, STEPS, MUON_STEPS = 4, 16, 10, 3
 META = {"step": STEPS, "stage": "pretraining", "architecture": "tendril", "config": {}}
@@ -33,13 +34,13 @@ def model(cfg=CFG):
     torch.manual_seed(0)
     return Tendril(cfg)
 
-def muon_optimizers(m):
+def muon_optimizers(m, distributed=False):
     "Muon for the blocks' matrices, AdamW for the rest (the split `build_optimizers` makes)."
     mats = [p for n, p in m.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
     rest = [p for n, p in m.named_parameters() if not (p.ndim == 2 and n.startswith("layers."))]
     splits = [getattr(mod, "split_sizes", None) for n, mod in m.named_modules()
               if n.startswith("layers.") and isinstance(mod, torch.nn.Linear)]
-    return [Muon([{"params": mats, "splits": splits}], lr=0.02, ns_dtype="fp32", distributed=False),
+    return [Muon([{"params": mats, "splits": splits}], lr=0.02, ns_dtype="fp32", distributed=distributed),
             torch.optim.AdamW(rest, lr=1e-2)]
 
 def train(m, optimizers, xs, scale, after=lambda loss, m: None):
@@ -89,10 +90,19 @@ def _tp_world(rank, world, out):
     weights = {k: _full(v) for k, v in m.state_dict().items()}
     optim_avg = {k: _full(opt.state[p]["exp_avg"]) for k, p in m.named_parameters()}
     dp4_weights, dp4_avg = _read_at_dp4(out)
+    # selective activation checkpointing on the same mesh: one step's gradients
+    ac = parallelize_tp(model(), mesh, activation_checkpointing="selective")
+    x = mine(batches(1))[0]
+    (ac(x[:, :-1], labels=x[:, 1:]) / (B * T // dp)).backward()
+    ac_grads = {k: _full(p.grad) for k, p in ac.named_parameters()}
     # Muon on the same mesh, from the same start
     mu = parallelize_tp(model(), mesh)
     train(mu, muon_optimizers(mu), mine(batches(MUON_STEPS)), B * T // dp)
     muon_weights = {k: _full(v) for k, v in mu.state_dict().items()}
+    # Muon's distributed path on a tp-only mesh (dp 1 x tp 4): Newton-Schulz split over the tp ranks
+    mu4 = apply_tp(model(MHA_CFG), build_tp_mesh(world, 4)["tp"])
+    train(mu4, muon_optimizers(mu4, distributed=True), batches(MUON_STEPS), B * T)
+    muon_tp4 = {k: _full(v) for k, v in mu4.state_dict().items()}
     # activations saved for backward on this rank's micro-batch, tp 2 (with SP) against the same model unsplit
     x = mine(batches(1, b=B, t=MEM_CFG.max_seq_len, vocab=MEM_CFG.vocab_size))[0]
     one, two = model(MEM_CFG), apply_tp(model(MEM_CFG), mesh["tp"])
@@ -103,7 +113,9 @@ def _tp_world(rank, world, out):
     decoded = greedy_logits(dec, batches(1, b=2, t=7, seed=1)[0])
     if rank == 0:
         torch.save(dict(losses=losses, grads=grads, weights=weights, optim_avg=optim_avg, muon=muon_weights,
-                        decoded=decoded, dp4=dict(weights=dp4_weights, optim_avg=dp4_avg)), out/"tp.pt")
+                        decoded=decoded, dp4=dict(weights=dp4_weights, optim_avg=dp4_avg), ac_grads=ac_grads,
+                        muon_tp4=muon_tp4),
+                   out/"tp.pt")
         (out/"tp.json").write_text(json.dumps(res))
 
 def _read_at_dp4(out):
@@ -148,6 +160,12 @@ def test_losses_and_gradients_equal_one_process(tp):
         assert set(g) == set(ref)
         for k in ref: torch.testing.assert_close(g[k], ref[k], rtol=0, atol=1e-5, msg=f"step {step + 1}: {k}")
 
+def test_selective_activation_checkpointing_under_tp(tp):
+    got, _ = tp
+    _, _, grads = one_process(lambda m: [torch.optim.AdamW(m.parameters(), lr=1e-2)], 1)
+    g = fused(got["ac_grads"])
+    for k, ref in grads[0].items(): torch.testing.assert_close(g[k], ref, rtol=0, atol=1e-5, msg=k)
+
 def test_the_mesh_splits_heads_and_sequence(tp):
     _, res = tp
     pl = res["placements"]
@@ -184,6 +202,15 @@ def test_muon_equals_one_process(tp):
     for k in ref: torch.testing.assert_close(w[k], ref[k], rtol=0, atol=2e-6, msg=k)
     assert max((w[k] - model().state_dict()[k]).abs().max() for k in ref) > 1e-3   # it did move
 
+def test_distributed_muon_on_a_tp_mesh_equals_one_process(tp):
+    "dp 1 x tp 4, Muon's default distributed path: each matrix orthogonalised whole on one rank, as one process."
+    got, _ = tp
+    torch.manual_seed(0)
+    m = Tendril(MHA_CFG)
+    train(m, muon_optimizers(m), batches(MUON_STEPS), B * T)
+    w = StateDictAdapter(m).join(got["muon_tp4"])
+    for k, ref in m.state_dict().items(): torch.testing.assert_close(w[k], ref, rtol=0, atol=2e-6, msg=k)
+
 def test_kv_cache_decoding_equals_one_process(tp):
     got, _ = tp
     torch.testing.assert_close(got["decoded"], greedy_logits(model(), batches(1, b=2, t=7, seed=1)[0]),
@@ -217,6 +244,7 @@ def test_gg_plan_shows_a_tp_column():
     from gradient_garden.train.plan import format_plan, plan
     from gradient_garden.parallel.tensor_parallel import tp_memory
     cfg = GlobalConfig(model=CFG, runtime=RuntimeConfig(tp=2, precision="bf16"))
+    cfg.training.seq_len = CFG.max_seq_len   # 8 x 64 tokens a micro-step, 4 ranks: 4 micro-steps of the 8192
     p = plan(cfg, gpus_per_node=4)
     assert p.memory["fsdp+tp2"] == tp_memory(p.memory["fsdp2"], cfg)
     assert p.memory["fsdp+tp2"]["activations"]["none"] < 0.6 * p.memory["fsdp2"]["activations"]["none"]
