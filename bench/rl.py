@@ -71,7 +71,8 @@ def setup(args):
     return cfg, model, tok, exs
 
 
-def bench_ours(args, cfg, model, tok, exs, async_on: bool = False) -> dict:
+def ours_stepper(args, model, tok, exs, async_on: bool = False):
+    "One timed step of our loader and loss at a time: returns `step() -> (step seconds, rollout seconds)`, the loader."
     from gradient_garden.config import RLConfig
     from gradient_garden.evals.verifiers import Problem
     from gradient_garden.stages.rewards import Rewarder
@@ -85,18 +86,41 @@ def bench_ours(args, cfg, model, tok, exs, async_on: bool = False) -> dict:
     loader._order_for = lambda e: list(range(len(examples)))        # the same prompts, in order, as TRL's side
     task, opt = RLTask(rl), torch.optim.AdamW(model.parameters(), lr=1e-5)
     model.train()
-    times, rollout = [], []
-    for step in range(args.steps + 1):
+    def step():
         t0 = time.perf_counter()
         b = loader.next_batch()
         t1 = time.perf_counter()
         loss_sum, _ = task.loss(model, b)
         (loss_sum / task.count(b)).backward()
         opt.step(); opt.zero_grad(set_to_none=True)
-        if step: times.append(time.perf_counter() - t0); rollout.append(t1 - t0)
-    step_s = statistics.median(times)
+        return time.perf_counter() - t0, t1 - t0
+    return step, loader
+
+
+def figures(steps: list, rows: int) -> dict:
+    "Completions/s of the median step, and the median share of a step spent waiting for rollouts."
+    step_s = statistics.median(t for t, _ in steps)
     return dict(completions_per_s=rows / step_s, step_s=step_s,
-                rollout_share=statistics.median(r / t for r, t in zip(rollout, times)))
+                rollout_share=statistics.median(r / t for t, r in steps))
+
+
+def bench_ours(args, cfg, model, tok, exs) -> dict:
+    step, _ = ours_stepper(args, model, tok, exs)
+    return figures([step() for _ in range(args.steps + 1)][1:], args.prompts * args.group)
+
+
+def bench_sync_async(args, tok, exs, block: int = 3) -> tuple[dict, dict]:
+    ("Sync and async from the same start, in alternating blocks of `block` steps (the first of each untimed), so both "
+     "meet the same load on a shared machine; an async block's last rollouts finish before the next sync block.")
+    sync, _ = ours_stepper(args, setup(args)[1], tok, exs)
+    asyn, loader = ours_stepper(args, setup(args)[1], tok, exs, async_on=True)
+    timed = {"sync": [], "async": []}
+    while len(timed["async"]) < args.steps:
+        for name, step in (("sync", sync), ("async", asyn)):
+            timed[name] += [step() for _ in range(block)][1:]
+        if loader.pending is not None: loader.pending[1].result()
+    rows = args.prompts * args.group
+    return figures(timed["sync"], rows), figures(timed["async"], rows)
 
 
 def bench_trl(args, cfg, model, tok, exs) -> dict:
@@ -143,9 +167,11 @@ def main():
     if args.threads: torch.set_num_threads(args.threads)
     cfg, model, tok, exs = setup(args)
     res = {}
-    if args.only != "trl" and args.rollouts != "async": res["ours"] = bench_ours(args, cfg, model, tok, exs)
-    if args.only != "trl" and args.rollouts != "sync":
-        res["ours_async"] = bench_ours(args, cfg, setup(args)[1], tok, exs, async_on=True)
+    if args.only != "trl" and args.rollouts == "both": res["ours"], res["ours_async"] = bench_sync_async(args, tok, exs)
+    elif args.only != "trl" and args.rollouts == "async":
+        step, _ = ours_stepper(args, model, tok, exs, async_on=True)
+        res["ours_async"] = figures([step() for _ in range(args.steps + 1)][1:], args.prompts * args.group)
+    elif args.only != "trl": res["ours"] = bench_ours(args, cfg, model, tok, exs)
     if args.only != "ours" and reference_available("trl", "TRL's GRPOTrainer (the reference)"):
         _, model2, _, _ = setup(args)
         res["trl"] = bench_trl(args, cfg, model2, tok, exs)
