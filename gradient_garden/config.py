@@ -247,8 +247,7 @@ class RLConfig:
     group_size: int = 8  # G completions per prompt
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"  # z-score in the group / batch, or mean only (Dr. GRPO)
-    epsilon_low: float = 0.2; epsilon_high: float = 0.2
-    beta: float = 0.0  # k3 KL to the starting model
+    epsilon_low: float = 0.2; epsilon_high: float = 0.2; beta: float = 0.0  # beta: a k3 KL to the starting model
     entropy_coef: float = 0.0  # entropy bonus: the loss minus this x the mean token entropy (TRL's entropy_coef)
     # Skywork-OR1's control: entropy_coef (the start) steps by entropy_coef_delta toward entropy_target
     use_adaptive_entropy: bool = False
@@ -267,28 +266,20 @@ class RLConfig:
     off_policy_loss: Literal["shaped", "log_likelihood"] = "shaped"
     off_policy_shaping: float = 0.1  # gamma of the shaped probability
     off_policy_weight: float = 1.0  # the reference rows' loss times this (CHORD's expert-term weight); 1: as LUFFY
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
-    max_new_tokens: int = 16
+    temperature: float = 1.0; top_p: float = 1.0; top_k: Optional[int] = None; max_new_tokens: int = 16
     stop: list[str] = field(default_factory=list)  # stop strings (their first token) besides eot/eos
     mask_truncated: bool = False  # completions cut at max_new_tokens leave the loss
-    # "sequence": one ratio per completion, exp of its mean token log-ratio (GSPO); "token": one per token
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    # sampler/trainer mismatch: rollouts weighted by trainer / sampler probability (TRL's vllm_importance_sampling_*)
-    importance_sampling_correction: bool = False
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per completion
+    # sampler/trainer mismatch weighted out (TRL's vllm_importance_sampling_*), capped to [clip_min, clip_max]
+    importance_sampling_correction: bool = False; importance_sampling_clip_min: Optional[float] = None
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
         "sequence_mask"
-    importance_sampling_clip_min: Optional[float] = None  # truncate: clipped to [min, max]; mask: outside set to 0
-    importance_sampling_clip_max: Optional[float] = 3.0
     rollout_precision: Literal["same", "fp32", "bf16", "fp16"] = "same"  # the sampler's; same: runtime.precision
-    # step k+1's rollouts sampled (from a copy of step k's weights) while step k updates; needs the correction above
-    async_rollouts: bool = False
+    importance_sampling_clip_max: Optional[float] = 3.0; async_rollouts: bool = False  # async: see 47_rl_rollouts
     format_reward: float = 0.0  # weight of the well-formed-answer reward
     reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
     plain_prompts: bool = False  # BOS + text prompts for a model without a chat format
-    eval_k: int = 4  # pass@k of the held-out evaluation
-    eval_per_task: int = 20  # held-out prompts per embedded task
+    eval_k: int = 4; eval_per_task: int = 20  # pass@k of the held-out evaluation; held-out prompts per embedded task
 
 # %% ../nbs/00_config.ipynb #ef3da4c6
 @dataclass

@@ -31,6 +31,7 @@ __all__ = ['RolloutLoader', 'differs', 'choose_groups', 'pending_rollouts', 'Tas
 # %% ../../nbs/47_rl_rollouts.ipynb #f934e6d2
 class RolloutLoader:
     "Micro-batches of scored rollouts for one rank, sampled from `model`'s current weights at each step; resumable."
+    reads_model = True   # its batches depend on the weights of the step: never prepared ahead (`prefetching`)
     def __init__(self, model, tokenizer, examples: list[Problem], rl, rewarder: Rewarder, seq_len: int,
                  micro_batch_size: int, grad_accum: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  precision: str = "fp32", reference=None):
@@ -72,11 +73,13 @@ class RolloutLoader:
 @patch
 def _sample(self: RolloutLoader, idx: list[int], model=None, round_: Optional[int] = None) -> tuple:
     ("Completions of prompts `idx` (G each: `rl.off_policy_rows` of them the reference answer) from the current "
-     "weights (or `model`'s), which stopped, the seconds it took, each row's summed token entropy (adaptive entropy control only) "
-     "and its tokens' log-probabilities under the sampler (mismatch correction only; None for a reference row).")
+     "weights (or `model`'s), which stopped, the seconds it took, each row's summed token entropy (adaptive entropy "
+     "control only) and its tokens' log-probabilities under the sampler (mismatch correction only; None for a "
+     "reference row); seeded by the round (`round_`, else the loader's).")
     model, rl = plain_module(self.model) if model is None else model, self.rl
     dev = next(model.parameters()).device
-    seed = int(np.random.SeedSequence([self.seed, self.round if round_ is None else round_, self.rank]).generate_state(1)[0])
+    r = self.round if round_ is None else round_
+    seed = int(np.random.SeedSequence([self.seed, r, self.rank]).generate_state(1)[0])
     gen = torch.Generator(device=dev).manual_seed(seed)
     was = model.training
     model.eval()
