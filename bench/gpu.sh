@@ -207,8 +207,10 @@ TABLE="peak             45  20
        decode           45  20
        gg_train_124m   120  70
        rl_124m          60  30
-       train_400m      100  60"
-ONE_PROCESS=" peak train_124m train_400m decode attention rl_124m "
+       train_400m      100  60
+       float8_124m     100  60
+       float8_400m     100  60"
+ONE_PROCESS=" peak train_124m train_400m float8_124m float8_400m decode attention rl_124m "
 ALL=$(awk '{print $1}' <<< "$TABLE" | tr '\n' ' ')
 SELECTED=" ${ALL} "
 if [ -n "$LEGS_ARG" ]; then

@@ -61,8 +61,9 @@ def time_left(margin: float = 5.0, default: float = 900.0) -> float:
     return default if not d else float(d) - time.time() - margin
 
 
-def leg_step(recipe: str, micro: int) -> dict:
-    "Timed training steps (forward, backward, optimizers) of RECIPE's model on random tokens; FSDP2 under torchrun."
+def leg_step(recipe: str, micro: int, float8: str | None = None) -> dict:
+    ("Timed training steps (forward, backward, optimizers) of RECIPE's model on random tokens; FSDP2 under torchrun; "
+     "`float8`: its Linear layers in float8 (torchao, emulated on CPU).")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from gradient_garden.parallel.distributed import apply_fsdp, grad_sync
@@ -77,6 +78,9 @@ def leg_step(recipe: str, micro: int) -> dict:
     if not SMOKE: torch.cuda.set_device(dev)
     torch.manual_seed(0)
     model = build_model(cfg.model).to(dev)
+    if float8:
+        from gradient_garden.models.float8 import apply_float8, float8_emulated
+        apply_float8(model, float8, emulate=float8_emulated(dev), fsdp_all_gather="LOCAL_RANK" in os.environ)
     if cfg.runtime.compile:
         for block in model.layers: block.compile()
     if fsdp:
@@ -100,7 +104,7 @@ def leg_step(recipe: str, micro: int) -> dict:
     sync(); dt = time.perf_counter() - t0
     res = dict(recipe=recipe, params=count_parameters(model), ranks=world, fsdp2=fsdp,
                backend=(dist.get_backend() if fsdp else None), micro_batch=micro, seq_len=T, grad_accum=accum,
-               compiled=cfg.runtime.compile, tokens_per_s=n * accum * micro * T * world / dt,
+               compiled=cfg.runtime.compile, float8=float8, tokens_per_s=n * accum * micro * T * world / dt,
                flops_per_token=flops_per_token(cfg.model, T),
                peak_mem_gib=None if SMOKE else round(torch.cuda.max_memory_allocated() / 2**30, 2))
     if fsdp and world == 1: res["note"] = "one rank: FSDP2's collectives are local copies; see the collectives leg"
@@ -259,8 +263,8 @@ def leg_collectives() -> dict:
                 tensors_on=dev.type, one_float_all_reduce_us=round(one * 1e6, 1), all_reduce=rows) if rank == 0 else {}
 
 
-LEGS = ["peak", "train_124m", "train_400m", "collectives", "fsdp2_124m", "gg_train_124m", "decode", "attention",
-        "rl_124m"]
+LEGS = ["peak", "train_124m", "train_400m", "float8_124m", "float8_400m", "collectives", "fsdp2_124m",
+        "gg_train_124m", "decode", "attention", "rl_124m"]
 
 def summary(out_dir: Path) -> dict:
     "Every leg's JSON (or its error) in one object; MFU = tokens/s x FLOPs/token / (peak x ranks), for both peaks."
@@ -282,6 +286,10 @@ def summary(out_dir: Path) -> dict:
             achieved = r["tokens_per_s"] * r["flops_per_token"] / r.get("ranks", 1)
             for key, name in (("measured_peak_flops", "mfu_measured_peak"), ("datasheet_peak_flops", "mfu_datasheet")):
                 r[name] = round(achieved / peak[key], 4) if peak.get(key) else None
+    for size in ("124m", "400m"):   # float8 against bf16: the same model, micro batch and steps
+        f8, bf16 = res[f"float8_{size}"], res[f"train_{size}"]
+        if "tokens_per_s" in f8 and "tokens_per_s" in bf16:
+            f8["speedup_vs_bf16"] = round(f8["tokens_per_s"] / bf16["tokens_per_s"], 3)
     return res
 
 
@@ -300,13 +308,15 @@ def run_leg(leg: str, out: Path) -> dict:
         if leg == "collectives": return leg_collectives()
         if leg in ("train_124m", "train_400m", "fsdp2_124m"):
             return leg_step(f"recipes/pretraining/tendril-{leg.split('_')[-1]}.yaml", 16)
+        if leg in ("float8_124m", "float8_400m"):   # tensorwise: the recipe FSDP2 can all-gather in float8
+            return leg_step(f"recipes/pretraining/tendril-{leg.split('_')[-1]}.yaml", 16, float8="tensorwise")
         if leg == "gg_train_124m": return leg_train("recipes/pretraining/tendril-124m.yaml", out.parent)
         return {"decode": leg_decode, "attention": leg_attention, "rl_124m": leg_rl}[leg]()
     except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
 
 
-ONE_PROCESS = ["peak", "train_124m", "train_400m", "decode", "attention", "rl_124m"]   # what `--smoke` alone runs
+ONE_PROCESS = ["peak", "train_124m", "train_400m", "float8_124m", "float8_400m", "decode", "attention", "rl_124m"]   # what `--smoke` alone runs
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--smoke"]

@@ -6,8 +6,8 @@ import json, os, signal, subprocess, sys, time
 import pytest
 from conftest import ROOT
 
-LEGS = ["peak", "train_124m", "train_400m", "collectives", "fsdp2_124m", "gg_train_124m", "decode", "attention",
-        "rl_124m"]
+LEGS = ["peak", "train_124m", "train_400m", "float8_124m", "float8_400m", "collectives", "fsdp2_124m",
+        "gg_train_124m", "decode", "attention", "rl_124m"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
 
 
@@ -34,6 +34,8 @@ def test_gpu_bench_smoke_has_every_leg(tmp_path):
     c = res["collectives"]   # two processes really exchanging tensors
     assert c["ranks"] == 2 and c["backend"] == "gloo" and c["one_float_all_reduce_us"] > 0, c
     assert all(row["bus_gb_s"] > 0 for row in c["all_reduce"]), c
+    for size in ("124m", "400m"):   # the float8 legs: the Linear layers converted, a speed against bf16
+        assert res[f"float8_{size}"]["float8"] == "tensorwise" and res[f"float8_{size}"]["speedup_vs_bf16"] > 0
     g = res["gg_train_124m"]
     assert g["checkpoint"] and g["val_loss"] is not None and g["steps"] == 6, g
     r = res["rl_124m"]   # the rl stage's own loader and loss: rollouts and the update both timed
