@@ -14,8 +14,9 @@ from typing import Callable, Iterable, Sequence
 # %% auto #0
 __all__ = ['LLAMA3_PATTERN', 'LLAMA3_NUM_SPECIAL_TOKENS', 'BOS', 'EOS', 'EOT', 'START_HEADER', 'END_HEADER',
            'REQUIRED_SPECIAL_TOKENS', 'PAD_CANDIDATES', 'TIKTOKEN_MAX_CHARS', 'TIKTOKEN_MAX_RUN', 'CHAT_ROLES',
-           'LLAMA3_CHAT_TEMPLATE', 'llama3_special_tokens', 'tiktoken_pieces', 'Tokenizer', 'load_tiktoken_ranks',
-           'TikTokenizer', 'HFTokenizer', 'train_bpe', 'init_tokenizer', 'ensure_tokenizer']
+           'LLAMA3_CHAT_TEMPLATE', 'llama3_special_tokens', 'tiktoken_pieces', 'Tokenizer', 'check_messages',
+           'load_tiktoken_ranks', 'TikTokenizer', 'HFTokenizer', 'train_bpe', 'template_ids', 'template_special_ids',
+           'init_tokenizer', 'ensure_tokenizer']
 
 # %% ../nbs/02_tokenizer.ipynb #724f2760
 import tiktoken
@@ -75,18 +76,19 @@ def _pick_pad(special_ids: dict[str, int], eos_id: int, declared: int | None = N
 CHAT_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "ipython", "ipython": "ipython"}
 
 class Tokenizer:
-    "Common interface of both backends: special ids, encoding, decoding and the Llama 3 chat layout."
+    "Common interface of both backends: special ids, encoding, decoding and the chat layout (Llama 3's or the model's)."
     kind = "base"
 
     def __init__(self, name: str, path: str, special_ids: dict[str, int], vocab_size: int,
-                 declared_pad: int | None = None):
-        missing = [t for t in REQUIRED_SPECIAL_TOKENS if t not in special_ids]
-        if missing:
+                 declared_pad: int | None = None, chat_template: str | None = None):
+        required = (BOS, EOS, EOT) if chat_template else REQUIRED_SPECIAL_TOKENS   # a template: its own turn markup
+        if missing := [t for t in required if t not in special_ids]:
             raise ConfigError(f"tokenizer.path={path!r}: the tokenizer lacks the required special token {missing[0]!r}"
-                              f" (required: {', '.join(REQUIRED_SPECIAL_TOKENS)})")
+                              f" (required: {', '.join(required)}; or a chat template of its own)")
         self.name, self.path, self.special_ids, self.vocab_size = name, str(path), special_ids, vocab_size
         self.bos_id, self.eos_id, self.eot_id = special_ids[BOS], special_ids[EOS], special_ids[EOT]
-        self.start_header_id, self.end_header_id = special_ids[START_HEADER], special_ids[END_HEADER]
+        self.start_header_id, self.end_header_id = special_ids.get(START_HEADER), special_ids.get(END_HEADER)
+        self.chat_template = chat_template     # the model's own chat layout, used by `render_chat` when set
         self.pad_id = _pick_pad(special_ids, self.eos_id, declared_pad)
         self._headers: dict[str, list[int]] = {}
 
@@ -133,20 +135,27 @@ def _header(self: Tokenizer, role: str) -> list[int]:
     return self._headers[role]
 
 # %% ../nbs/02_tokenizer.ipynb #6e79b9f3
-@patch
-def render_chat(self: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int],
-                                                                                                         list[int]]:
-    "Llama 3 chat ids and the mask of tokens to supervise (assistant content and its `<|eot_id|>`)."
-    ids, mask = [self.bos_id], [0]
+def check_messages(messages: Sequence[dict]):
+    "Raise `ConfigError` for a message whose role is not a chat role or whose content is not a string."
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
             raise ConfigError(f"messages[{i}].role={role!r}: allowed roles are {', '.join(CHAT_ROLES)}")
         if not isinstance(content, str):
             raise ConfigError(f"messages[{i}].content: got {type(content).__name__}; expected a string")
-        head, body = self._header(role), self._encode_one(content) + [self.eot_id]
+
+@patch
+def render_chat(self: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[list[int],
+                                                                                                         list[int]]:
+    ("Chat ids and the mask of tokens to supervise (assistant content and its end of turn): the Llama 3 layout, or "
+     "the model's own template.")
+    check_messages(messages)
+    if self.chat_template: return self.render_template_chat(messages, add_generation_prompt)
+    ids, mask = [self.bos_id], [0]
+    for m in messages:
+        head, body = self._header(m["role"]), self._encode_one(m["content"]) + [self.eot_id]
         ids += head + body
-        mask += [0] * len(head) + [int(role == "assistant")] * len(body)
+        mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
     if add_generation_prompt:
         head = self._header("assistant")
         ids, mask = ids + head, mask + [0] * len(head)
@@ -223,7 +232,8 @@ def _is_hub_id(path: str) -> bool:
 def _first_line(e: Exception) -> str: return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 class HFTokenizer(Tokenizer):
-    "Any fast tokenizer `AutoTokenizer.from_pretrained` loads (local folder or hub id) with the Llama 3 special tokens."
+    ("Any fast tokenizer `AutoTokenizer.from_pretrained` loads (local folder or hub id) with the Llama 3 special "
+     "tokens or a chat template of its own.")
     kind = "hf"
 
     def __init__(self, path: str | Path, **from_pretrained_kwargs):
@@ -245,7 +255,11 @@ class HFTokenizer(Tokenizer):
         added = {t.content: i for i, t in self.hf.added_tokens_decoder.items()}
         special_ids = {t: vocab[t] for t in REQUIRED_SPECIAL_TOKENS + PAD_CANDIDATES if t in vocab} | {
             t: i for t, i in added.items() if _RESERVED.fullmatch(t)}
-        super().__init__(Path(path).name or path, path, special_ids, max(vocab.values()) + 1, self.hf.pad_token_id)
+        template = self.hf.chat_template if isinstance(getattr(self.hf, "chat_template", None), str) else None
+        if template is None or all(t in vocab for t in REQUIRED_SPECIAL_TOKENS): template = None   # Llama 3 layout
+        else: special_ids = template_special_ids(self.hf, path)                    # Qwen's ChatML, SmolLM2's, ...
+        super().__init__(Path(path).name or path, path, special_ids, max(vocab.values()) + 1, self.hf.pad_token_id,
+                         template)
 
 # %% ../nbs/02_tokenizer.ipynb #45063f85
 @patch(as_prop=True)
@@ -374,6 +388,45 @@ def adds_bos(self: Tokenizer) -> bool:
     hf = getattr(self, "hf", None)
     if hf is None: return True                                   # tiktoken: the Llama 3 convention
     return hf.encode("a")[:1] == [self.bos_id]
+
+# %% ../nbs/02_tokenizer.ipynb #eb5fb31b
+def template_ids(hf, messages: Sequence[dict], add_generation_prompt: bool = False) -> list[int]:
+    "Ids of `messages` laid out by the chat template of the `transformers` tokenizer `hf`."
+    out = hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt,
+                                 return_dict=True)
+    return list(out["input_ids"])
+
+def template_special_ids(hf, path) -> dict[str, int]:
+    ("BOS, EOS and end-of-turn ids of a tokenizer with its own chat template: the turn ends with the first special "
+     "token after an answer.")
+    probe = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+    specials = {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    after = template_ids(hf, probe)[len(template_ids(hf, probe[:1], True)):]
+    eot = next((i for i in after if i in specials), hf.eos_token_id)
+    eos = hf.eos_token_id if hf.eos_token_id is not None else eot
+    if eot is None: raise ConfigError(f"tokenizer.path={path!r}: its chat template ends a turn with no special token "
+                                      "and it has no eos_token")
+    bos = next(i for i in (hf.bos_token_id, hf.pad_token_id, eos) if i is not None)   # Qwen: <|endoftext|>
+    return {BOS: bos, EOS: eos, EOT: eot}
+
+# %% ../nbs/02_tokenizer.ipynb #ddc3b349
+@patch
+def render_template_chat(self: HFTokenizer, messages: Sequence[dict],
+                         add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    ("Ids under the model's own chat template; the mask covers each assistant turn from its generation prompt to its "
+     "end of turn.")
+    ids = template_ids(self.hf, messages, add_generation_prompt)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant": continue
+        prompt = template_ids(self.hf, messages[:i], True)      # all before the turn, then the assistant's header
+        if ids[:len(prompt)] != prompt:
+            raise ConfigError(f"tokenizer.path={self.path!r}: the chat template lays out the turns before messages[{i}] "
+                              "differently once more follow, so its assistant turns cannot be located")
+        turn = ids[len(prompt):]
+        end = turn.index(self.eot_id) + 1 if self.eot_id in turn else len(turn)
+        mask[len(prompt):len(prompt) + end] = [1] * end
+    return ids, mask
 
 # %% ../nbs/02_tokenizer.ipynb #684e5a62
 def init_tokenizer(tok_cfg: TokenizerConfig) -> Tokenizer:

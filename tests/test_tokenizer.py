@@ -293,3 +293,44 @@ def test_ensure_tokenizer_refuses_to_overwrite(tmp_path):
     with pytest.raises(ConfigError, match="missing.model"):
         ensure_tokenizer(TokenizerConfig(backend="tiktoken", path=str(tmp_path / "missing.model")), lambda: iter(["x"]))
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+
+
+def _chatml_folder(out):
+    "A ChatML tokenizer folder built on the spot (no Llama 3 control tokens), its Qwen-style template with markers."
+    from tokenizers import Tokenizer as Raw, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    template = ("{%- if not messages or messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful "
+                "assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{{- '<|im_start|>' + "
+                "message['role'] + '\\n' }}{%- if message['role'] == 'assistant' %}{% generation %}{{- "
+                "message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}{%- else %}{{- message['content'] "
+                "+ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "
+                "'<|im_start|>assistant\\n' }}{%- endif %}")
+    raw = Raw(models.BPE())
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.train_from_iterator(["What is 12 + 7? 19. Spell cat: c a t. Reverse abc: cba."] * 20,
+                            trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            chat_template=template).save_pretrained(out)
+    return out
+
+
+def test_sft_masks_under_the_models_own_template_equal_transformers(tmp_path):
+    "SFT's loss mask under a ChatML template equals transformers' assistant mask, for one and several turns."
+    from gradient_garden.stages.sft import tokenize_chat
+    tok = init_tokenizer(TokenizerConfig(path=str(_chatml_folder(tmp_path/"chatml"))))
+    chats = [[{"role": "user", "content": "What is 12 + 7?"}, {"role": "assistant", "content": "19."}],
+             [{"role": "system", "content": "Spell."}, {"role": "user", "content": "Spell cat"},
+              {"role": "assistant", "content": "c a t."}, {"role": "user", "content": "Reverse abc"},
+              {"role": "assistant", "content": "cba."}]]
+    for chat in chats:
+        want = tok.hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert tok.render_chat(chat) == (list(want["input_ids"]), list(want["assistant_masks"]))
+        ids, mask, _ = tokenize_chat(tok, chat)      # SFT's rows end after the last assistant turn's <|im_end|>
+        assert (ids, mask) == (want["input_ids"][:len(ids)], want["assistant_masks"][:len(ids)])
+        assert not any(want["assistant_masks"][len(ids):])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "c a t.<|im_end|>cba.<|im_end|>"
+    prompt = tok.render_chat(chats[0][:1], add_generation_prompt=True)[0]
+    assert prompt == tok.hf.apply_chat_template(chats[0][:1], tokenize=True, add_generation_prompt=True,
+                                                return_dict=True)["input_ids"]
+    assert set(tok.stop_ids) == {tok.hf.convert_tokens_to_ids("<|im_end|>")}
