@@ -1,7 +1,8 @@
 """Per-step fault tolerance with torchft on CPU (gloo): a lighthouse in this process and two replica groups, each a
-`gg train` process of its own. One group is `kill -9`ed mid-run; the other keeps stepping without a restart; the
-killed one is started again with the same command, heals from its peer's live state and rejoins; both end with
-bit-equal weights and optimizer state. Also the one-line errors for a missing lighthouse and a missing torchft."""
+`gg train` process of its own. Once both have taken 5 steps, one group is `kill -9`ed; the other keeps stepping
+without a restart; the killed one is started again with the same command, heals from its peer's live state and
+rejoins; both end with bit-equal weights, optimizer state and loader position. Also the one-line errors for a missing
+lighthouse and a missing torchft."""
 import json, os, signal, subprocess, time
 os.environ.setdefault("RUST_LOG", "warn")   # the lighthouse in this process logs every quorum at INFO otherwise
 from pathlib import Path
@@ -35,6 +36,17 @@ def last_step(out: Path, group: int) -> int:
     rows = [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.is_file() else []
     return max((r["step"] for r in rows), default=0)
 
+def assert_equal(a, b, at="optimizers"):
+    "Nested dicts and lists of tensors and numbers equal bit for bit."
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), at
+        for k in a: assert_equal(a[k], b[k], f"{at}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), at
+        for i, (x, y) in enumerate(zip(a, b)): assert_equal(x, y, f"{at}[{i}]")
+    elif torch.is_tensor(a): assert torch.equal(a, b), at
+    else: assert a == b, at
+
 def start(args: list[str], log: Path) -> subprocess.Popen:
     "`gg ARGS` as a process of its own, its output into `log`."
     return subprocess.Popen(GG + [str(a) for a in args], cwd=ROOT, env=ENV, stdout=log.open("w"),
@@ -56,7 +68,8 @@ def test_a_killed_replica_group_heals_and_rejoins(prepared, tmp_path):
     g0 = start(args[0], tmp_path/"group0.log")
     g1 = start(args[1], tmp_path/"group1.log")
     try:
-        wait_until(lambda: last_step(tmp_path, 1) >= 5, "group 1's fifth step", [g0, g1])
+        both = lambda: min(last_step(tmp_path, 0), last_step(tmp_path, 1))
+        wait_until(lambda: both() >= 5, "both groups' fifth step", [g0, g1])
         os.kill(g1.pid, signal.SIGKILL); g1.wait(timeout=30)
         killed_at = last_step(tmp_path, 0)
         wait_until(lambda: last_step(tmp_path, 0) >= killed_at + 5, "group 0 stepping alone", [g0])
@@ -77,6 +90,7 @@ def test_a_killed_replica_group_heals_and_rejoins(prepared, tmp_path):
     assert a["step"] == b["step"] == STEPS
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert_equal(a["optimizers"], b["optimizers"])   # AdamW's moments and step counts too
     assert a["loader"] == b["loader"]   # the same position in the global order: each group reads its own share
     print(f"group 1 killed at group 0's step {killed_at}; group 0 alone to step {alone_to}; group 1 healed at step "
           f"{healed_at}; both finished {STEPS} steps with bit-equal weights")
