@@ -393,7 +393,8 @@ def step_bytes(model: nn.Module, replicate: int, shard: int, accum: int, fsdp_ac
 
 def wire_bytes(step: dict, replicate: int, shard: int) -> dict:
     "Bytes each rank sends per step over each mesh dimension when ring algorithms carry `step_bytes`' collectives."
-    per = {"all_gather": shard - 1, "reduce_scatter": (shard - 1) / shard, "all_reduce": 2 * (replicate - 1) / replicate}
+    per = {"all_gather": shard - 1, "reduce_scatter": (shard - 1) / shard,
+           "all_reduce": 2 * (replicate - 1) / replicate}
     return {dim: sum(b * per[op] for op, b in ops.items()) for dim, ops in step.items()}
 
 # %% ../../nbs/22_distributed.ipynb #b4858a28
