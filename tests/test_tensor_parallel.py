@@ -3,7 +3,8 @@
 tp 2 are at most 0.6x tp 1's; parameters and optimizer state per rank are 1/(dp tp) + the replicated norms; Muon
 equals one process within 2e-6; KV-cache decoding and selective activation checkpointing under TP give one
 process's logits and gradients; a dp 2 x tp 2 checkpoint resumes at dp 4 and in one process with equal weights and
-optimizer state. One 4-rank world: 65 s, the file 82 s, on a 2-core machine shared with other jobs (load 16-19)."""
+optimizer state. One 4-rank world; the file took 82-115 s on a 2-core machine shared with other jobs (load 16-19),
+about 28 s of CPU time in all."""
 import json
 from pathlib import Path
 import pytest
