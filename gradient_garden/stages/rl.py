@@ -215,8 +215,10 @@ def rl_plan_transient(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
 
 # %% ../../nbs/48_rl.ipynb #13665347
 def rl_plan_bytes(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
-    "Per-rank bytes of the frozen fp32 reference a KL term (`rl.beta > 0`) keeps whole on every rank."
-    return {"frozen reference (RL KL)": 4 * sizes["parameters"] if cfg.rl.beta > 0 else 0}
+    ("Per-rank bytes of the frozen fp32 reference a KL term (`rl.beta > 0`) keeps whole on every rank, and of the "
+     "copy `rl.async_rollouts` samples from.")
+    out = {"frozen reference (RL KL)": 4 * sizes["parameters"] if cfg.rl.beta > 0 else 0}
+    return out | ({"rollout copy (rl.async_rollouts)": 4 * sizes["parameters"]} if cfg.rl.async_rollouts else {})
 
 def rl_plan_lines(cfg: GlobalConfig, world: int) -> list[str]:
     "What an rl step samples before its update, and what the plan's time line leaves out."
