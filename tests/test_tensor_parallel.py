@@ -251,3 +251,9 @@ def test_gg_plan_shows_a_tp_column():
     assert p.memory["fsdp+tp2"]["activations"]["none"] < 0.6 * p.memory["fsdp2"]["activations"]["none"]
     header = next(l for l in format_plan(p).splitlines() if l.startswith("GiB per rank"))
     assert header.split()[-1] == "fsdp+tp2", header
+
+def test_a_tp_below_one_is_refused_when_the_config_is_read():
+    from gradient_garden.checks import check_ranges
+    from gradient_garden.config import GlobalConfig, RuntimeConfig
+    with pytest.raises(ConfigError, match=r"runtime.tp: got 0; must be >= 1"):
+        check_ranges(GlobalConfig(runtime=RuntimeConfig(tp=0)))
