@@ -75,8 +75,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   back by all-to-all: `apply_expert_parallel`.
 - `gradient_garden.parallel.fault_tolerance`: Replica groups that keep training when one of them dies (torchft), and a
   restarted one that heals from a live peer.
-- `gradient_garden.parallel.tensor_parallel`: Split every block's matrices over tensor-parallel ranks by heads (q/k/v,
-  wo) and by hidden columns (gate/up, w2),
+- `gradient_garden.parallel.tensor_parallel`: Tensor and sequence parallelism with a DTensor plan per model, composed
+  with FSDP2 on a 2-D `(dp, tp)` mesh.
 - `gradient_garden.recipes`: Recipes that bundle a `GlobalConfig` with a data mix; dotted `--set` overrides; the
   resolved config every run keeps;
 - `gradient_garden.runtime`: The names of dtypes, the choice of device, the autocast context of mixed precision, and

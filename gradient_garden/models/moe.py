@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['ROUTERS', 'HAS_GROUPED_MM', 'check_moe_config', 'route', 'expert_counts', 'load_balancing_loss', 'router_z_loss',
-           'StackedLinear', 'grouped_mm_loop', 'grouped_mm', 'expert_ffn', 'GroupedExperts', 'moe_dispatch',
-           'reference_moe', 'grouped_mm_syncs', 'dispatch_capacity', 'MoEFeedForward', 'TendrilMoE',
+__all__ = ['ROUTERS', 'HAS_GROUPED_MM', 'check_moe_config', 'route', 'route_with_bias', 'expert_counts', 'load_balancing_loss',
+           'router_z_loss', 'StackedLinear', 'grouped_mm_loop', 'grouped_mm', 'expert_ffn', 'GroupedExperts',
+           'moe_dispatch', 'reference_moe', 'grouped_mm_syncs', 'dispatch_capacity', 'MoEFeedForward', 'TendrilMoE',
            'router_metrics_from_load', 'router_load_from_metrics', 'plot_router_load', 'moe_active_matmul_params',
            'moe_flops_per_token', 'upcycle']
 
@@ -57,6 +57,16 @@ def route(logits: torch.Tensor, k: int,
         top, experts = logits.topk(k, dim=-1)
         gates = top.softmax(-1)
     else: raise ConfigError(f"model.router: got {router!r}; allowed: {', '.join(ROUTERS)}")
+    return gates, experts, probs
+
+# %% ../../nbs/12_moe.ipynb #7cdc9222
+def route_with_bias(logits: torch.Tensor, k: int, bias: torch.Tensor,
+                    router: str = "softmax_topk") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "`route` whose choice of experts ranks `scores + bias [E]`; the gates are the unbiased scores' (DeepSeek-V3)."
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    experts = ((probs if router == "softmax_topk" else logits) + bias).topk(k, dim=-1).indices
+    gates = probs.gather(1, experts) if router == "softmax_topk" else logits.gather(1, experts).softmax(-1)
     return gates, experts, probs
 
 # %% ../../nbs/12_moe.ipynb #15545d17
@@ -242,6 +252,8 @@ class MoEFeedForward(nn.Module):
         self.loss_mask: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
+        self.expert_bias: torch.Tensor | None = None    # aux-loss-free balancing (`enable_bias_balancing`), else None
+        self.load: torch.Tensor | None = None           # assignments per expert of the last training forward
 
     def capacity(self, n_tokens: int) -> int | None:
         "Assignments each expert takes from `n_tokens` tokens (None: all; always None outside training)."
@@ -256,12 +268,14 @@ def forward(self: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(-1, shape[-1])
     with torch.autocast(x.device.type, enabled=False):
         logits = F.linear(x.float(), self.router.weight.float())
-    gates, experts, probs = route(logits, self.k, self.router_kind)
+    gates, experts, probs = (route(logits, self.k, self.router_kind) if self.expert_bias is None
+                             else route_with_bias(logits, self.k, self.expert_bias, self.router_kind))
     y = moe_dispatch(x, gates, experts, self.experts, dispatch_capacity(x, self.capacity(x.shape[0])))
     if self.shared_expert is not None: y = y + self.shared_expert(x)
     mask = None if self.loss_mask is None else self.loss_mask.reshape(-1)
     if self.training:
         if torch.is_grad_enabled():
+            self.load = expert_counts(experts, self.n_experts, None if mask is None else mask.float())
             self.aux = (self.load_balance_coef * load_balancing_loss(probs, experts, mask)
                         + self.z_loss_coef * router_z_loss(logits, mask))
     else: self._accumulate(experts, mask)
@@ -420,3 +434,18 @@ def upcycle(dense: Tendril, cfg: ModelConfig) -> TendrilMoE:
         raise ConfigError(f"model: cannot upcycle, the dense and MoE shapes differ "
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return moe
+
+# %% ../../nbs/12_moe.ipynb #c2a125cb
+@patch
+def enable_bias_balancing(self: TendrilMoE) -> TendrilMoE:
+    "Give every MoE layer a zero expert bias: routing picks by `scores + bias`, `update_expert_bias` moves it."
+    for m in self.moe_layers(): m.expert_bias = torch.zeros(m.n_experts, device=m.router.weight.device)
+    return self
+
+@patch
+@torch.no_grad()
+def update_expert_bias(self: TendrilMoE, rate: float, loads: list[torch.Tensor] | None = None):
+    "One step of DeepSeek-V3's rule per layer from `loads` (each layer's last training `load` when None)."
+    for m, c in zip(self.moe_layers(), loads or [m.load for m in self.moe_layers()]):
+        if m.expert_bias is None: raise ValueError("update_expert_bias: call enable_bias_balancing first")
+        m.expert_bias += rate * torch.sign(c.float().mean() - c.float())
