@@ -71,8 +71,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   `broadcast_object`, `all_gather_objects`),
 - `gradient_garden.parallel.distributed`: Start from the torchrun environment (or fall back to one process), pick the
   device and backend, and apply data
-- `gradient_garden.parallel.expert_parallel`: TendrilMoE's experts spread over ranks, tokens sent to their experts and
-  back by all-to-all: `apply_expert_parallel`.
+- `gradient_garden.parallel.expert_parallel`: TendrilMoE's experts spread over ranks; tokens reach their experts and
+  return by all-to-all.
 - `gradient_garden.parallel.fault_tolerance`: Replica groups that keep training when one of them dies (torchft), and a
   restarted one that heals from a live peer.
 - `gradient_garden.parallel.tensor_parallel`: Tensor and sequence parallelism with a DTensor plan per model, composed
