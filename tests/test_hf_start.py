@@ -16,6 +16,7 @@ from gradient_garden.checkpoint.hf import load_hf
 from gradient_garden.config import GlobalConfig, TokenizerConfig, from_plain
 from gradient_garden.data.verifiable import WORDS, sample_conversations
 from gradient_garden.stages.dpo import prepare_dpo
+from gradient_garden.stages.rl import prepare_rl
 from gradient_garden.stages.sft import prepare_instruct
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 from gradient_garden.train.run import run_training
@@ -136,3 +137,39 @@ def test_plan_plans_the_folders_model(inputs):
     model, _ = load_hf(inputs["folder"])
     n = sum(p.numel() for p in model.parameters())
     assert f"{n:,}" in r.stdout or f"{n}" in r.stdout, r.stdout[-2000:]
+
+
+@pytest.mark.slow   # about 65 s: an SFT run and an RL run through the CLI
+def test_qwen3_recipes_run_sft_then_rl_on_a_local_folder_of_the_same_format(tmp_path):
+    """The hub recipes (`recipes/instruct/qwen3-0.6b-smoltalk.yaml`, then `recipes/rl/qwen3-0.6b-gsm8k.yaml`) on a
+    local Qwen3 folder with a ChatML tokenizer and template: SFT trains on its template's assistant turns, the RL
+    recipe plans from the SFT run's model; sizes cut to seconds on CPU."""
+    from test_tokenizer import _chatml_folder
+    folder = _chatml_folder(tmp_path/"Qwen3-local")
+    tok = init_tokenizer(TokenizerConfig(path=str(folder)))
+    cfg = transformers.Qwen3Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=160,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=512, tie_word_embeddings=True)   # room for ChatML prompts
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    g = GlobalConfig(tokenizer=TokenizerConfig(path=str(folder)))
+    prepare_instruct({"sources": [{"type": "verifiable", "train": 64, "val": 8, "seed": 0}]}, g,
+                     tmp_path/"datasets"/"instruct", tok, progress=False)
+    sets = _cli_sets({"datasets": tmp_path/"datasets"}, tmp_path/"runs", **{
+        "training.max_steps": 2, "checkpointing.every": 2, "runtime.fsdp": "false", "runtime.compile": "false",
+        "runtime.activation_checkpointing": "none"})
+    run_gg("train", "--recipe", ROOT/"recipes"/"instruct"/"qwen3-0.6b-smoltalk.yaml", "--hf-checkpoint", folder,
+           "--set", *sets)
+    run = tmp_path/"runs"/"instruct"/"qwen3-0.6b-smoltalk"
+    assert sorted(_losses(run)) == [1, 2]
+    saved = load_checkpoint(run/"checkpoints"/"step_0000002.pt")
+    assert saved["config"]["tokenizer"]["path"] == str(folder) and saved["config"]["model"]["qk_norm"]
+    prepare_rl(None, g, tmp_path/"datasets"/"rl", tok)      # the verifiable tasks' prompts for a hub recipe's GSM8K
+    rl_sets = [x for x in sets if not x.startswith(("training.max_steps", "training.seq_len", "training.total"))] + [
+        "training.max_steps=1", "training.seq_len=256", "training.total_batch_size=2048", "rl.group_size=4",
+        "rl.max_new_tokens=16", "rl.eval_k=1", "rl.mask_truncated=false"]   # a random model: every completion cut
+    run_gg("train", "--recipe", ROOT/"recipes"/"rl"/"qwen3-0.6b-gsm8k.yaml", "--hf-checkpoint", folder,
+           "--checkpoint", run/"checkpoints"/"step_0000002.pt", "--set", *rl_sets)
+    rl = _records(tmp_path/"runs"/"rl"/"qwen3-0.6b-gsm8k")
+    losses = [(r["step"], r["loss"]) for r in rl if "loss" in r]
+    assert [s for s, _ in losses] == [1] and math.isfinite(losses[0][1])
