@@ -316,7 +316,8 @@ def run_leg(leg: str, out: Path) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"}
 
 
-ONE_PROCESS = ["peak", "train_124m", "train_400m", "float8_124m", "float8_400m", "decode", "attention", "rl_124m"]   # what `--smoke` alone runs
+# what `--smoke` alone runs
+ONE_PROCESS = ["peak", "train_124m", "train_400m", "float8_124m", "float8_400m", "decode", "attention", "rl_124m"]
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--smoke"]
