@@ -1,5 +1,6 @@
-"""Muon's optimizer step on 1, 2 and 4 gloo ranks: today's gathered algorithm (every rank orthogonalises every matrix)
-against the distributed one (each matrix once, on an owner rank), side by side in one run.
+"""Muon's optimizer step on 1, 2 and 4 gloo ranks: the gathered algorithm (every rank orthogonalises every matrix)
+against the distributed one (each matrix once, on an owner rank), overlapped (the default: each bucket's collectives
+run under the next bucket's Newton-Schulz) and one bucket at a time (`overlap=False`), side by side in one run.
 
 In each world the same Tendril (GQA, so the matrices come in four shapes) is wrapped with FSDP2 (and, separately,
 DDP), one backward makes the gradients, and two Muon optimizers over the same parameters, `distributed=False` and
@@ -13,7 +14,9 @@ Newton-Schulz call under torch's `FlopCounterMode` (matmul FLOPs only). Newton-S
     python bench/muon.py --smoke                    # 1 and 2 ranks, dim 64, one layer, one round: seconds
 
 The last line of stdout is one JSON object: `ns_flops_per_rank_ratio` (busiest rank / one process, for 2 and 4 ranks,
-distributed) and `step_time_ratio` (2 ranks FSDP2, distributed / gathered median step time), with the details.
+distributed) and `step_time_ratio` (2 ranks FSDP2, distributed / gathered median step time), with the details;
+`critical_path_over_ideal`: each distributed step (overlapped, and one bucket at a time) against the ideal, one
+process's step divided by the ranks; `overlapped_over_blocking`: the two distributed steps' ratio.
 """
 from __future__ import annotations
 import argparse, json, os, statistics, tempfile, time
@@ -71,8 +74,9 @@ def time_steps(args, layout, world, counts):
     from gradient_garden.train.optim import Muon, _replica_group
     wrapped, mats = build(args, layout, world)
     group = _replica_group(wrapped)
-    opts = {alg: Muon(mats, lr=0.02, weight_decay=0.0, ns_dtype="fp32", distributed=alg == "distributed",
-                      process_group=group) for alg in ("gathered", "distributed")}
+    algs = ("gathered", "distributed") + (("blocking",) if world > 1 else ())   # blocking: one bucket at a time
+    opts = {alg: Muon(mats, lr=0.02, weight_decay=0.0, ns_dtype="fp32", distributed=alg != "gathered",
+                      process_group=group, overlap=alg != "blocking") for alg in algs}
     times, flops = {a: [] for a in opts}, {}
     for rnd in range(args.rounds + 1):   # round 0 warms up (and counts FLOPs)
         for alg, opt in opts.items():
@@ -128,6 +132,14 @@ def main(argv=None):
                 ratios = out.setdefault("step_time_ratios", {})
                 ratios[f"{lay}_{w}"] = r["distributed"]["step_s"] / r["gathered"]["step_s"]
     if 2 in out["worlds"]: out["step_time_ratio"] = out["step_time_ratios"]["fsdp2_2"]
+    if 1 in out["worlds"]:   # the ideal: one process's step divided evenly over the ranks, moves free
+        one_s = out["worlds"][1]["single"]["gathered"]["step_s"]
+        out["critical_path_over_ideal"] = {f"{lay}_{w}_{alg}": out["worlds"][w][lay][alg]["step_s"] * w / one_s
+                                           for w in out["worlds"] if w > 1 for lay in ("fsdp2", "ddp")
+                                           for alg in ("distributed", "blocking")}
+        out["overlapped_over_blocking"] = {f"{lay}_{w}": out["worlds"][w][lay]["distributed"]["step_s"]
+                                           / out["worlds"][w][lay]["blocking"]["step_s"]
+                                           for w in out["worlds"] if w > 1 for lay in ("fsdp2", "ddp")}
     print(json.dumps(out))
 
 

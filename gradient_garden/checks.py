@@ -71,8 +71,8 @@ def check_ranges(cfg: GlobalConfig) -> GlobalConfig:
         for p in ["min_delta", "skip_steps"]: _in(f"training.early_stopping.{p}", getattr(es, p), 0)
     _check_optimizer_ranges(cfg.optimizers)
     _in("checkpointing.keep_last", cfg.checkpointing.keep_last, 1, note=" (the checkpoint just written is always kept)")
-    _in("runtime.num_workers", r.num_workers, 0); _in("runtime.flight_recorder", r.flight_recorder, 0)
-    _in("runtime.tp", r.tp, 1)
+    if r.num_workers is not None: _in("runtime.num_workers", r.num_workers, 0, note=" (or null: by device)")
+    _in("runtime.flight_recorder", r.flight_recorder, 0); _in("runtime.tp", r.tp, 1)
     for p in ["collective_timeout_s", "long_collective_timeout_s"]: _in(f"runtime.{p}", getattr(r, p), 0, lo_open=True)
     g, ev = cfg.generation, cfg.evals
     _in("generation.every", g.every, 0); _in("generation.max_gen_len", g.max_gen_len, 1)

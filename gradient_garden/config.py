@@ -42,7 +42,7 @@ class RuntimeConfig:
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
     tp: int = 1         # tensor-parallel ranks (24_tensor_parallel); the data-parallel ranks are world / tp
     compile: bool = False
-    num_workers: int = 0        # background threads that prepare (and pin) the next batches
+    num_workers: Optional[int] = None   # batches a thread prepares (and pins) ahead; null: 2 on CUDA, 0 elsewhere
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"   # see 21_activation_checkpointing

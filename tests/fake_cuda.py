@@ -106,6 +106,7 @@ def run_step(kind: str, precision: str, host_tensor_in_loss: bool = False) -> di
     tendril.LOSS_COMPILE_BACKEND = "aot_eager"
     cfg, model, task, loader, val_loader = make_parts(kind)
     cfg.runtime.device, cfg.runtime.precision = "cuda", precision
+    cfg.runtime.num_workers = 0   # no prefetching: fake tensors cannot be pinned (page-locked)
     mode = FakeTensorMode()      # real tensors are refused: a host constant reaching the step is an error too
     for m in (model, getattr(getattr(task, "reference", None), "model", None), getattr(task, "teacher", None)):
         if m is not None: to_fake_cuda(m, mode)
@@ -159,6 +160,7 @@ def run_fit(precision: str) -> dict:
     tendril.LOSS_IMPL, tendril.LOSS_COMPILE_BACKEND = "compiled", "aot_eager"
     cfg, model, task, loader, val_loader = make_parts("dense", max_steps=8, log_every=4)
     cfg.runtime.device, cfg.runtime.precision = "cuda", precision
+    cfg.runtime.num_workers = 0   # no prefetching: fake tensors cannot be pinned (page-locked)
     cfg.validation.enabled, cfg.validation.every = True, 3
     cfg.checkpointing.every, cfg.checkpointing.save_final = 6, False
     mode = FakeTensorMode()

@@ -1,5 +1,6 @@
-"""`gg plan` on every recipe, the one-line answers for a plan that does not fit or an unknown GPU, and `gg train`
-refusing a run that does not fit before it builds the model."""
+"""`gg plan` on every recipe, the one-line answers for a plan that does not fit or an unknown GPU, `gg train`
+refusing a run that does not fit before it builds the model, the plan's communication, Muon and grace-period lines,
+and the time from SIGTERM to a durable checkpoint on 2 gloo ranks (bench/save_grace.py --smoke, about 20 s)."""
 import pytest
 from conftest import ROOT, run_gg
 from gradient_garden.recipes import load_recipe
@@ -51,3 +52,27 @@ def test_train_refuses_a_run_that_does_not_fit(prepared, tmp_path):
     err = [l for l in r.stderr.splitlines() if l.strip()]
     assert err[-1].startswith("error: runtime: does not fit: needs") and "try " in err[-1], err[-3:]
     assert not (tmp_path/"pretraining").exists()
+
+def test_gg_plan_communication_muon_and_grace():
+    args = ("plan", "--recipe", "recipes/pretraining/tendril-1b.yaml", "--gpus-per-node", "8", "--nodes", "2")
+    out = run_gg(*args).stdout.splitlines()
+    row = next(l for l in out if l.startswith("replicate all_reduce"))   # once per step, across the nodes
+    assert row.endswith("(InfiniBand)") and 0.5 < float(row.split()[2]) < 0.6, row   # GB: 4 x 1.08B / 8
+    assert next(l for l in out if l.startswith("shard reduce_scatter")).endswith("(NVLink)")
+    assert any(l.startswith("Muon step (modelled, replicate x shard 2 x 8): ideal") for l in out)
+    assert any(l.startswith("a stop (SIGTERM) takes up to") and "within the 30 s grace period" in l for l in out)
+    slow = run_gg(*args, "--storage-gbps", "0.05", "--grace-s", "20").stdout.splitlines()
+    warned = [l for l in slow if l.startswith("warning:")]
+    assert len(warned) == 1 and "over the 20 s grace period (--grace-s)" in warned[0] and "0.05 GB/s" in warned[0]
+    bad = run_gg(*args, "--grace-s", "0", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --grace-s: got 0.0; must be > 0"
+
+def test_sigterm_to_a_durable_checkpoint_on_two_ranks():
+    "bench/save_grace.py --smoke: SIGTERM to torchrun over 2 gloo ranks, timed until the checkpoint is committed."
+    import json, subprocess, sys
+    r = subprocess.run([sys.executable, "save_grace.py", "--smoke"], cwd=ROOT/"bench", capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.splitlines()[-1])
+    assert 0 < res["durable_s"] <= res["exit_s"] < 120, res
+    assert abs(res["checkpoint_bytes"] / res["plan_checkpoint_bytes"] - 1) < 0.05, res   # the plan counts the bytes

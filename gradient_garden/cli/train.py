@@ -254,6 +254,10 @@ def add_plan_args(p: argparse.ArgumentParser):
     p.add_argument("--mfu", type=float, default=None,
                    help="model FLOPs utilisation for the time estimate (default 0.4)")
     p.add_argument("--mfu-from", default=None, help="a run folder or metrics.jsonl whose median MFU to use instead")
+    p.add_argument("--storage-gbps", type=float, default=2.0,
+                   help="GB/s the job writes checkpoints at, all ranks together (default 2)")
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="seconds from SIGTERM to SIGKILL on the cluster (default 30: torchrun, SLURM)")
 
 # %% ../../nbs/74_cli_train.ipynb #0380609e
 def run_plan(args) -> int:
@@ -262,6 +266,7 @@ def run_plan(args) -> int:
                          world_size=1)
     if args.hf_checkpoint: cfg.training.init_from = HF_START + args.hf_checkpoint
     check_stage(adopt_hf_model(cfg))   # a Hugging Face start: the folder's model is the one planned
-    p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from)
+    p = plan(cfg, args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, mfu=args.mfu, mfu_from=args.mfu_from,
+             storage_gbps=args.storage_gbps, grace_s=args.grace_s)
     print(format_plan(p))
     return 0 if p.fits else 1

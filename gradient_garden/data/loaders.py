@@ -15,8 +15,8 @@ from ..config import ConfigError, GlobalConfig
 from .prepare import check_shard_version
 
 # %% auto #0
-__all__ = ['load_meta', 'open_shards', 'PretrainLoader', 'to_batch', 'pretraining_loaders', 'pin_batch', 'PrefetchLoader',
-           'prefetching']
+__all__ = ['PREFETCH_BY_DEVICE', 'load_meta', 'open_shards', 'PretrainLoader', 'to_batch', 'pretraining_loaders', 'pin_batch',
+           'PrefetchLoader', 'prefetching']
 
 # %% ../../nbs/04_loaders.ipynb #59bf300d
 def load_meta(data_dir) -> dict:
@@ -242,8 +242,13 @@ def fixed_batches(self: PrefetchLoader, n: int) -> list[dict]:
     out = self.loader.fixed_batches(n)
     return [pin_batch(b) for b in out] if self.pin else out
 
-def prefetching(loader, num_workers: int, device_type: str = "cpu"):
-    "`loader` behind a `PrefetchLoader` preparing `num_workers` batches ahead (pinned on CUDA); unchanged for 0."
+PREFETCH_BY_DEVICE = {"cuda": 2}   # batches prepared ahead when `runtime.num_workers` is null; other devices: 0
+
+def prefetching(loader, num_workers: int | None, device_type: str = "cpu"):
+    ("`loader` behind a `PrefetchLoader` preparing `num_workers` batches ahead (pinned on CUDA); unchanged for 0; "
+     "None: `PREFETCH_BY_DEVICE`.")
+    if num_workers is None:   # by device, and never for a loader whose batches come from the current weights
+        num_workers = 0 if getattr(loader, "reads_model", False) else PREFETCH_BY_DEVICE.get(device_type, 0)
     if num_workers == 0 or isinstance(loader, PrefetchLoader): return loader
     return PrefetchLoader(loader, num_workers, pin=device_type == "cuda")
 

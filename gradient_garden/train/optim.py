@@ -273,7 +273,6 @@ class _Bucket:
             self.chunk = [-(-p.shape[d] // s) for p, d in zip(params, self.dim)]
             self.padded = [(*p.shape[:d], c, *p.shape[d + 1:]) for p, d, c in zip(params, self.dim, self.chunk)]
 
-
 # %% ../../nbs/51_optim.ipynb #19be32a8
 @patch
 def send(self: _Bucket) -> _Bucket:
@@ -289,9 +288,10 @@ def orthogonalise(self: _Bucket) -> _Bucket:
     "Join the whole matrices this rank owns as their shards arrive, orthogonalise them, start sending them back."
     mine, s = self.of[self.i_s], self.s
     if s > 1:
-        got = self._shards()
+        got = self._shards(); del self._shards   # the receive buffer goes with the last reference
         full = [torch.cat([got[j][a] for j in range(s)], self.dim[k]) for a, k in enumerate(mine)]
         full = [f[tuple(slice(0, m) for m in self.params[k].shape)] for f, k in zip(full, mine)]   # padding off
+        del got
     else: full = [self.local[k] for k in mine]
     done = orthogonalise_batched(full, self.group, [self.splits[k] for k in mine])
     if s == 1: self._res = dict(zip(mine, done)); return self
@@ -301,13 +301,12 @@ def orthogonalise(self: _Bucket) -> _Bucket:
                           async_op=True)
     return self
 
-
 # %% ../../nbs/51_optim.ipynb #6eff6c21
 @patch
 def share(self: _Bucket) -> _Bucket:
     "Take this rank's shards of the results; start the replicas' all-gather of what each of them computed."
     if self.s > 1:
-        got = self._back()
+        got = self._back(); del self._back
         self._res = {k: got[j][a].narrow(self.dim[k], 0, self.local[k].size(self.dim[k]))
                      for j, ks in enumerate(self.of) for a, k in enumerate(ks)}
     if self.r > 1:
@@ -325,8 +324,8 @@ def result(self: _Bucket) -> list[Tensor]:
         for q, ks in enumerate(self.per):
             if q != self.i_r:
                 self._res.update(zip(ks, _unflat(self._outs[q][:self._sizes[q]], [self.local[k].shape for k in ks])))
+        del self._shared
     return [self._res[k] for k in range(len(self.local))]
-
 
 # %% ../../nbs/51_optim.ipynb #f69e08a3
 def muon_buckets(costs, shapes, splits) -> list[list[int]]:
@@ -358,7 +357,6 @@ def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], split
     for ks, res in zip(order, results):
         for k, o in zip(ks, res): out[k] = o
     return out
-
 
 # %% ../../nbs/51_optim.ipynb #f13106cf
 def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5,
@@ -412,7 +410,6 @@ def muon_critical_path(shapes, splits=None, shard: int = 1, replicate: int = 1, 
     if order: clock = [max(c, back[-1]) for c in clock]; start("R", mv[-1][1])
     return dict(ideal=sum(costs) / world / flops_per_s, largest=max(costs, default=0) / flops_per_s,
                 blocking=blocking, overlapped=max(clock + [free["R"]]))
-
 
 # %% ../../nbs/51_optim.ipynb #d3c01f5d
 @patch

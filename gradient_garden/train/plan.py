@@ -19,6 +19,8 @@ from ..hardware import gpu_datasheet_flops, measure_matmul_peak
 from ..models.tendril import count_parameters, LOSS_CHUNK_ELEMENTS
 from ..models.registry import build_model, flops_per_token
 from .optim import classify_parameters, muon_rank_costs, muon_ns_dtype, _declared_splits
+from .optim import muon_critical_path
+from ..parallel.distributed import mesh_shape, step_bytes, wire_bytes
 from ..models.lora import apply_lora
 from ..parallel.activation_checkpointing import SAVE_OPS
 from ..parallel.tensor_parallel import tp_memory
@@ -27,11 +29,11 @@ from ..stages.registry import get_stage
 
 # %% auto #0
 __all__ = ['GPU_MEMORY_GIB', 'DATASHEET_NAMES', 'PARALLELISMS', 'GiB', 'CHINCHILLA_TOKENS_PER_PARAMETER', 'HEADROOM', 'PLAN_ROWS',
-           'OPTIONAL_ROWS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block', 'loss_chunk_bytes',
-           'activation_bytes', 'muon_plan', 'compute_bytes', 'teacher_size', 'distillation_bytes',
-           'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan', 'measured_mfu',
-           'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'format_plan', 'device_memory',
-           'check_fit']
+           'OPTIONAL_ROWS', 'LINKS', 'Accelerator', 'accelerator', 'parameter_counts', 'trace_block',
+           'loss_chunk_bytes', 'activation_bytes', 'muon_matrices', 'muon_plan', 'compute_bytes', 'teacher_size',
+           'distillation_bytes', 'unsharded_gradient_bytes', 'memory_plan', 'chinchilla_tokens', 'run_hours', 'Plan',
+           'measured_mfu', 'layouts', 'plan', 'estimate_workload', 'suggestion', 'fit_message', 'mesh_of', 'link_of',
+           'communication_bytes', 'muon_step_time', 'checkpoint_bytes', 'format_plan', 'device_memory', 'check_fit']
 
 # %% ../../nbs/53_plan.ipynb #f2b8f4c0
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48}
@@ -145,27 +147,29 @@ def activation_bytes(cfg: GlobalConfig, mode: str, device_type: str = "cuda", bl
     return saved + head + max(loss_chunk_bytes(cfg, device_type), recompute)
 
 # %% ../../nbs/53_plan.ipynb #d254dd7a
+def muon_matrices(cfg: GlobalConfig) -> tuple[list, list]:
+    "Shapes and declared row blocks of the matrices Muon takes in `cfg`'s model; empty without Muon."
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+        if cfg.lora.enabled: apply_lora(model, cfg.lora)
+    mats = classify_parameters(model)["matrices"] if cfg.optimizers.muon.enabled else []
+    return [tuple(p.shape) for _, p in mats], _declared_splits(model, [n for n, _ in mats])
+
 def muon_plan(cfg: GlobalConfig, parallel: str = "single", world: int = 1, shard_size: int | None = None,
               device_type: str = "cuda") -> dict:
     ("Muon's busiest-rank Newton-Schulz FLOPs per step and step buffers, `gathered` and `distributed`, for `cfg`'s "
      "model.")
-    m = cfg.optimizers.muon
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-        if cfg.lora.enabled: apply_lora(model, cfg.lora)
-    mats = classify_parameters(model)["matrices"] if m.enabled else []
-    if not mats: return {a: {"ns_flops": 0, "bytes": 0} for a in ("gathered", "distributed")}
+    m, (shapes, splits) = cfg.optimizers.muon, muon_matrices(cfg)
+    if not shapes: return {a: {"ns_flops": 0, "bytes": 0} for a in ("gathered", "distributed")}
     shard = {"single": 1, "ddp": 1, "fsdp2": world, "hsdp": shard_size or world}[parallel]
     replicate = 1 if parallel == "single" else world // shard
     ns_bytes = 2 if muon_ns_dtype(m.ns_dtype, device_type) == "bf16" else 4
-    return muon_rank_costs([tuple(p.shape) for _, p in mats], _declared_splits(model, [n for n, _ in mats]),
-                           shard, replicate, m.ns_steps, ns_bytes)
+    return muon_rank_costs(shapes, splits, shard, replicate, m.ns_steps, ns_bytes)
 
 # %% ../../nbs/53_plan.ipynb #98728560
 def compute_bytes(cfg: GlobalConfig) -> int:
     "Bytes of an element in the run's compute dtype: 4 in fp32, else 2 (bf16 / fp16 autocast)."
     return 4 if cfg.runtime.precision == "fp32" else 2
-
 
 # %% ../../nbs/53_plan.ipynb #5ebf56ce
 @functools.lru_cache(maxsize=8)
@@ -196,7 +200,6 @@ def distillation_bytes(cfg: GlobalConfig) -> dict:
     # probabilities, their difference, its product); checked against MemTracker below
     logits = t.micro_batch_size * t.seq_len * (m.vocab_size * (compute + 5 * 4) + size["vocab"] * teacher_bytes)
     return dict(teacher=size["parameters"] * teacher_bytes, distill_logits=logits)
-
 
 # %% ../../nbs/53_plan.ipynb #0e5624f4
 def unsharded_gradient_bytes(cfg: GlobalConfig, parallel: str, world: int, shard: int) -> float:
@@ -257,7 +260,6 @@ def run_hours(tokens: int, tokens_per_s: float) -> float:
 
 # %% ../../nbs/53_plan.ipynb #2aaddbef
 HEADROOM = 0.92   # share of device memory a plan may use (allocator fragmentation, CUDA context, communication buffers)
-
 @dataclass
 class Plan:
     "The answer to 'will it fit, how long will it take' for one config on one target."
@@ -273,7 +275,8 @@ class Plan:
     steps: int
     mfu: float
     mfu_source: str
-
+    storage_gbps: float = 2.0        # GB/s the job writes checkpoints at, all ranks together
+    grace_s: float = 30.0            # seconds between SIGTERM and SIGKILL
     @property
     def world(self) -> int: return self.nodes * self.gpus_per_node
     @property
@@ -315,10 +318,12 @@ def layouts(nodes: int, gpus_per_node: int) -> dict:
 
 # %% ../../nbs/53_plan.ipynb #d8b0ae04
 def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: int = 1, mfu: float | None = None,
-         mfu_from=None) -> Plan:
+         mfu_from=None, storage_gbps: float = 2.0, grace_s: float = 30.0) -> Plan:
     "Memory for every layout the target allows, FLOPs/token, token budget, steps and time for `cfg` on `gpu`."
     for name, v in (("--gpus-per-node", gpus_per_node), ("--nodes", nodes)):
         if v < 1: raise ConfigError(f"{name}: got {v}; must be >= 1")
+    for name, v in (("--storage-gbps", storage_gbps), ("--grace-s", grace_s)):
+        if not v > 0: raise ConfigError(f"{name}: got {v}; must be > 0")
     if cfg.runtime.precision == "auto":  # what `auto` picks on the target: bf16 on these GPUs, the CPU's own answer
         cfg = _with(cfg, runtime__precision="bf16" if gpu.lower() != "cpu"
                     else resolve_precision(torch.device("cpu"), "auto")[0])
@@ -339,7 +344,7 @@ def plan(cfg: GlobalConfig, gpu: str = "H100", gpus_per_node: int = 1, nodes: in
     t = cfg.training
     return Plan(cfg, dev, nodes, gpus_per_node, layout, mem, parameter_counts(cfg),
                 flops_per_token(cfg.model, t.seq_len),
-                t.max_steps * t.total_batch_size, t.max_steps, mfu, source)
+                t.max_steps * t.total_batch_size, t.max_steps, mfu, source, storage_gbps, grace_s)
 
 # %% ../../nbs/53_plan.ipynb #be3e913b
 def estimate_workload(cfg: GlobalConfig, tokens_per_s: float | None = None, world_size: int = 1) -> dict:
@@ -475,6 +480,75 @@ def _teacher_lines(p: Plan) -> list[str]:
             f"its forward adds {forward:.3e} FLOPs per token ({forward / p.flops_per_token:.2f} x the student's "
             "training FLOPs), not in the time below"]
 
+# %% ../../nbs/53_plan.ipynb #d3f3464e
+# about 90% of the line rate a GPU sends at in one direction: NVLink 4 (450 GB/s), a 400 Gb/s NDR NIC per GPU, 100 GbE
+LINKS = {"NVLink": 400e9, "InfiniBand": 40e9, "Ethernet": 10e9}
+
+def mesh_of(p: Plan) -> tuple[int, int]:
+    "`(replicate, shard)` degrees of the run's data-parallel mesh on the plan's target (DDP: all ranks replicate)."
+    if p.layout != "fsdp2": return (p.world, 1) if p.layout == "ddp" else (1, 1)
+    return mesh_shape(p.cfg.runtime, p.world, p.gpus_per_node)
+
+def link_of(p: Plan, dim: str) -> str:
+    "The link a mesh dimension's collectives cross on the target: InfiniBand between nodes, NVLink within one."
+    return "InfiniBand" if p.nodes > 1 and (dim == "replicate" or mesh_of(p)[1] > p.gpus_per_node) else "NVLink"
+
+def communication_bytes(p: Plan) -> dict:
+    "Bytes each rank sends per optimizer step, by `(mesh dimension, collective)`; empty in one process."
+    r, s = mesh_of(p)
+    if r * s == 1: return {}
+    with torch.device("meta"): model = build_model(p.cfg.model)
+    step = step_bytes(model, r, s, grad_accum_steps(p.cfg, p.world), p.cfg.runtime.fsdp_accumulation,
+                      param_bytes=compute_bytes(p.cfg), reduce_bytes=4)
+    return {(dim, op): wire_bytes({dim: {op: b}}, r, s)[dim] for dim, ops in step.items() for op, b in ops.items()}
+
+# %% ../../nbs/53_plan.ipynb #a99bc9be
+def _communication_lines(p: Plan) -> list[str]:
+    "A table of the bytes each rank sends per step by group and collective, and their time on each link."
+    if not (comm := communication_bytes(p)): return []
+    ms = lambda b, link: f"{1e3 * b / LINKS[link]:14,.1f}"
+    lines = [f"{'communication per step, per rank':34s}{'GB':>8s}" + "".join(f"{k + ' ms':>14s}" for k in LINKS)
+             + f"{'this run ms':>14s}"]
+    lines += [f"{dim + ' ' + op:34s}{b / 1e9:8.2f}" + "".join(ms(b, k) for k in LINKS)
+              + f"{ms(b, link_of(p, dim))} ({link_of(p, dim)})" for (dim, op), b in comm.items()]
+    total, step = sum(b / LINKS[link_of(p, dim)] for (dim, _), b in comm.items()), p.cfg.training.total_batch_size
+    return lines + [f"communication {1e3 * total:,.0f} ms per step on this target's links, against "
+                    f"{1e3 * step / p.tokens_per_s:,.0f} ms of compute at {p.mfu:.0%} MFU; the time above assumes it hidden behind the compute"]
+
+# %% ../../nbs/53_plan.ipynb #f8642395
+def muon_step_time(p: Plan) -> dict | None:
+    "`muon_critical_path` of the run's Muon step on the plan's target; None without Muon matrices or in one process."
+    (shapes, splits), (r, s), m = muon_matrices(p.cfg), mesh_of(p), p.cfg.optimizers.muon
+    if not shapes or r * s == 1 or not m.distributed: return None
+    ns_bytes = 2 if muon_ns_dtype(m.ns_dtype, "cpu" if p.device.name == "cpu" else "cuda") == "bf16" else 4
+    return muon_critical_path(shapes, splits, s, r, m.ns_steps, ns_bytes, p.device.peak_flops * p.mfu,
+                              LINKS[link_of(p, "shard")], LINKS[link_of(p, "replicate")])
+
+def _muon_path_line(p: Plan) -> list[str]:
+    "Muon's modelled step against the ideal: overlapped (the optimizer's way), one bucket at a time; or no line."
+    if (t := muon_step_time(p)) is None: return []
+    return [f"Muon step (modelled, replicate x shard {' x '.join(map(str, mesh_of(p)))}): ideal {1e3 * t['ideal']:,.1f} "
+            f"ms; overlapped {t['overlapped'] / t['ideal']:.2f}x the ideal (one bucket at a time "
+            f"{t['blocking'] / t['ideal']:.2f}x; the largest matrix alone {t['largest'] / t['ideal']:.2f}x), "
+            f"{t['overlapped'] * p.tokens_per_s / p.cfg.training.total_batch_size:.1%} of a step's compute"]
+
+# %% ../../nbs/53_plan.ipynb #fe76acc4
+def checkpoint_bytes(p: Plan) -> int:
+    "Bytes one checkpoint writes, all ranks together: fp32 weights, AdamW's two moments and Muon's momentum."
+    return 4 * p.counts["total"] + 8 * p.counts["adamw"] + 4 * p.counts["muon"]
+
+def _save_lines(p: Plan) -> list[str]:
+    "How long a stop takes from SIGTERM to a durable checkpoint, against the grace period; a warning when over."
+    size, step = checkpoint_bytes(p), p.cfg.training.total_batch_size / p.tokens_per_s
+    step += p.cfg.runtime.stop_check_s if p.world > 1 else 0   # ranks agree to stop once every stop_check_s
+    save = size / (p.storage_gbps * 1e9)
+    how = (f"reaching the agreement to stop after the step in progress (up to {step:,.1f} s) and a checkpoint of "
+           f"{size / 1e9:,.1f} GB at {p.storage_gbps:g} GB/s (--storage-gbps): {save:,.1f} s")
+    if step + save <= p.grace_s:
+        return [f"a stop (SIGTERM) takes up to {step + save:,.1f} s: {how}, within the {p.grace_s:g} s grace period"]
+    return [f"warning: a stop (SIGTERM) takes up to {step + save:,.1f} s, over the {p.grace_s:g} s grace period "
+            f"(--grace-s), so SIGKILL can come before the checkpoint is durable: {how}"]
+
 # %% ../../nbs/53_plan.ipynb #f1671ddb
 def _float8_words(cfg: GlobalConfig) -> str:
     "` + float8 <recipe> Linear matmuls` when the run sets `runtime.float8`, else nothing."
@@ -493,8 +567,8 @@ def format_plan(p: Plan) -> str:
     host = p.memory[p.layout]["staging_host"]
     staging = [f"checkpoint staging (checkpointing.async_save): {host / GiB:.2f} GiB of host memory per rank, "
                f"allocated once (pinned on CUDA)"] if host else []
-    lines += (_memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _stage_lines(p)
-              + _teacher_lines(p))
+    lines += (_memory_table(p) + ["", _accumulation_line(p)] + staging + _muon_lines(p) + _muon_path_line(p)
+              + _stage_lines(p) + _teacher_lines(p) + [""] + _communication_lines(p) + _save_lines(p) + [""])
     lines += [f"FLOPs per token {p.flops_per_token:.3e}; run {p.tokens:,} tokens = "
               f"{p.tokens / p.chinchilla_tokens:.2f} x Chinchilla ({p.chinchilla_tokens:,} = 20 per parameter); "
               f"{p.steps:,} steps of {t.total_batch_size:,} tokens",
