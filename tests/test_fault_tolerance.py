@@ -1,11 +1,13 @@
 """Per-step fault tolerance with torchft on CPU (gloo): a lighthouse in this process and two replica groups, each a
 `gg train` process of its own. Once both have taken 5 steps, one group is `kill -9`ed; the other keeps stepping
 without a restart; the killed one is started again with the same command, heals from its peer's live state and
-rejoins; both end with bit-equal weights, optimizer state and loader position. Also the one-line errors for a missing
-lighthouse and a missing torchft."""
-import json, os, signal, subprocess, time
+rejoins; both end with bit-equal weights, optimizer state and loader position. The same with groups of 2 DDP ranks,
+each a torchrun job that restarts its own group. Also the one-line errors for a missing lighthouse and a missing
+torchft."""
+import json, os, signal, subprocess, sys, time
 os.environ.setdefault("RUST_LOG", "warn")   # the lighthouse in this process logs every quorum at INFO otherwise
 from pathlib import Path
+import psutil
 import pytest
 import torch
 from conftest import GG, ROOT, run_gg
@@ -94,6 +96,41 @@ def test_a_killed_replica_group_heals_and_rejoins(prepared, tmp_path):
     assert a["loader"] == b["loader"]   # the same position in the global order: each group reads its own share
     print(f"group 1 killed at group 0's step {killed_at}; group 0 alone to step {alone_to}; group 1 healed at step "
           f"{healed_at}; both finished {STEPS} steps with bit-equal weights")
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "3", "-m", "gradient_garden.cli"]
+
+@pytest.mark.slow   # about 130 s on a shared 2-core machine: 4 ranks and a restart of one group
+def test_a_group_of_ddp_ranks_restarted_by_torchrun_heals(prepared, tmp_path):
+    "Two groups of 2 DDP ranks, each a torchrun job; one rank of group 1 killed; torchrun restarts that group alone."
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}   # each attempt of a group: a store of its own
+    jobs = [subprocess.Popen(TORCHRUN + ["train", "--recipe", RECIPE, "--set",
+                                         *sets(prepared, tmp_path, g, lighthouse.address()),
+                                         "training.total_batch_size=1024"],
+                             cwd=ROOT, env=env, stdout=(tmp_path/f"group{g}.log").open("w"), stderr=subprocess.STDOUT)
+            for g in (0, 1)]
+    try:
+        wait_until(lambda: min(last_step(tmp_path, 0), last_step(tmp_path, 1)) >= 5, "both groups' fifth step", jobs)
+        ranks = [p for p in psutil.Process(jobs[1].pid).children(recursive=True)
+                 if "gradient_garden.cli" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1].pid, signal.SIGKILL)
+        killed_at = last_step(tmp_path, 0)
+        assert [p.wait(timeout=600) for p in jobs] == [0, 0], (tmp_path/"group1.log").read_text()[-3000:]
+    finally:
+        for p in jobs:
+            if p.poll() is None: p.kill()
+        lighthouse.shutdown()
+    logs = [(tmp_path/f"group{g}.log").read_text() for g in (0, 1)]
+    starts = [log.count("precision: fp32") for log in logs]   # a line per rank and start
+    assert starts[1] == 2 * starts[0] and "exitcode: -9" in logs[1] and "exitcode" not in logs[0], starts
+    # group 0 never restarted, group 1 once
+    healed = [int(l.rsplit(" ", 1)[1]) for l in logs[1].splitlines() if "replica group 1: healed" in l]
+    assert len([h for h in healed if h > killed_at]) == 2, healed   # both ranks of the restarted group
+    a, b = (load_checkpoint(list_checkpoints(run_dir(tmp_path, g)/"checkpoints")[-1]) for g in (0, 1))
+    assert a["step"] == b["step"] == STEPS
+    assert_equal(a["model"], b["model"], "model"); assert_equal(a["optimizers"], b["optimizers"])
 
 def test_fault_tolerance_without_a_lighthouse_is_one_line(prepared, tmp_path):
     r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=2),
