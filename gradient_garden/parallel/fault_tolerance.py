@@ -71,11 +71,14 @@ def require_torchft():
     import torchft
     return torchft
 
-# %% ../../nbs/23_fault_tolerance.ipynb #50eb27bc
+# %% ../../nbs/23_fault_tolerance.ipynb #92829d36
 def data_env(cfg: GlobalConfig, env: DistEnv) -> DistEnv:
     "`env` as the data loaders see it: with fault tolerance, the rank among every replica group's ranks."
     if not cfg.fault_tolerance.enabled: return env
     s = ft_settings(cfg.fault_tolerance)
+    if cfg.training.stage != "pretraining":   # DPO's reference pass and RL's rollouts split work by these ranks too
+        raise ConfigError(f"fault_tolerance.enabled: got true with training.stage = {cfg.training.stage!r}; replica "
+                          "groups are built and tested for the pretraining stage only (with or without distillation)")
     return dataclasses.replace(env, rank=s.replica_group * env.world_size + env.rank,
                                world_size=s.replica_groups * env.world_size)
 
