@@ -47,6 +47,7 @@ def inputs(tmp_path_factory):
     src = {"type": "verifiable", "train": 200, "val": 20, "seed": 0}
     prepare_instruct({"sources": [src]}, g, base/"datasets"/"instruct", tok, progress=False)
     prepare_dpo({"sources": [dict(src, seed=1)]}, g, base/"datasets"/"dpo", tok, progress=False)
+    prepare_rl(None, g, base/"datasets"/"rl", tok, progress=False)
     return dict(base=base, folder=folder, datasets=base/"datasets")
 
 
@@ -102,6 +103,14 @@ def test_distillation_from_the_same_folder_starts_at_zero_kl(inputs, tmp_path):
     first = _records(full.run_dir)[0]
     kl = next(v for k, v in first.items() if "kl" in k)
     assert abs(kl) < 1e-5, first
+
+
+def test_rl_starts_from_the_folders_chat_model_and_resumes_exactly(inputs, tmp_path):
+    "The folder has a chat template, so it is a chat model RL may start from; 2 groups of 4 completions a step."
+    over = {"rl": {"group_size": 4, "max_new_tokens": 8, "mask_truncated": False, "eval_k": 1},
+            "validation": {"enabled": False}}
+    full, _ = _full_and_resumed(inputs, tmp_path, "rl", **over)
+    assert all(math.isfinite(v) for v in _losses(full.run_dir).values())
 
 
 def test_lora_starts_from_the_folder_and_resumes_exactly(inputs, tmp_path):
