@@ -30,6 +30,7 @@ EXPECTED = {
     "preemption.py": ["trials", "checkpoint_at_signalled_or_next", "resumed_2_ranks_exact"],
     "prepare.py": ["stream_1x", "naive_1x", "stream_peak_ratio", "embedded_default"],
     "rl.py": ["ours", "ours_over_trl"],
+    "rl_control.py": ["control_loss", "zeroed_advantages_loss", "with_sampled_rows_loss"],
     "rl_curves.py": ["train_records", "validations"],
     "save_grace.py": ["durable_s", "exit_s", "plan_estimate_s", "checkpoint_bytes", "plan_checkpoint_bytes"],
     "scale_124m.py": ["resume_2ranks_equal", "resume_1rank_max_rel", "hf_max_abs_logit_diff"],
