@@ -233,10 +233,10 @@ def test_gqa_with_fewer_kv_heads_than_ranks_is_refused():
     with pytest.raises(ConfigError, match="n_kv_heads = 2 cannot be split over 4"): check_tp(CFG, 4)
     with pytest.raises(ConfigError, match="must divide model.n_heads"): check_tp(CFG, 3)
 
-def test_the_trainers_parallelize_refuses_tp():
+def test_the_data_parallel_parallelize_refuses_tp():
     from gradient_garden.config import RuntimeConfig
     from gradient_garden.parallel.distributed import DistEnv, parallelize
-    with pytest.raises(ConfigError, match="runtime.tp: got 2; the trainer runs data parallelism only"):
+    with pytest.raises(ConfigError, match="runtime.tp: got 2; parallelize wraps data parallelism only"):
         parallelize(model(), RuntimeConfig(tp=2), DistEnv())
 
 def test_gg_plan_shows_a_tp_column():

@@ -84,8 +84,8 @@ def join_optimizer(self: StateDictAdapter, osd: dict) -> dict:
         if set(got) != set(names): continue                      # some projections never stepped: start afresh
         state[fused] = {k: torch.cat([got[n][k] for n in names], dim=_rows(v)) if torch.is_tensor(v) and v.ndim else v
                         for k, v in got[names[0]].items()}
-    groups = [dict(g, params=list(dict.fromkeys(self._native_name(p) for p in g["params"])))
-              for g in osd["param_groups"]]
+    groups = [dict(g, **{k: list(dict.fromkeys(self._native_name(p) for p in g[k]))   # `param_names`: build_optimizers'
+                         for k in ("params", "param_names") if k in g}) for g in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 # %% ../../nbs/27_state_dict.ipynb #5df05f4e

@@ -15,16 +15,17 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
-from ..config import ConfigError, GlobalConfig, ModelConfig
+from ..config import ConfigError, GlobalConfig, ModelConfig, RuntimeConfig
 from ..models.attention import KVCache
 from ..models.tendril import Tendril, unwrap_model
 from .activation_checkpointing import apply_activation_checkpointing
-from .distributed import apply_fsdp, init_rows
+from .distributed import DistEnv, apply_fsdp, init_rows, parallelize
 
 # %% auto #0
 __all__ = ['TP_PLANS', 'check_tp', 'StackedProjections', 'unfuse', 'tendril_tp_plan', 'VocabParallelCrossEntropy',
            'tp_mesh_shape', 'build_tp_mesh', 'vocab_parallel_loss_sum', 'tp_kv_cache', 'check_sequence_split',
-           'apply_tp', 'materialize_tp', 'parallelize_tp', 'saved_activation_bytes', 'tp_activation_bytes', 'tp_memory']
+           'apply_tp', 'materialize_tp', 'parallelize_tp', 'parallelize_run', 'saved_activation_bytes',
+           'tp_activation_bytes', 'tp_memory']
 
 # %% ../../nbs/24_tensor_parallel.ipynb #edbd13f2
 def check_tp(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -225,6 +226,17 @@ def parallelize_tp(model: nn.Module, mesh, precision: str = "fp32", activation_c
         if init_seed is None: raise ValueError("parallelize_tp: a model on the meta device needs init_seed")
         materialize_tp(model, mesh.device_type, init_seed)
     return model
+
+# %% ../../nbs/24_tensor_parallel.ipynb #798969b2
+def parallelize_run(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
+    "The run's wrapping: `parallelize` (data parallel), or with `runtime.tp > 1` TP and FSDP2 on a `(dp, tp)` mesh."
+    if runtime.tp == 1: return parallelize(model, runtime, env, init_seed)
+    if not runtime.fsdp:
+        raise ConfigError(f"runtime.tp: got {runtime.tp}; tensor parallelism composes with FSDP2 only: set "
+                          "runtime.fsdp: true")
+    if runtime.compile: raise ConfigError(f"runtime.compile: tensor parallelism (runtime.tp = {runtime.tp}) runs eager")
+    mesh = build_tp_mesh(env.world_size, runtime.tp, env.device.type)
+    return parallelize_tp(model, mesh, runtime.precision, runtime.activation_checkpointing, init_seed)
 
 # %% ../../nbs/24_tensor_parallel.ipynb #d0152c52
 def _storage(t: torch.Tensor):

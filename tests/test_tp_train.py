@@ -1,0 +1,57 @@
+"""`gg train`'s run with tensor parallelism (`runtime.tp`, FSDP2 over the data-parallel ranks): fsdp with tp 2 on 2
+gloo ranks and dp 2 x tp 2 on 4 give one process's training losses within 1e-5 (fp32, the same global batch); a tp 2
+sharded checkpoint resumes on tp 2, at dp 2 x tp 2 and in one process, continuing one process's losses; Muon (its
+distributed path over the tp ranks at dp 1, the gathered path under FSDP2 x TP) gives one process's Muon losses."""
+import json
+import pytest
+from gloo_ranks import run_ranks
+from trainer_worlds import ckpts, losses, run_dir, sets, train
+
+TP = {"runtime.fsdp": "true", "runtime.tp": 2}
+MUON = {"optimizers.muon.enabled": "true", "checkpointing.every": 0}
+STEPS = 4
+
+def _world(rank, world, jobs):
+    "Rank body: each `(overrides, checkpoint)` run in turn."
+    for overrides, checkpoint in jobs: train(overrides, checkpoint, world)
+
+@pytest.fixture(scope="module")
+def runs(prepared, tmp_path_factory):
+    base = tmp_path_factory.mktemp("tp_train")
+    S = lambda name, **kw: sets(prepared, base/name, **{"training.max_steps": STEPS, "validation.every": 2, **kw})
+    at = lambda name, step: ckpts(base/name)/f"step_{step:07d}"
+    train(S("one", **{"checkpointing.every": 0}))                       # one process: the reference
+    train(S("one_muon", **MUON))
+    run_ranks(_world, 2, base/"init2", [(S("tp2", **TP), None),           # fsdp, tp 2 on 2 ranks
+                                        (S("tp2_tp2", **TP), at("tp2", 2)),
+                                        (S("tp2_muon", **TP, **MUON), None)])
+    run_ranks(_world, 4, base/"init4", [(S("dp2tp2", **TP, **{"checkpointing.every": 0}), None),
+                                        (S("tp2_dp2tp2", **TP), at("tp2", 2)),
+                                        (S("dp2tp2_muon", **TP, **MUON), None)])
+    train(S("tp2_one"), at("tp2", 2))                                      # tp 2 -> one process
+    return base
+
+def assert_close(ref: dict, got: dict, steps, rel=1e-5):
+    for s in steps: assert got[s] == pytest.approx(ref[s], rel=rel), (s, ref[s], got[s])
+
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
+def test_tp_matches_one_process(runs, name):
+    one = losses(runs/"one")
+    assert_close(one, losses(runs/name), range(1, STEPS + 1))
+
+@pytest.mark.parametrize("name", ["tp2_muon", "dp2tp2_muon"])
+def test_tp_muon_matches_one_process(runs, name):
+    assert_close(losses(runs/"one_muon"), losses(runs/name), range(1, STEPS + 1))
+
+@pytest.mark.parametrize("name", ["tp2_tp2", "tp2_dp2tp2", "tp2_one"])
+def test_tp_checkpoint_resumes(runs, name):
+    got = losses(runs/name)
+    assert sorted(got) == [3, 4]                                          # resumed after step 2
+    assert_close(losses(runs/"one"), got, [3, 4])
+
+def test_tp_run_counts_each_batch_once(runs):
+    "The tokens of a step are the global batch's, not once per tp rank."
+    rec = [json.loads(l) for l in (run_dir(runs/"dp2tp2")/"metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(l) for l in (run_dir(runs/"one")/"metrics.jsonl").read_text().splitlines()]
+    key = lambda rs: [r.get("tokens_seen", r.get("n_tokens")) for r in rs if "loss" in r]
+    assert key(rec) == key(one) and key(rec)[0]
