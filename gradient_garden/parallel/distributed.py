@@ -5,7 +5,7 @@ parallelism to a model from the outside: DDP, or FSDP2's `fully_shard` per block
 
 # %% ../../nbs/22_distributed.ipynb #9e8e7ef7
 from __future__ import annotations
-import contextlib, datetime, hashlib, math, os, threading, time, traceback
+import contextlib, dataclasses, datetime, hashlib, math, os, threading, time, traceback
 from pathlib import Path
 from dataclasses import dataclass
 import torch
@@ -25,12 +25,12 @@ try:
 except ImportError: DTensor = None  # torch built without distributed support
 
 # %% auto #0
-__all__ = ['QUEUED_BACKENDS', 'HANG_KEY', 'INIT_BLOCK_ELEMENTS', 'FSDP_ACCUMULATION', 'DistEnv', 'flight_recorder_env',
-           'init_distributed', 'destroy_distributed', 'device_timeout_s', 'set_collective_timeout', 'agree',
-           'Agreement', 'CollectiveTimeout', 'is_collective_timeout', 'collective_of', 'stuck_ranks_line',
-           'with_retries', 'watch_store', 'watch_collectives', 'mesh_shape', 'build_mesh', 'init_rows', 'materialize',
-           'apply_fsdp', 'parallelize', 'grad_sync', 'step_bytes', 'wire_bytes', 'virtual_order', 'grad_norm',
-           'clip_grad_norm_', 'memory_footprint']
+__all__ = ['QUEUED_BACKENDS', 'HANG_KEY', 'INIT_BLOCK_ELEMENTS', 'FSDP_ACCUMULATION', 'DistEnv', 'lazy_gloo',
+           'flight_recorder_env', 'init_distributed', 'destroy_distributed', 'device_timeout_s',
+           'set_collective_timeout', 'agree', 'Agreement', 'CollectiveTimeout', 'is_collective_timeout',
+           'collective_of', 'stuck_ranks_line', 'with_retries', 'watch_store', 'watch_collectives', 'mesh_shape',
+           'build_mesh', 'init_rows', 'materialize', 'apply_fsdp', 'parallelize', 'grad_sync', 'step_bytes',
+           'wire_bytes', 'virtual_order', 'grad_norm', 'clip_grad_norm_', 'memory_footprint']
 
 # %% ../../nbs/22_distributed.ipynb #6d8b29ce
 @dataclass
@@ -44,11 +44,31 @@ class DistEnv:
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
     cpu_group: object = None         # gloo: the host-side agreements of every step (stop requests, finished saves)
     checkpoint_group: object = None  # gloo: background checkpoint writes, apart from the training loop's collectives
+    tp: int = 1                      # tensor-parallel ranks: consecutive ranks, one data-parallel rank's batches
 
     @property
     def is_main(self) -> bool: return self.rank == 0
     @property
     def distributed(self) -> bool: return self.world_size > 1
+    @property
+    def data_rank(self) -> int: return self.rank // self.tp
+    @property
+    def data_world(self) -> int: return self.world_size // self.tp
+    @property
+    def counts_data(self) -> bool: return self.rank % self.tp == 0   # the first of its tp ranks counts their batches
+    def for_data(self) -> "DistEnv":
+        "This env as the data loaders see it: the tp ranks of one data-parallel rank read the same batches."
+        return dataclasses.replace(self, rank=self.data_rank, world_size=self.data_world, tp=1)
+
+# %% ../../nbs/22_distributed.ipynb #7fb56f38
+@contextlib.contextmanager
+def lazy_gloo():
+    "Gloo groups made inside connect a pair of ranks on its first message, not every pair at once (unless set)."
+    user = os.environ.get("TORCH_GLOO_LAZY_INIT")   # the user's own setting wins
+    if user is None: os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try: yield
+    finally:
+        if user is None: os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 # %% ../../nbs/22_distributed.ipynb #da30f5fd
 def flight_recorder_env(runtime: RuntimeConfig, dump_dir) -> dict:
@@ -80,17 +100,20 @@ def init_distributed(runtime: RuntimeConfig | None = None, run_dir=None) -> Dist
                                 device_id=device if device.type == "cuda" else None)
     key = id(dist.distributed_c10d._get_default_group())
     if key not in _GROUPS:   # made now, on every rank together, not at the first save or signal
-        _GROUPS[key] = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        with lazy_gloo():     # each pair connects when it first talks: the agreement's ring, not a full mesh
+            _GROUPS[key] = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world, *_GROUPS[key])
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world, *_GROUPS[key],
+                   runtime.tp)
 
+
+# %% ../../nbs/22_distributed.ipynb #63ecd0ec
 def destroy_distributed():
     "Tear down the process group if there is one, after every rank has arrived (no rank exits mid-collective)."
     if dist.is_initialized():
         dist.barrier()
         _GROUPS.pop(id(dist.distributed_c10d._get_default_group()), None)
         dist.destroy_process_group()
-
 
 # %% ../../nbs/22_distributed.ipynb #6370359e
 _TIMEOUT_S = [None]   # the agreement's timeout in force, for the message of a rank that waited it out
@@ -322,9 +345,9 @@ def apply_fsdp(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Modul
 def parallelize(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
     ("Wrap `model` for the run (FSDP2/HSDP or DDP, `torch.compile` when asked); a meta-device model is materialised "
      "from `init_seed`.")
-    if runtime.tp != 1:   # the trainer's batches, loss and counts are data-parallel: TP is 24_tensor_parallel's
-        raise ConfigError(f"runtime.tp: got {runtime.tp}; the trainer runs data parallelism only (tensor parallelism: "
-                          "gradient_garden.parallel.tensor_parallel.parallelize_tp)")
+    if runtime.tp != 1:   # TP (and the run's choice of wrapping) is 24_tensor_parallel's
+        raise ConfigError(f"runtime.tp: got {runtime.tp}; parallelize wraps data parallelism only (tensor parallelism: "
+                          "gradient_garden.parallel.tensor_parallel.parallelize_run)")
     # before compile and FSDP2/DDP, torchtitan's order
     apply_activation_checkpointing(model, runtime.activation_checkpointing)
     if runtime.compile:  # in place, so parameter names (and checkpoints) stay the same

@@ -444,6 +444,12 @@ def _declared_splits(model: nn.Module, names: list[str]) -> list:
              for pn, _ in m.named_parameters(recurse=False)}
     return [found.get(n) for n in names]
 
+def _split_twice(params) -> bool:
+    ("True when a parameter is split over two mesh dims (FSDP2 x TP): Muon then takes the gathered path, each matrix "
+     "whole on every rank.")
+    def dims(p): return sum(pl.is_shard() and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
+    return any(DTensor is not None and isinstance(p, DTensor) and dims(p) > 1 for p in params)
+
 # %% ../../nbs/51_optim.ipynb #9fe77a63
 def _adamw_impl(fused: str, device_type: str) -> dict:
     "AdamW's implementation switch: fused on CUDA for `auto`, else foreach."
@@ -476,8 +482,9 @@ def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig,
         muon = group("matrices", m.weight_decay, "muon")
         splits = _declared_splits(model, muon["param_names"])
         if any(splits): muon["splits"] = splits
+        distributed = m.distributed and not _split_twice(muon["params"])   # FSDP2 x TP: gathered
         opts.append(Muon([muon], lr=m.max_lr, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
-                         ns_dtype=muon_ns_dtype(m.ns_dtype, device_type), distributed=m.distributed,
+                         ns_dtype=muon_ns_dtype(m.ns_dtype, device_type), distributed=distributed,
                          process_group=_replica_group(model)))
     return opts
 

@@ -15,8 +15,9 @@ from ..config import ConfigError, GlobalConfig
 from ..checks import notice, validate
 from ..recipes import save_config, load_dotenv
 from ..parallel.collectives import barrier, broadcast_object
-from ..parallel.distributed import DistEnv, Agreement, init_distributed, parallelize, watch_collectives
+from ..parallel.distributed import DistEnv, Agreement, init_distributed, watch_collectives
 from ..parallel.fault_tolerance import data_env, open_fault_tolerance
+from ..parallel.tensor_parallel import parallelize_run
 from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops
 from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot
@@ -261,7 +262,7 @@ def _load_base_weights(model: torch.nn.Module, weights: dict, cfg: GlobalConfig)
                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     set_model_state_dict(unwrap_model(model), weights, options=StateDictOptions(full_state_dict=True))
 
-# %% ../../nbs/56_run.ipynb #151d71dc
+# %% ../../nbs/56_run.ipynb #bed114ab
 def run_float8(model: torch.nn.Module, cfg: GlobalConfig, env: DistEnv) -> torch.nn.Module:
     "`model` with `runtime.float8` applied (16_float8): emulated off float8 GPUs, FSDP2's float8 all-gather with fsdp."
     if cfg.runtime.float8 == "none": return model
@@ -283,8 +284,8 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
         model = build_model(cfg.model)
         if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
         if cfg.lora.enabled: apply_lora(model, cfg.lora)
-        return parallelize(run_float8(model, cfg, env).to(env.device), cfg.runtime, env)
-    model = parallelize(run_float8(model, cfg, env), cfg.runtime, env, init_seed=cfg.training.seed)
+        return parallelize_run(run_float8(model, cfg, env).to(env.device), cfg.runtime, env)
+    model = parallelize_run(run_float8(model, cfg, env), cfg.runtime, env, init_seed=cfg.training.seed)
     if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
     return model
 
@@ -365,7 +366,8 @@ def run_training(cfg: GlobalConfig, *, checkpoint=None, reset_optimizers: bool =
     if env.is_main and cfg.runtime.float8 != "none":
         print(f"float8: {cfg.runtime.float8} scaling in the Linear layers" + (
               " (emulated: float8 rounding, fp32 matmuls)" if float8_emulated(env.device) else ""), flush=True)
-    try: check_stage(validate(adopt_hf_model(cfg), env.world_size), env.world_size)   # the folder decides the model
+    if cfg.runtime.tp > 1 and cfg.checkpointing.format == "auto": cfg.checkpointing.format = "sharded"   # TP's shards
+    try: check_stage(validate(adopt_hf_model(cfg), env.data_world), env.data_world)   # the folder decides the model
     except ConfigError as e: e.same_on_every_rank = True; raise
     for section in unread_sections(cfg):   # nothing a user sets is silently ignored
         notice(f"{section}: set away from its defaults, but the {cfg.training.stage} stage does not read it")
@@ -388,7 +390,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     "Build the model, stage and trainer, write config and snapshot, and fit."
     ckpt = box.pop()
     model = build_run_model(cfg, env, ckpt)
-    parts = build_stage(cfg, tokenizer, data_env(cfg, env), model)   # replica groups read different shares
+    parts = build_stage(cfg, tokenizer, data_env(cfg, env.for_data()), model)   # replica groups read different shares
     seed_everything(cfg.training.seed)
     trainer = Trainer(cfg, model, parts.task, parts.train_loader, parts.val_loader, tokenizer=tokenizer, env=env,
                       final_evaluate=parts.evaluate)
@@ -405,7 +407,7 @@ def _train(cfg, env, tokenizer, box, checkpoint, reset_optimizers, start_step, r
     if env.is_main:
         save_config(cfg, tmp := trainer.run_dir/".config.yaml.tmp")   # whole or not at all: a restart compares it
         os.replace(tmp, trainer.run_dir/"config.yaml")
-        write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.world_size),
+        write_snapshot(cfg, trainer.run_dir, env, dict(workload=estimate_workload(cfg, world_size=env.data_world),
                                                        precision=precision,
                                                        resumed_from=str(checkpoint) if checkpoint else None))
     barrier()

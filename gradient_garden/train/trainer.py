@@ -19,6 +19,7 @@ from ..parallel.collectives import all_reduce, barrier, is_fsdp
 from ..parallel.distributed import (DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_,
                                                   mesh_shape, virtual_order)
 from ..checkpoint.checkpoints import CheckpointManager, rng_state, set_rng_state
+from ..parallel.fault_tolerance import copy_into, load_optimizer_shards, local_tensors
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
 from ..generation import default_test_prompts, encode_prompts, generate
@@ -56,7 +57,7 @@ class Trainer:
         self.run_dir = Path(run_dir or cfg.run_dir)
         self.optimizers = (optimizers if optimizers is not None
                            else build_optimizers(model, cfg.optimizers, self.env.device.type))
-        self.grad_accum = grad_accum_steps(cfg, self.env.world_size)
+        self.grad_accum = grad_accum_steps(cfg, self.env.data_world)   # tp ranks share a batch
         self.scaler = make_grad_scaler(self.env.device, cfg.runtime.precision)
         es = cfg.training.early_stopping
         self.early = EarlyStopping(es.patience, es.min_delta, es.skip_steps) if es.enabled else None
@@ -145,7 +146,7 @@ def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[tor
             for i in inner:   # one micro-batch on the device at a time, copied without blocking the host
                 with grad_sync(self.model, sync=i == final, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
                     loss_sum, metrics, aux = self._forward_loss(self._to_device(batches[i]))
-                    loss = loss_sum / count * self.env.world_size
+                    loss = loss_sum / count * self.env.data_world
                     if aux is not None: loss = loss + aux / self.grad_accum
                     self.scaler.scale(loss).backward()
                 loss_total += loss_sum.detach().double()
@@ -171,11 +172,11 @@ def _optimizer_step(self: Trainer) -> torch.Tensor | None:
     for o in self.optimizers: o.zero_grad(set_to_none=True)
     return grad_norm
 
-# %% ../../nbs/55_trainer.ipynb #ebf18b5f
+# %% ../../nbs/55_trainer.ipynb #9fba1585
 @patch
 def _virtual_order(self: Trainer, n_micro: int) -> list:
     "The order `training.virtual_ranks` sums the step's micro-batches in: DDP's, or FSDP2's / HSDP's (`virtual_order`)."
-    n, rt = self.cfg.training.virtual_ranks // self.env.world_size, self.cfg.runtime
+    n, rt = self.cfg.training.virtual_ranks // self.env.data_world, self.cfg.runtime
     fsdp = n > 1 and rt.fsdp and rt.fsdp_accumulation == "reduce_scatter"
     return virtual_order(n_micro, n, mesh_shape(rt, n, n)[0] if fsdp else 1, fsdp)
 
@@ -195,12 +196,13 @@ def train_step(self: Trainer) -> dict:
     # counted where the batches are, before any forward
     units = torch.stack([self.task.count(b) for b in batches]).double().sum()
     local = torch.stack([device_scalar(units, dev), device_scalar(sum(b["input_ids"].numel() for b in batches), dev)])
-    count, n_tokens = all_reduce(local)   # supervised units and tokens of every rank, in one collective
+    count, n_tokens = all_reduce(local * self.env.counts_data)   # every data-parallel rank's units and tokens, once
     loss_total, metric_sums = self._micro_steps(batches, count)
     grad_norm = self._optimizer_step()
     if ft is not None and not ft.committed: return None   # dropped by the replica groups: the step is not counted
-    out = dict(loss=all_reduce(loss_total) / count, n_units=count, n_tokens=n_tokens, **lrs)
-    for k, v in metric_sums.items(): out[k] = all_reduce(v) / count
+    once = self.env.counts_data   # a batch's sums once, not once per tp rank
+    out = dict(loss=all_reduce(loss_total * once) / count, n_units=count, n_tokens=n_tokens, **lrs)
+    for k, v in metric_sums.items(): out[k] = all_reduce(v * once) / count
     if grad_norm is not None: out["grad_norm"] = grad_norm
     self.state.step += 1
     self._pending_tokens = n_tokens if self._pending_tokens is None else self._pending_tokens + n_tokens
@@ -278,17 +280,18 @@ def load_checkpoint_state(self: Trainer, ckpt: dict, reset_optimizers=False, res
 def live_state(self: Trainer) -> dict:
     "This rank's state in memory, for a replica group that heals: weights, optimizers, counters, loader and RNG."
     self.settle_tokens()
-    return dict(model=unwrap_model(self.model).state_dict(), optimizers=[o.state_dict() for o in self.optimizers],
-                step=self.state.step, tokens_seen=self.state.tokens_seen, val_history=list(self.state.val_history),
-                best_val_loss=self.state.best_val_loss, loader=self.train_loader.state_dict(), rng=rng_state(),
-                scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
-                early=dict(best=self.early.best, bad=self.early.bad) if self.early else {})
+    state = dict(model=unwrap_model(self.model).state_dict(), optimizers=[o.state_dict() for o in self.optimizers],
+                 step=self.state.step, tokens_seen=self.state.tokens_seen, val_history=list(self.state.val_history),
+                 best_val_loss=self.state.best_val_loss, loader=self.train_loader.state_dict(), rng=rng_state(),
+                 scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                 early=dict(best=self.early.best, bad=self.early.bad) if self.early else {})
+    return local_tensors(state)   # FSDP2's DTensors as this rank's shards: a peer's same rank holds the same
 
 @patch
 def load_live_state(self: Trainer, sd: dict):
     "Take a peer's `live_state`: from here this rank goes on exactly as the peer does."
-    unwrap_model(self.model).load_state_dict(sd["model"])
-    for o, s in zip(self.optimizers, sd["optimizers"]): o.load_state_dict(s)
+    copy_into(unwrap_model(self.model).state_dict(), sd["model"])   # into each tensor's local shard
+    for o, s in zip(self.optimizers, sd["optimizers"]): load_optimizer_shards(o, s)
     self.state.step, self.state.tokens_seen, self._pending_tokens = sd["step"], sd["tokens_seen"], None
     self.state.val_history, self.state.best_val_loss = list(sd["val_history"]), sd["best_val_loss"]
     self.train_loader.load_state_dict(sd["loader"]); set_rng_state(sd["rng"])
@@ -521,7 +524,7 @@ def _fit_start(self: Trainer) -> tuple:
     progress = Progress(t.max_steps, self.state.step, t.stage, enabled=self.log_to_console)
     return stop, logger, before, progress, make_profiler(cfg, self.run_dir, env)
 
-# %% ../../nbs/55_trainer.ipynb #c817473e
+# %% ../../nbs/55_trainer.ipynb #78a8a86d
 @patch
 def _finish_saves(self: Trainer):
     "Commit the last background save and meet every rank, under the long timeout (rank 0 may be pruning meanwhile)."
