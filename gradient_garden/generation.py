@@ -6,23 +6,25 @@ CPU; groups of samples per prompt with the prompt prefilled once (what RL and pa
 
 # %% ../nbs/30_generation.ipynb #0720ffb2
 from __future__ import annotations
-import inspect, warnings
+import inspect, time, warnings
 import torch
 import torch.nn as nn
 from contextlib import contextmanager, nullcontext
 from .config import ConfigError
+from .runtime import measured_choice
 from .parallel.collectives import is_fsdp
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
 from .models.attention import (Attention, KVCache, additive_mask, apply_rope, attention_mask,
-                                              inference_linear, plain_linear, prepack_cpu_weight, sdpa_gqa)
+                                              inference_linear, plain_linear, prepack_cpu_weight, sdpa_gqa,
+                                              NEVER_PACKED)
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm, unwrap_model
 
 # %% auto #0
 __all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next',
-           'decode_step_applies', 'decode_step', 'hold_decode_weights', 'generate', 'plain_module', 'expand_groups',
-           'cut_at_stop', 'keep_rows', 'token_entropy', 'token_logps', 'group_rollouts', 'encode_prompts',
-           'special_token_ids', 'generate_text', 'default_test_prompts']
+           'decode_step_applies', 'decode_step', 'measure_packed_min_macs', 'packed_min_macs', 'hold_decode_weights',
+           'generate', 'plain_module', 'expand_groups', 'cut_at_stop', 'keep_rows', 'token_entropy', 'token_logps',
+           'group_rollouts', 'encode_prompts', 'special_token_ids', 'generate_text', 'default_test_prompts']
 
 # %% ../nbs/30_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -141,6 +143,36 @@ def _matmul_modules(model: Tendril) -> list[nn.Module]:
     return [m for m in lins if m is not None and plain_linear(m)] + head
 
 
+# %% ../nbs/30_generation.ipynb #44667cf4
+def _fastest_seconds(fn, reps: int = 15) -> float:
+    "The fastest of `reps` timed calls of `fn` after two untimed ones: the least disturbed figure on a busy machine."
+    for _ in range(2): fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
+    return best
+
+def measure_packed_min_macs(sizes=(128, 256, 512, 1024, 2048), rows=(1, 8)) -> tuple[int, str]:
+    "fp32 decoding matmuls timed plain and prepacked on this machine: (multiply-adds above which packed wins, why)."
+    if prepack_cpu_weight(torch.ones(8, 8)) is None: return NEVER_PACKED, "oneDNN's prepacked matmul is not available"
+    shapes = []
+    with torch.no_grad():
+        for n in sizes:
+            w = torch.randn(n, n); p = prepack_cpu_weight(w)
+            for r in rows:
+                x = torch.randn(r, n)
+                plain = _fastest_seconds(lambda: F.linear(x, w))
+                packed = _fastest_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                shapes.append((r * n * n, plain / packed))
+    lost = [macs for macs, speedup in sorted(shapes) if speedup <= 1]
+    crossover = NEVER_PACKED if lost and lost[-1] == max(m for m, _ in shapes) else max(lost, default=0)
+    wins = ", ".join(f"{m:,}: {s:.2f}x" for m, s in sorted(shapes))
+    return crossover, f"prepacked/plain speed-up by multiply-adds per matmul ({torch.get_num_threads()} threads): {wins}"
+
+def packed_min_macs() -> int:
+    "The multiply-adds per fp32 matmul above which decoding takes the prepacked weight, measured once per machine."
+    return measured_choice("packed_min_macs", measure_packed_min_macs)
+
 # %% ../nbs/30_generation.ipynb #5b2bb22d
 @contextmanager
 def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES,
@@ -155,10 +187,11 @@ def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES
         for m in mods: m._held_weight = m.weight.detach().to(low)
     size = sum((w := _decode_weight(m)).numel() * w.element_size() for m in mods)
     if pack_bytes is None or size <= pack_bytes:
-        for m in mods: m._packed_weight = prepack_cpu_weight(_decode_weight(m))
+        crossover = packed_min_macs() if not held else NEVER_PACKED   # bf16 copies always take the packed kernel
+        for m in mods: m._packed_weight, m._packed_min_macs = prepack_cpu_weight(_decode_weight(m)), crossover
     try: yield model
     finally:
-        for m in mods: m._packed_weight = m._held_weight = None
+        for m in mods: m._packed_weight = m._held_weight = m._packed_min_macs = None
 
 
 # %% ../nbs/30_generation.ipynb #c7f45fb9

@@ -6,13 +6,12 @@
 
 # %% ../../nbs/10_attention.ipynb #a0180e4a
 from __future__ import annotations
-import math, time
+import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from ..runtime import measured_choice
 
 # %% auto #0
 __all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'NEVER_PACKED', 'rope_inv_freq',
@@ -20,8 +19,8 @@ __all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACK
            'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
            'LayerKV', 'KVCache', 'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa',
            'sdpa_kernel_class', 'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention',
-           'flex_gqa', 'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'measure_packed_min_macs',
-           'packed_min_macs', 'packed_weight', 'inference_linear', 'Attention']
+           'flex_gqa', 'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'packed_weight',
+           'inference_linear', 'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -333,46 +332,16 @@ def prepack_cpu_weight(w: torch.Tensor) -> torch.Tensor | None:
     if w.dtype not in (torch.float32, torch.bfloat16): return None
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)   # 8: the row count it is tuned for (any count works)
 
-# %% ../../nbs/10_attention.ipynb #59f13623
+# %% ../../nbs/10_attention.ipynb #a0c760eb
 NEVER_PACKED = 2**62   # a crossover no matmul reaches: fp32 never takes the prepacked weight
 
-def _fastest_seconds(fn, reps: int = 15) -> float:
-    "The fastest of `reps` timed calls of `fn` after two untimed ones: the least disturbed figure on a busy machine."
-    for _ in range(2): fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t)
-    return best
-
-def measure_packed_min_macs(sizes=(128, 256, 512, 1024, 2048), rows=(1, 8)) -> tuple[int, str]:
-    "fp32 decoding matmuls timed plain and prepacked on this machine: (multiply-adds above which packed wins, why)."
-    if prepack_cpu_weight(torch.ones(8, 8)) is None: return NEVER_PACKED, "oneDNN's prepacked matmul is not available"
-    shapes = []
-    with torch.no_grad():
-        for n in sizes:
-            w = torch.randn(n, n); p = prepack_cpu_weight(w)
-            for r in rows:
-                x = torch.randn(r, n)
-                plain = _fastest_seconds(lambda: F.linear(x, w))
-                packed = _fastest_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
-                shapes.append((r * n * n, plain / packed))
-    lost = [macs for macs, speedup in sorted(shapes) if speedup <= 1]
-    crossover = NEVER_PACKED if lost and lost[-1] == max(m for m, _ in shapes) else max(lost, default=0)
-    wins = ", ".join(f"{m:,}: {s:.2f}x" for m, s in sorted(shapes))
-    return crossover, f"prepacked/plain speed-up by multiply-adds per matmul ({torch.get_num_threads()} threads): {wins}"
-
-def packed_min_macs() -> int:
-    "The multiply-adds per fp32 matmul above which decoding takes the prepacked weight, measured once per machine."
-    return measured_choice("packed_min_macs", measure_packed_min_macs)
-
-# %% ../../nbs/10_attention.ipynb #a0c760eb
 def packed_weight(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    ("The prepacked weight `m` holds, if a matmul on `x` should take it: always in bf16, in fp32 above "
-     "`packed_min_macs()`.")
+    ("The prepacked weight `m` holds, if a matmul on `x` should take it: always in bf16, in fp32 above the "
+     "multiply-adds `m._packed_min_macs`.")
     w = m.__dict__.get("_packed_weight")
     if w is None or torch.compiler.is_compiling(): return None        # compiled graphs keep their own weight layout
     if w.dtype != torch.float32: return w
-    return w if x.numel() // x.shape[-1] * w.numel() > packed_min_macs() else None
+    return w if x.numel() // x.shape[-1] * w.numel() > m.__dict__.get("_packed_min_macs", NEVER_PACKED) else None
 
 def inference_linear(x: torch.Tensor, m: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
     ("`x @ W.T` of module `m`: without gradients from its prepacked weight where it pays, else with `weight` or `m` "
