@@ -111,7 +111,8 @@ def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tu
         for k, v in r.items():
             # the sampled rows' parts
             if k != "total" and j % G < G - self.rl.off_policy_rows: parts[k] = parts.get(k, 0.0) + v
-    totals = [t for g in range(0, len(rewards), G) for t in self.rewarder.group_totals(rewards[g:g + G])]
+    group = getattr(self.rewarder, "group_totals", lambda rs: [r["total"] for r in rs])   # a plain function: its totals
+    totals = [t for g in range(0, len(rewards), G) for t in group(rewards[g:g + G])]
     return torch.tensor(totals, dtype=torch.float32), parts
 
 # %% ../../nbs/47_rl_rollouts.ipynb #af806801
