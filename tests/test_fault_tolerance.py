@@ -1,9 +1,9 @@
 """Per-step fault tolerance with torchft on CPU (gloo): a lighthouse in this process and two replica groups, each a
 `gg train` process of its own. Once both have taken 5 steps, one group is `kill -9`ed; the other keeps stepping
 without a restart; the killed one is started again with the same command, heals from its peer's live state and
-rejoins; both end with bit-equal weights, optimizer state and loader position. The same with groups of 2 DDP ranks,
-each a torchrun job that restarts its own group. Also the one-line errors for a missing lighthouse and a missing
-torchft."""
+rejoins; both end with bit-equal weights, optimizer state and loader position. The same with groups of 2 FSDP2 ranks
+(HSDP across groups), each a torchrun job that restarts its own group. Also the one-line errors for a missing
+lighthouse and a missing torchft."""
 import json, os, signal, subprocess, sys, time
 os.environ.setdefault("RUST_LOG", "warn")   # the lighthouse in this process logs every quorum at INFO otherwise
 from pathlib import Path
@@ -100,14 +100,15 @@ def test_a_killed_replica_group_heals_and_rejoins(prepared, tmp_path):
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "3", "-m", "gradient_garden.cli"]
 
-@pytest.mark.slow   # about 130 s on a shared 2-core machine: 4 ranks and a restart of one group
-def test_a_group_of_ddp_ranks_restarted_by_torchrun_heals(prepared, tmp_path):
-    "Two groups of 2 DDP ranks, each a torchrun job; one rank of group 1 killed; torchrun restarts that group alone."
+@pytest.mark.slow   # about 100-130 s on a shared 2-core machine: 4 ranks and a restart of one group
+def test_a_group_of_fsdp2_ranks_restarted_by_torchrun_heals(prepared, tmp_path):
+    ("Two groups of 2 FSDP2 ranks (HSDP across groups), each a torchrun job; one rank of group 1 killed; torchrun "
+     "restarts that group alone and each of its ranks heals its own shards.")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}   # each attempt of a group: a store of its own
     jobs = [subprocess.Popen(TORCHRUN + ["train", "--recipe", RECIPE, "--set",
                                          *sets(prepared, tmp_path, g, lighthouse.address()),
-                                         "training.total_batch_size=1024"],
+                                         "training.total_batch_size=1024", "runtime.fsdp=true"],
                              cwd=ROOT, env=env, stdout=(tmp_path/f"group{g}.log").open("w"), stderr=subprocess.STDOUT)
             for g in (0, 1)]
     try:
