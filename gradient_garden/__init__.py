@@ -39,6 +39,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   generated on the spot, with dev
 - `gradient_garden.evals.benchmarks`: HellaSwag, WinoGrande and ARC-Challenge as lm-evaluation-harness reads them: each
   hub row turned into
+- `gradient_garden.evals.environments`: Multi-turn environments for RL (model turn, environment turn, reward), a
+  calculator tool task, and rollouts.
 - `gradient_garden.evals.generative`: Greedy exact match, pass@k and avg@k of a model's own answers, checked by the
   verifiers, each with its standard
 - `gradient_garden.evals.lm_eval`: The platform's model registered with lm-evaluation-harness: `loglikelihood`,
