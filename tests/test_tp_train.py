@@ -1,11 +1,15 @@
 """`gg train`'s run with tensor parallelism (`runtime.tp`, FSDP2 over the data-parallel ranks): fsdp with tp 2 on 2
-gloo ranks and dp 2 x tp 2 on 4 give one process's training losses within 1e-5 (fp32, the same global batch); a tp 2
-sharded checkpoint resumes on tp 2, at dp 2 x tp 2 and in one process, continuing one process's losses; Muon (its
-distributed path over the tp ranks at dp 1, the gathered path under FSDP2 x TP) gives one process's Muon losses."""
+gloo ranks and dp 2 x tp 2 on 4 give one process's training losses and clipped gradient norms within 1e-5 (fp32, the
+same global batch); a tp 2 sharded checkpoint resumes on tp 2, at dp 2 x tp 2 and in one process, continuing one
+process's losses; Muon (its distributed path over the tp ranks at dp 1, the gathered path under FSDP2 x TP) gives one
+process's Muon losses. Seven runs in three worlds (1, 2 and 4 ranks) and the prepared data: 170-190 s on a 2-core
+machine shared with other jobs (load 13), about 70 s of CPU time, so marked slow."""
 import json
 import pytest
 from gloo_ranks import run_ranks
 from trainer_worlds import ckpts, losses, run_dir, sets, train
+
+pytestmark = pytest.mark.slow
 
 TP = {"runtime.fsdp": "true", "runtime.tp": 2}
 MUON = {"optimizers.muon.enabled": "true", "checkpointing.every": 0}
@@ -18,7 +22,8 @@ def _world(rank, world, jobs):
 @pytest.fixture(scope="module")
 def runs(prepared, tmp_path_factory):
     base = tmp_path_factory.mktemp("tp_train")
-    S = lambda name, **kw: sets(prepared, base/name, **{"training.max_steps": STEPS, "validation.every": 2, **kw})
+    S = lambda name, **kw: sets(prepared, base/name, **{"training.max_steps": STEPS, "validation.every": 2,
+                                                         "training.grad_clip": 0.5, **kw})   # below the norms: clips
     at = lambda name, step: ckpts(base/name)/f"step_{step:07d}"
     train(S("one", **{"checkpointing.every": 0}))                       # one process: the reference
     train(S("one_muon", **MUON))
@@ -34,10 +39,18 @@ def runs(prepared, tmp_path_factory):
 def assert_close(ref: dict, got: dict, steps, rel=1e-5):
     for s in steps: assert got[s] == pytest.approx(ref[s], rel=rel), (s, ref[s], got[s])
 
+def grad_norms(out) -> dict:
+    "step -> gradient norm (before clipping) of the run under `out`."
+    recs = [json.loads(l) for l in (run_dir(out)/"metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in recs if "grad_norm" in r}
+
 @pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
 def test_tp_matches_one_process(runs, name):
     one = losses(runs/"one")
     assert_close(one, losses(runs/name), range(1, STEPS + 1))
+    norms = grad_norms(runs/"one")   # the norm over both mesh dims, and the clip it decides (grad_clip 0.5)
+    assert min(norms.values()) > 0.5
+    assert_close(norms, grad_norms(runs/name), range(1, STEPS + 1))
 
 @pytest.mark.parametrize("name", ["tp2_muon", "dp2tp2_muon"])
 def test_tp_muon_matches_one_process(runs, name):
