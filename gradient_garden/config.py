@@ -41,6 +41,7 @@ class RuntimeConfig:
     replicate: int = 0  # with fsdp: the data-parallel mesh is replicate x shard ranks (HSDP); 0 = auto
     shard: int = 0      # 0 = auto: shard within a node (LOCAL_WORLD_SIZE), replicate across nodes
     tp: int = 1         # tensor-parallel ranks (24_tensor_parallel); the data-parallel ranks are world / tp
+    expert_parallel: bool = False   # MoE experts split over the ranks, FSDP2 for the rest (25_expert_parallel)
     compile: bool = False
     num_workers: Optional[int] = None   # batches a thread prepares (and pins) ahead; null: 2 on CUDA, 0 elsewhere
     tf32: bool = True           # fp32 matmuls on CUDA use TF32 tensor cores
@@ -75,6 +76,7 @@ class ModelConfig:
     router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
     capacity_factor: Optional[float] = None
     load_balance_coef: float = 0.01
+    expert_bias_rate: float = 0.0     # DeepSeek-V3's aux-loss-free balancing: bias step per optimizer step (0: off)
     z_loss_coef: float = 0.001
     # auto: flex_attention for document masks on CUDA, SDPA elsewhere
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"
@@ -279,6 +281,8 @@ class RLConfig:
     format_reward: float = 0.0  # weight of the well-formed-answer reward
     reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
     plain_prompts: bool = False  # BOS + text prompts for a model without a chat format
+    # a registered multi-turn environment (36_environments, e.g. calculator): the model and its tool turns alternate
+    environment: Optional[str] = None; max_turns: int = 3  # model turns per episode
     eval_k: int = 4; eval_per_task: int = 20  # pass@k of the held-out evaluation; held-out prompts per embedded task
 
 # %% ../nbs/00_config.ipynb #ef3da4c6

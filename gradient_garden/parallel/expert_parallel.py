@@ -12,14 +12,17 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['exchange', 'AllToAll', 'send_splits', 'local_order', 'scale_grad', 'ExpertParallelExperts', 'apply_expert_parallel',
-           'expert_parallel_params', 'apply_fsdp_ep']
+           'expert_parallel_params', 'apply_fsdp_ep', 'parallelize_ep']
 
 # %% ../../nbs/25_expert_parallel.ipynb #7f9d45c2
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from ..config import ConfigError
+from torch.distributed.device_mesh import init_device_mesh
+from ..config import ConfigError, RuntimeConfig
 from ..runtime import parse_dtype
 from ..models.moe import GroupedExperts, MoEFeedForward, expert_ffn
+from .activation_checkpointing import apply_activation_checkpointing
+from .distributed import DistEnv, materialize, parallelize
 
 # %% ../../nbs/25_expert_parallel.ipynb #3776eed7
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None,
@@ -142,4 +145,21 @@ def apply_fsdp_ep(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Mo
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1,
                     ignored_params=experts & set(block.parameters()))
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=experts)
+    return model
+
+# %% ../../nbs/25_expert_parallel.ipynb #82523f40
+def parallelize_ep(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
+    "The run's wrapping for `runtime.expert_parallel`: experts over all ranks, FSDP2 for the rest, then each rank's rows."
+    if not dist.is_initialized(): return parallelize(model, runtime, env, init_seed)   # one process: every expert
+    why = ("runtime.fsdp: false (the other parameters' gradients are averaged by FSDP2)" if not runtime.fsdp else
+           f"runtime.tp = {runtime.tp}" if runtime.tp != 1 else "runtime.compile: true" if runtime.compile else
+           "runtime.replicate / runtime.shard (HSDP)" if runtime.replicate or runtime.shard else None)
+    if why: raise ConfigError(f"runtime.expert_parallel: does not compose with {why}; it runs with FSDP2 on one mesh dim")
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    apply_expert_parallel(model, mesh)
+    apply_activation_checkpointing(model, runtime.activation_checkpointing)
+    apply_fsdp_ep(model, runtime.precision, mesh)
+    if any(p.is_meta for p in model.parameters()):
+        if init_seed is None: raise ValueError("parallelize_ep: a model on the meta device needs init_seed")
+        materialize(model, env.device, init_seed)
     return model

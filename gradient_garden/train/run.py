@@ -18,6 +18,7 @@ from ..parallel.collectives import barrier, broadcast_object
 from ..parallel.distributed import DistEnv, Agreement, init_distributed, watch_collectives
 from ..parallel.fault_tolerance import data_env, open_fault_tolerance
 from ..parallel.tensor_parallel import parallelize_run
+from ..parallel.expert_parallel import parallelize_ep
 from ..hardware import compute_precision, gpu_datasheet_flops, peak_flops
 from ..runtime import resolve_precision, write_text_atomic
 from .telemetry import write_snapshot
@@ -277,6 +278,7 @@ def run_float8(model: torch.nn.Module, cfg: GlobalConfig, env: DistEnv) -> torch
 def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -> torch.nn.Module:
     "The run's model: built on the meta device, parallelised, then each rank's shards made, initialised or loaded."
     torch.manual_seed(cfg.training.seed)
+    wrap = parallelize_ep if cfg.runtime.expert_parallel else parallelize_run   # 25_expert_parallel
     with torch.device("meta"): model = build_model(cfg.model)
     # a new stage, or a Hugging Face model (`training.init_from`): start from its weights, not resume it
     new_stage = ckpt is not None and (ckpt.get("stage") != cfg.training.stage or "from_hf" in ckpt)
@@ -284,8 +286,8 @@ def build_run_model(cfg: GlobalConfig, env: DistEnv, ckpt: dict | None = None) -
         model = build_model(cfg.model)
         if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
         if cfg.lora.enabled: apply_lora(model, cfg.lora)
-        return parallelize_run(run_float8(model, cfg, env).to(env.device), cfg.runtime, env)
-    model = parallelize_run(run_float8(model, cfg, env), cfg.runtime, env, init_seed=cfg.training.seed)
+        return wrap(run_float8(model, cfg, env).to(env.device), cfg.runtime, env)
+    model = wrap(run_float8(model, cfg, env), cfg.runtime, env, init_seed=cfg.training.seed)
     if new_stage: _load_base_weights(model, base_weights(ckpt, unwrap_model(model)), cfg)
     return model
 

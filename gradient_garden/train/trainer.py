@@ -146,7 +146,7 @@ def _micro_steps(self: Trainer, batches: list, count: torch.Tensor) -> tuple[tor
             for i in inner:   # one micro-batch on the device at a time, copied without blocking the host
                 with grad_sync(self.model, sync=i == final, fsdp_accumulation=self.cfg.runtime.fsdp_accumulation):
                     loss_sum, metrics, aux = self._forward_loss(self._to_device(batches[i]))
-                    loss = loss_sum / count * self.env.data_world
+                    loss = loss_sum / count.clamp(min=1) * self.env.data_world  # nothing to learn from: zero
                     if aux is not None: loss = loss + aux / self.grad_accum
                     self.scaler.scale(loss).backward()
                 loss_total += loss_sum.detach().double()
@@ -180,6 +180,15 @@ def _virtual_order(self: Trainer, n_micro: int) -> list:
     fsdp = n > 1 and rt.fsdp and rt.fsdp_accumulation == "reduce_scatter"
     return virtual_order(n_micro, n, mesh_shape(rt, n, n)[0] if fsdp else 1, fsdp)
 
+# %% ../../nbs/55_trainer.ipynb #c11e6def
+@patch
+@torch.no_grad()
+def _balance_experts(self: Trainer):
+    "One `update_expert_bias` step of rate `model.expert_bias_rate` from each MoE layer's load summed over the ranks."
+    m = unwrap_model(self.model)
+    if m.moe_layers()[0].expert_bias is None: m.enable_bias_balancing()   # zero bias: the first step routes as without
+    m.update_expert_bias(self.cfg.model.expert_bias_rate, [all_reduce(l.load.float()) for l in m.moe_layers()])
+
 # %% ../../nbs/55_trainer.ipynb #7f566551
 @patch
 def train_step(self: Trainer) -> dict:
@@ -200,9 +209,11 @@ def train_step(self: Trainer) -> dict:
     loss_total, metric_sums = self._micro_steps(batches, count)
     grad_norm = self._optimizer_step()
     if ft is not None and not ft.committed: return None   # dropped by the replica groups: the step is not counted
+    if cfg.model.expert_bias_rate: self._balance_experts()   # DeepSeek-V3's bias step (12_moe)
     once = self.env.counts_data   # a batch's sums once, not once per tp rank
-    out = dict(loss=all_reduce(loss_total * once) / count, n_units=count, n_tokens=n_tokens, **lrs)
-    for k, v in metric_sums.items(): out[k] = all_reduce(v * once) / count
+    per = count.clamp(min=1)   # an RL step whose every row was cut off counts nothing: zero, not 0/0
+    out = dict(loss=all_reduce(loss_total * once) / per, n_units=count, n_tokens=n_tokens, **lrs)
+    for k, v in metric_sums.items(): out[k] = all_reduce(v * once) / per
     if grad_norm is not None: out["grad_norm"] = grad_norm
     self.state.step += 1
     self._pending_tokens = n_tokens if self._pending_tokens is None else self._pending_tokens + n_tokens
