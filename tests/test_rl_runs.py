@@ -194,3 +194,14 @@ def test_async_rollouts_train_and_resume_bit_exact(rl_inputs, tmp_path):
         for k in ROLLOUT_FIGURES + ("sampler_kl",): assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
     wa, wb = last_weights(full), last_weights(resumed)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_step_whose_every_completion_is_cut_off_learns_nothing(rl_inputs, tmp_path):
+    """Under `rl.mask_truncated`, a step whose every completion hit the token budget has no token to learn from: its
+    loss is zero and the weights stay finite (not 0/0, which made every weight NaN)."""
+    out = tmp_path/"cut"
+    train(small(rl_inputs, out, **{"rl.mask_truncated": "true", "rl.max_new_tokens": 1, "rl.off_policy_rows": 0,
+                                   "training.max_steps": 2, "validation.enabled": "false"}))
+    recs = records(out)
+    assert sorted(recs) == [1, 2] and all(r["loss"] == 0 for r in recs.values()), recs
+    assert all(torch.isfinite(v).all() for v in last_weights(out).values())
