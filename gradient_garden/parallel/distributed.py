@@ -102,6 +102,7 @@ def init_distributed(runtime: RuntimeConfig | None = None, run_dir=None) -> Dist
     if key not in _GROUPS:   # made now, on every rank together, not at the first save or signal
         with lazy_gloo():     # each pair connects when it first talks: the agreement's ring, not a full mesh
             _GROUPS[key] = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        dist.all_reduce(torch.zeros(1), group=_GROUPS[key][0])   # the ring connects now, while every rank is here
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, local_world, *_GROUPS[key],
                    runtime.tp)
