@@ -243,6 +243,7 @@ class DPOConfig:
     reference: Literal["copy", "precomputed"] = "precomputed"
 
 # %% ../nbs/00_config.ipynb #c64e70b3
+# Kept whole: a config section is one dataclass, its fields read together
 @dataclass
 class RLConfig:
     "Reinforcement learning with verifiable rewards (GRPO family; TRL's names and defaults where they exist)."
@@ -281,8 +282,7 @@ class RLConfig:
     format_reward: float = 0.0  # weight of the well-formed-answer reward
     reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
     plain_prompts: bool = False  # BOS + text prompts for a model without a chat format
-    # a registered multi-turn environment (36_environments, e.g. calculator): the model and its tool turns alternate
-    environment: Optional[str] = None; max_turns: int = 3  # model turns per episode
+    environment: Optional[str] = None; max_turns: int = 3  # a multi-turn environment (36_environments), its turns
     eval_k: int = 4; eval_per_task: int = 20  # pass@k of the held-out evaluation; held-out prompts per embedded task
 
 # %% ../nbs/00_config.ipynb #ef3da4c6

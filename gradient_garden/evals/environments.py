@@ -17,7 +17,7 @@ from .generative import encode_prompt
 __all__ = ['ENVIRONMENTS', 'CALC_CALL', 'CALC_EXPR', 'CALC_TASKS', 'SPLITS', 'FINAL_ANSWER', 'Step', 'Environment',
            'register_environment', 'make_environment', 'tool_call', 'calc', 'calc_key', 'split_of', 'calc_problem',
            'calc_problems', 'final_answer', 'CalculatorEnv', 'call_text', 'tool_conversation', 'tool_turn_ids',
-           'model_sampler', 'env_rollouts']
+           'model_sampler', 'env_rollouts', 'tool_mask_of']
 
 # %% ../../nbs/36_environments.ipynb #e92dc066
 @dataclass
@@ -191,3 +191,15 @@ def env_rollouts(sample: Callable, tokenizer, problems: list[Problem], environme
         if not going: break
     return {"prompt_ids": rows, "completion_ids": comp, "logprobs": lps, "tool_mask": mask,
             "rewards": torch.tensor(reward), "ended": ended}
+
+# %% ../../nbs/36_environments.ipynb #45dc69a3
+def tool_mask_of(tokenizer, completion: list[int]) -> list[int]:
+    "1 on the model's tokens of a multi-turn completion, 0 from each header start through the next assistant header."
+    head = tokenizer.render_chat([], add_generation_prompt=True)[0][1:]      # the assistant header
+    mask, i = [1] * len(completion), 0
+    while i < len(completion):
+        if completion[i] != tokenizer.start_header_id: i += 1; continue
+        end = next((k + len(head) for k in range(i, len(completion)) if completion[k:k + len(head)] == head),
+                   len(completion))
+        mask[i:end], i = [0] * (end - i), end
+    return mask

@@ -18,6 +18,7 @@ from ..models.tendril import unwrap_model
 from ..generation import group_rollouts, plain_module
 from ..evals.verifiers import Problem
 from ..evals.generative import encode_prompt
+from ..evals.environments import env_rollouts, model_sampler, tool_mask_of
 from .base import IGNORE_INDEX, stream_positions
 from .rewards import Rewarder
 from .grpo import (collate_rollouts, completion_logps, group_advantages, mismatch_sums,
@@ -25,8 +26,9 @@ from .grpo import (collate_rollouts, completion_logps, group_advantages, mismatc
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RolloutLoader', 'differs', 'choose_groups', 'pending_rollouts', 'TaskFocus', 'position_coin', 'EntropyControl',
-           'reference_completion', 'reference_losses', 'with_references', 'check_async']
+__all__ = ['RolloutLoader', 'check_environment', 'mask_tool_tokens', 'differs', 'choose_groups', 'pending_rollouts', 'TaskFocus',
+           'position_coin', 'EntropyControl', 'reference_completion', 'reference_losses', 'with_references',
+           'check_async']
 
 # %% ../../nbs/47_rl_rollouts.ipynb #f934e6d2
 class RolloutLoader:
@@ -88,14 +90,16 @@ def _sample(self: RolloutLoader, idx: list[int], model=None, round_: Optional[in
     lps = torch.zeros(len(ent), rl.max_new_tokens, device=dev) if rl.importance_sampling_correction else None
     t0 = time.perf_counter()
     try:
-        with autocast_context(dev, self.rollout_precision):
+        if rl.environment: outs, stopped, slp = self._env_sample(idx, model, gen)   # below: multi-turn episodes
+        else:
+          with autocast_context(dev, self.rollout_precision):
             outs, stopped = group_rollouts(model, [self.prompt_ids[i] for i in idx], n_sampled, rl.max_new_tokens,
                                            rl.temperature, rl.top_p, rl.top_k, self.stop_ids, self.pad_id, gen,
                                            lockstep=is_fsdp(self.model) and self.world_size > 1,
                                            entropies=ent if self.control is not None else None, logps=lps)
     finally: model.train(was)
     secs = time.perf_counter() - t0
-    slp = [None] * len(outs) if lps is None else [l[:len(o)].cpu() for l, o in zip(lps, outs)]
+    if not rl.environment: slp = [None] * len(outs) if lps is None else [l[:len(o)].cpu() for l, o in zip(lps, outs)]
     if rl.off_policy_rows: outs, stopped, ent, slp = self._add_references(idx, outs, stopped, ent, slp)   # below
     return outs, stopped, secs, ent.cpu(), slp
 
@@ -103,6 +107,7 @@ def _sample(self: RolloutLoader, idx: list[int], model=None, round_: Optional[in
 @patch
 def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tuple[torch.Tensor, dict]:
     "Rewards `[N]` of the completions and the mean of each reward part."
+    if self.rl.environment: return self._env_rewards, {"environment": self._env_rewards.sum().item()}
     stop_set, rewards, parts, G = set(self.stop_ids), [], {}, self.rl.group_size
     for j, (o, s) in enumerate(zip(outs, stopped)):
         text = self.tok.decode([t for t in o if t not in stop_set])
@@ -114,6 +119,35 @@ def _score(self: RolloutLoader, idx: list[int], outs: list, stopped: list) -> tu
     group = getattr(self.rewarder, "group_totals", lambda rs: [r["total"] for r in rs])   # a plain function: its totals
     totals = [t for g in range(0, len(rewards), G) for t in group(rewards[g:g + G])]
     return torch.tensor(totals, dtype=torch.float32), parts
+
+# %% ../../nbs/47_rl_rollouts.ipynb #55b5eaf0
+def check_environment(rl):
+    "The settings `rl.environment` runs with, or one line naming the one it cannot."
+    for key, bad in [("async_rollouts", rl.async_rollouts), ("off_policy_rows", rl.off_policy_rows),
+                     ("use_adaptive_entropy", rl.use_adaptive_entropy), ("plain_prompts", rl.plain_prompts)]:
+        if bad: raise ConfigError(f"rl.{key}: got {bad}; multi-turn episodes (rl.environment) run without it")
+
+@patch
+def _env_sample(self: RolloutLoader, idx: list[int], model, gen) -> tuple:
+    "Episodes of prompts `idx` in `rl.environment` (G each): completions, which ended, model tokens' sampler log-probs."
+    rl, dev = self.rl, next(model.parameters()).device
+    check_environment(rl)
+    sample = model_sampler(model, rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, self.stop_ids, self.pad_id,
+                           gen)
+    with autocast_context(dev, self.rollout_precision):
+        r = env_rollouts(sample, self.tok, [self.examples[i] for i in idx], rl.environment, rl.group_size,
+                         rl.max_turns, min(self.seq_len + 1, model.cfg.max_seq_len))
+    self._env_rewards = r["rewards"]
+    keep = [None] * len(r["logprobs"]) if not rl.importance_sampling_correction else [
+        torch.tensor([lp for lp, m in zip(lps, mask) if m]) for lps, mask in zip(r["logprobs"], r["tool_mask"])]
+    return r["completion_ids"], r["ended"], keep
+
+def mask_tool_tokens(tok, batch: dict, prompts: list, outs: list):
+    "Labels of the environment's tokens (the tool turns of each completion) set to IGNORE_INDEX, in place."
+    lab = batch["labels"]
+    for b, (p, o) in enumerate(zip(prompts, outs)):
+        for k, m in enumerate(tool_mask_of(tok, o)):
+            if not m and len(p) - 1 + k < lab.shape[1]: lab[b, len(p) - 1 + k] = IGNORE_INDEX
 
 # %% ../../nbs/47_rl_rollouts.ipynb #af806801
 def _global_stats(rewards: torch.Tensor, zero: torch.Tensor, lengths: torch.Tensor, stopped: torch.Tensor,
@@ -249,6 +283,7 @@ def _rollout_round(self: RolloutLoader):
     self.buffer = []
     for s in range(0, len(rows), self.micro):
         b = collate_rollouts(rows[s:s + self.micro], outs[s:s + self.micro], self.seq_len, self.pad_id)
+        if rl.environment: mask_tool_tokens(self.tok, b, rows[s:s + self.micro], outs[s:s + self.micro])
         b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "filler": fill[s:s + self.micro],
               "stats": stats | coef} | coef
         if rl.off_policy_rows: b["off_policy"] = off[s:s + self.micro]
