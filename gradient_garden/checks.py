@@ -155,8 +155,8 @@ def _check_optimizers_and_runtime(cfg: GlobalConfig, world_size: int):
         raise ConfigError(f"runtime.replicate x runtime.shard: got {r.replicate} x {r.shard} = "
                           f"{r.replicate * r.shard}; must equal the world size {world_size}")
     if r.expert_parallel and (cfg.model.architecture != "tendril_moe" or cfg.model.n_experts % world_size):
-        raise ConfigError(f"runtime.expert_parallel: needs a tendril_moe model whose experts divide over the ranks; got "
-                          f"{cfg.model.architecture} with {cfg.model.n_experts} experts on {world_size} ranks")
+        raise ConfigError(f"runtime.expert_parallel: needs a tendril_moe model whose experts divide over the ranks; "
+                          f"got {cfg.model.architecture} with {cfg.model.n_experts} experts on {world_size} ranks")
 
 # %% ../nbs/08_checks.ipynb #d5916ed7
 def check_rl_section(cfg: GlobalConfig, world_size: int):

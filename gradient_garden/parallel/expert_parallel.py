@@ -149,12 +149,12 @@ def apply_fsdp_ep(model: nn.Module, precision: str = "fp32", mesh=None) -> nn.Mo
 
 # %% ../../nbs/25_expert_parallel.ipynb #82523f40
 def parallelize_ep(model: nn.Module, runtime: RuntimeConfig, env: DistEnv, init_seed: int | None = None) -> nn.Module:
-    "The run's wrapping for `runtime.expert_parallel`: experts over all ranks, FSDP2 for the rest, then each rank's rows."
+    "The run's wrapping for `runtime.expert_parallel`: experts over all ranks, FSDP2 for the rest, rows made per rank."
     if not dist.is_initialized(): return parallelize(model, runtime, env, init_seed)   # one process: every expert
     why = ("runtime.fsdp: false (the other parameters' gradients are averaged by FSDP2)" if not runtime.fsdp else
            f"runtime.tp = {runtime.tp}" if runtime.tp != 1 else "runtime.compile: true" if runtime.compile else
            "runtime.replicate / runtime.shard (HSDP)" if runtime.replicate or runtime.shard else None)
-    if why: raise ConfigError(f"runtime.expert_parallel: does not compose with {why}; it runs with FSDP2 on one mesh dim")
+    if why: raise ConfigError(f"runtime.expert_parallel: does not compose with {why}; it runs with FSDP2 on one dim")
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     apply_expert_parallel(model, mesh)
     apply_activation_checkpointing(model, runtime.activation_checkpointing)
