@@ -136,3 +136,30 @@ def test_sampler_logprobs_equal_a_forward_over_the_episode(tok):
         with torch.no_grad(): lp = model(seq).float().log_softmax(-1)[0, n - 1:-1].gather(-1, seq[0, n:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(r["logprobs"][j])[m], lp[m], atol=1e-4, rtol=0)
         assert torch.tensor(r["logprobs"][j])[~m].abs().sum() == 0
+
+
+def test_rollout_loader_trains_on_model_tokens_only(tok):
+    import dataclasses
+    from gradient_garden.config import GlobalConfig
+    from gradient_garden.stages.base import IGNORE_INDEX
+    from gradient_garden.stages.rewards import Rewarder
+    from gradient_garden.stages.rl_rollouts import RolloutLoader, check_environment
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tok.vocab_size,
+                                    max_seq_len=128))
+    rl = dataclasses.replace(GlobalConfig().rl, group_size=4, environment="echo-turns", max_new_tokens=8,
+                             importance_sampling_correction=True, importance_sampling_mode="token_truncate")
+    from gradient_garden.evals.environments import ENVIRONMENTS
+    ENVIRONMENTS["echo-turns"] = Echo
+    try:
+        ld = RolloutLoader(model, tok, calc_problems(8, seed=0), rl, Rewarder(), 128, 4, 2, seed=0)
+        ld.stop_ids = [tok.eot_id] + list(range(0, tok.vocab_size, 4))   # an untrained model ends its turns early
+        b = ld.next_batch()
+    finally: del ENVIRONMENTS["echo-turns"]
+    lab = b["labels"] != IGNORE_INDEX
+    assert not (b["labels"][lab] == tok.start_header_id).any()
+    assert ((b["input_ids"] == tok.start_header_id).sum(1) > 2).any()      # tool turns are in the context
+    torch.testing.assert_close(b["sampler_logps"][lab], b["old_logps"][lab], atol=1e-4, rtol=0)
+    assert (b["sampler_logps"][~lab] == 0).all()
+    with pytest.raises(ConfigError, match="rl.async_rollouts"):
+        check_environment(dataclasses.replace(rl, async_rollouts=True))
