@@ -412,6 +412,16 @@ def muon_critical_path(shapes, splits=None, shard: int = 1, replicate: int = 1, 
                 blocking=blocking, overlapped=max(clock + [free["R"]]))
 
 # %% ../../nbs/51_optim.ipynb #d3c01f5d
+def _split_twice(params) -> bool:
+    ("True when a parameter is split over two mesh dims (FSDP2 x TP): Muon's distributed path then splits it over "
+     "the last only.")
+    def dims(p): return sum(pl.is_shard() and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
+    return any(DTensor is not None and isinstance(p, DTensor) and dims(p) > 1 for p in params)
+
+def _over_last_dim(u: Tensor) -> Tensor:
+    "A DTensor split over two mesh dims as one split over the last (tp) only: gathered over the first (dp) alone."
+    return u.redistribute(u.device_mesh, [Replicate()] * (u.device_mesh.ndim - 1) + [u.placements[-1]])
+
 @patch
 @torch.no_grad()
 def step(self: Muon, closure=None):
@@ -421,14 +431,20 @@ def step(self: Muon, closure=None):
         with torch.enable_grad(): loss = closure()
     for group in self.param_groups:
         items = [(p, sp) for p, sp in zip(group["params"], _splits(group)) if p.grad is not None]
-        layout = muon_layout([p for p, _ in items], self.process_group) if self.distributed and items else None
+        twice = self.distributed and _split_twice([p for p, _ in items])   # FSDP2 x TP: split over the tp dim only
+        if twice: views = [_over_last_dim(self._momentum_update(p, group)) for p, _ in items]
+        layout = (muon_layout(views) if twice else muon_layout([p for p, _ in items], self.process_group)
+                  if self.distributed and items else None)
         if layout is None:   # one process, or the gathered algorithm: one matrix at a time, all of them here
             for p, sp in items:
                 _apply_update(p, gathered_orthogonalise(self._momentum_update(p, group), p, group, sp), group, sp)
             continue
         params, splits = [p for p, _ in items], [sp for _, sp in items]
-        updates = [self._momentum_update(p, group) for p in params]
-        done = distributed_orthogonalise(updates, params, splits, group, layout, self.overlap)
+        updates = views if twice else [self._momentum_update(p, group) for p in params]
+        done = distributed_orthogonalise(updates, views if twice else params, splits, group, layout, self.overlap)
+        if twice: done = [DTensor.from_local(O, v.device_mesh, v.placements, shape=v.shape, stride=v.stride(),
+                                             run_check=False).redistribute(p.device_mesh, p.placements).to_local()
+                          for O, v, p in zip(done, views, params)]
         for p, O, sp in zip(params, done, splits): _apply_update(p, O, group, sp)
     return loss
 
@@ -443,12 +459,6 @@ def _declared_splits(model: nn.Module, names: list[str]) -> list:
     found = {f"{mn}.{pn}" if mn else pn: declared_splits(m, pn) for mn, m in model.named_modules()
              for pn, _ in m.named_parameters(recurse=False)}
     return [found.get(n) for n in names]
-
-def _split_twice(params) -> bool:
-    ("True when a parameter is split over two mesh dims (FSDP2 x TP): Muon then takes the gathered path, each matrix "
-     "whole on every rank.")
-    def dims(p): return sum(pl.is_shard() and p.device_mesh.size(i) > 1 for i, pl in enumerate(p.placements))
-    return any(DTensor is not None and isinstance(p, DTensor) and dims(p) > 1 for p in params)
 
 # %% ../../nbs/51_optim.ipynb #9fe77a63
 def _adamw_impl(fused: str, device_type: str) -> dict:
@@ -482,9 +492,8 @@ def build_optimizers(model: nn.Module, opt_cfg: OptimizersConfig,
         muon = group("matrices", m.weight_decay, "muon")
         splits = _declared_splits(model, muon["param_names"])
         if any(splits): muon["splits"] = splits
-        distributed = m.distributed and not _split_twice(muon["params"])   # FSDP2 x TP: gathered
         opts.append(Muon([muon], lr=m.max_lr, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
-                         ns_dtype=muon_ns_dtype(m.ns_dtype, device_type), distributed=distributed,
+                         ns_dtype=muon_ns_dtype(m.ns_dtype, device_type), distributed=m.distributed,
                          process_group=_replica_group(model)))
     return opts
 
