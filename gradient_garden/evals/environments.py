@@ -17,7 +17,7 @@ from .generative import encode_prompt
 __all__ = ['ENVIRONMENTS', 'CALC_CALL', 'CALC_EXPR', 'CALC_TASKS', 'SPLITS', 'FINAL_ANSWER', 'Step', 'Environment',
            'register_environment', 'make_environment', 'tool_call', 'calc', 'calc_key', 'split_of', 'calc_problem',
            'calc_problems', 'final_answer', 'CalculatorEnv', 'call_text', 'tool_conversation', 'tool_turn_ids',
-           'model_sampler', 'env_rollouts', 'tool_mask_of']
+           'model_sampler', 'env_rollouts', 'tool_mask_of', 'environment_exact_match']
 
 # %% ../../nbs/36_environments.ipynb #e92dc066
 @dataclass
@@ -151,8 +151,8 @@ def model_sampler(model, max_new_tokens: int, temperature: float = 1.0, top_p: f
     def sample(prompts: list[list[int]], group_size: int) -> tuple:
         lps = torch.zeros(len(prompts) * group_size, max_new_tokens, device=next(model.parameters()).device)
         outs, stopped = group_rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, top_k,
-                                       stop_ids, pad_id, generator, logps=lps)
-        return outs, stopped, [lp[:len(o)].tolist() for lp, o in zip(lps.cpu(), outs)]
+                                       stop_ids, pad_id, generator, logps=lps if temperature > 0 else None)
+        return outs, stopped, [lp[:len(o)].tolist() for lp, o in zip(lps.cpu(), outs)]   # greedy: zeros
     return sample
 
 # %% ../../nbs/36_environments.ipynb #524aa75c
@@ -203,3 +203,22 @@ def tool_mask_of(tokenizer, completion: list[int]) -> list[int]:
                    len(completion))
         mask[i:end], i = [0] * (end - i), end
     return mask
+
+# %% ../../nbs/36_environments.ipynb #d92d545d
+def environment_exact_match(model, tokenizer, problems: list[Problem], environment: str | Callable,
+                            max_new_tokens: int = 24, max_turns: int = 3, batch_size: int = 64) -> dict:
+    "Greedy episodes' share rewarded 1 (exact match) with its standard error, overall and per task (`/task`)."
+    sample = model_sampler(model, max_new_tokens, temperature=0.0,
+                           stop_ids=[t for t in (tokenizer.eot_id, tokenizer.eos_id) if t is not None],
+                           pad_id=tokenizer.pad_id or 0)
+    hits = []
+    for s in range(0, len(problems), batch_size):
+        r = env_rollouts(sample, tokenizer, problems[s:s + batch_size], environment, 1, max_turns,
+                         model.cfg.max_seq_len)
+        hits += (r["rewards"] == 1).float().tolist()
+    out, tasks = {"n": len(hits)}, sorted({p.task for p in problems})
+    for t, h in [("", hits)] + [(t, [h for h, p in zip(hits, problems) if p.task == t]) for t in tasks]:
+        m, sfx = sum(h) / len(h), f"/{t}" if t else ""
+        out["exact_match" + sfx], out["exact_match_se" + sfx] = m, (m * (1 - m) / len(h)) ** 0.5
+    return out
+
