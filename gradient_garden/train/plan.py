@@ -513,7 +513,7 @@ def _communication_lines(p: Plan) -> list[str]:
               + f"{ms(b, link_of(p, dim))} ({link_of(p, dim)})" for (dim, op), b in comm.items()]
     total, step = sum(b / LINKS[link_of(p, dim)] for (dim, _), b in comm.items()), p.cfg.training.total_batch_size
     return lines + [f"communication {1e3 * total:,.0f} ms per step on this target's links, against "
-                    f"{1e3 * step / p.tokens_per_s:,.0f} ms of compute at {p.mfu:.0%} MFU; the time above assumes it hidden behind the compute"]
+                    f"{1e3 * step / p.tokens_per_s:,.0f} ms of compute at {p.mfu:.0%} MFU (the time below hides it)"]
 
 # %% ../../nbs/53_plan.ipynb #f8642395
 def muon_step_time(p: Plan) -> dict | None:
@@ -527,7 +527,7 @@ def muon_step_time(p: Plan) -> dict | None:
 def _muon_path_line(p: Plan) -> list[str]:
     "Muon's modelled step against the ideal: overlapped (the optimizer's way), one bucket at a time; or no line."
     if (t := muon_step_time(p)) is None: return []
-    return [f"Muon step (modelled, replicate x shard {' x '.join(map(str, mesh_of(p)))}): ideal {1e3 * t['ideal']:,.1f} "
+    return [f"Muon step (modelled, replicate x shard {'%d x %d' % mesh_of(p)}): ideal {1e3 * t['ideal']:,.1f} "
             f"ms; overlapped {t['overlapped'] / t['ideal']:.2f}x the ideal (one bucket at a time "
             f"{t['blocking'] / t['ideal']:.2f}x; the largest matrix alone {t['largest'] / t['ideal']:.2f}x), "
             f"{t['overlapped'] * p.tokens_per_s / p.cfg.training.total_batch_size:.1%} of a step's compute"]
