@@ -58,7 +58,7 @@ def stage_options(stage: Stage, cfg) -> Any:
 
 # %% ../../nbs/40_stages.ipynb #f56fb256
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 # %% ../../nbs/40_stages.ipynb #71217241
@@ -104,6 +104,7 @@ SOURCE_KEYS = {
     "verifiable": {"type", "train", "val", "tasks", "seed", "max_turns", "system_prob"},
     "hub": {"type", "path", "name", "split", "column", "max_examples", "val_split", "val_fraction", "revision"},
     "json": {"type", "path", "column", "max_examples", "val_fraction"},
+    "calculator": {"type", "train", "val", "tasks", "seed"},   # 36_environments: arithmetic with a tool call
 }
 
 # %% ../../nbs/40_stages.ipynb #c69998d3

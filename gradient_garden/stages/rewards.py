@@ -11,6 +11,7 @@ from ..config import ConfigError
 from ..data.verifiable import sample_examples
 from ..evals.verifiers import Problem, correctness, from_verifiable, well_formed
 from ..evals.generative import gsm8k_examples
+from ..evals.environments import CALC_TASKS, calc_problems
 
 # %% auto #0
 __all__ = ['RL_SOURCE_KEYS', 'DEFAULT_RL_SOURCES', 'load_reward_function', 'call_reward', 'Rewarder', 'check_source',
@@ -71,7 +72,8 @@ def group_totals(self: Rewarder, rewards: list[dict]) -> list[float]:
 # %% ../../nbs/45_rewards.ipynb #2bb3981a
 RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob"},
                   "gsm8k": {"type", "path", "name", "split", "val_split", "max_examples", "max_val_examples",
-                            "revision"}}
+                            "revision"},
+                  "calculator": {"type", "train", "val", "tasks", "seed"}}   # 36_environments
 DEFAULT_RL_SOURCES = [{"type": "verifiable", "train": 4000, "seed": 2}]
 
 def check_source(src, where: str) -> dict:
@@ -96,6 +98,9 @@ def load_prompts(sources: Optional[list], split: str = "train") -> list[Problem]
     for i, src in enumerate(srcs):
         where = f"data.sources[{i}]"
         if check_source(src, where)["type"] == "gsm8k": out += gsm8k_examples(src, split, where)
+        elif src["type"] == "calculator":   # train problems, or (val) the dev split's
+            which, n = ("train", src.get("train", 4000)) if split == "train" else ("dev", src.get("val", 200))
+            out += calc_problems(n, which, src.get("seed", 2), src.get("tasks") or CALC_TASKS)
         elif split == "train":
             out += [from_verifiable(e)
                     for e in sample_examples(src.get("train", 4000), "train", src.get("tasks"), src.get("seed", 2))]

@@ -15,6 +15,7 @@ from ..parallel.collectives import is_fsdp
 from ..generation import plain_module
 from ..evals.verifiers import Problem
 from ..evals.generative import evaluate_generative, heldout_examples_for, heldout_hits
+from ..evals.environments import environment_exact_match
 from .base import IGNORE_INDEX, Stage, StageParts
 from .rewards import DEFAULT_RL_SOURCES, Rewarder, load_prompts
 from .sft import prepare_stage_dir   # gg prepare's up-to-date check, shared with instruct
@@ -130,6 +131,7 @@ def prepare_rl(recipe_data: Optional[dict], cfg: GlobalConfig, out_dir, tokenize
     if tokenizer is None: tokenizer = init_tokenizer(cfg.tokenizer)
     sources = (recipe_data or {}).get("sources") or DEFAULT_RL_SOURCES
     splits = {"train": load_prompts(sources, "train"), "val": heldout_examples_for(sources, cfg.rl.eval_per_task)}
+    splits["val"] += [p for p in load_prompts(sources, "val") if p.kind == "calculator"]   # the dev problems
     if not splits["train"]: raise ConfigError("data.sources: no training prompt")
     metas = {}
     for split, exs in splits.items():
@@ -192,6 +194,9 @@ def build_rl(cfg: GlobalConfig, tokenizer, env, model) -> StageParts:
            if heldout and cfg.validation.enabled else None)
     def held_out_exact_match(m):
         "Greedy exact match and sampled pass@k on the held-out prompts, overall and per task."
+        if rl.environment:   # greedy episodes in the environment (36_environments)
+            return environment_exact_match(plain_module(m), tokenizer, heldout, rl.environment, rl.max_new_tokens,
+                                           rl.max_turns)
         return evaluate_generative(m, tokenizer, heldout, rl.eval_k, rl.max_new_tokens, rl.temperature, rl.top_p,
                                    rl.plain_prompts, t.seed, env.rank, env.world_size, lockstep)
     return StageParts(task, loader, val, evaluate=held_out_exact_match if heldout else None)

@@ -26,6 +26,7 @@ from ..data.verifiable import (sample_conversations, heldout_examples, exact_mat
                                              SPLITS)
 from ..tokenizer import init_tokenizer
 from ..generation import generate
+from ..evals.environments import CALC_TASKS, calc_problems, tool_conversation
 from .pretraining import CausalLMTask
 
 # %% ../../nbs/42_sft.ipynb #348b3223
@@ -99,6 +100,11 @@ def iter_source_chats(src: dict, split: str, where: str) -> Iterator[tuple[str, 
         convs = sample_conversations(n, split, src.get("tasks"), src.get("seed", 0), src.get("max_turns", 3),
                                      src.get("system_prob", 0.5))
         for i, c in enumerate(convs): yield f"{where}[{i}]", c
+        return
+    if src["type"] == "calculator":      # conversations that call the calculator, then answer (36_environments)
+        n, which = (src.get("train", 4000), "train") if split == "train" else (src.get("val", 200), "dev")
+        for i, p in enumerate(calc_problems(n, which, src.get("seed", 0), src.get("tasks") or CALC_TASKS)):
+            yield f"{where}[{i}]", tool_conversation(p)
         return
     col = src.get("column", "messages")
     for i, row in load_rows(src, split):
