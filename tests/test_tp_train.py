@@ -1,10 +1,11 @@
 """`gg train`'s run with tensor parallelism (`runtime.tp`, FSDP2 over the data-parallel ranks): fsdp with tp 2 on 2
-gloo ranks and dp 2 x tp 2 on 4 give one process's training losses and clipped gradient norms within 1e-5 (fp32, the
-same global batch); a tp 2 sharded checkpoint resumes on tp 2, at dp 2 x tp 2 and in one process, continuing one
-process's losses; Muon's distributed path (over the tp ranks at dp 1; under FSDP2 x TP each matrix gathered over dp
-only and orthogonalised whole by one owner rank) gives one process's Muon losses, and its weights within 2e-6 (1.4e-6
-measured, 3 steps at dp 2 x tp 2). Eight runs in four worlds (1, 2 and 4 ranks) and the prepared data: 170-190 s on a
-2-core machine shared with other jobs (load 13), about 70 s of CPU time, so marked slow."""
+gloo ranks and dp 2 x tp 2 on 4 give one process's training losses, clipped gradient norms and validation losses
+within 1e-5 (fp32, the same global batch); a tp 2 sharded checkpoint resumes on tp 2, at dp 2 x tp 2 and in one
+process, continuing one process's losses; Muon's distributed path (over the tp ranks at dp 1; under FSDP2 x TP each
+matrix gathered over dp only and orthogonalised whole by one owner rank) gives one process's Muon losses, and its
+weights within 2e-6 (1.4e-6 measured, 3 steps at dp 2 x tp 2). Eight runs in four worlds (1, 2 and 4 ranks) and the
+prepared data: 160-190 s on a 2-core machine shared with other jobs (load 13), about 80 s of CPU time, so marked
+slow."""
 import json
 import pytest
 from gloo_ranks import run_ranks
@@ -40,18 +41,21 @@ def runs(prepared, tmp_path_factory):
 def assert_close(ref: dict, got: dict, steps, rel=1e-5):
     for s in steps: assert got[s] == pytest.approx(ref[s], rel=rel), (s, ref[s], got[s])
 
-def grad_norms(out) -> dict:
-    "step -> gradient norm (before clipping) of the run under `out`."
+def metric(out, key: str) -> dict:
+    "step -> `key` (grad_norm: before clipping; val_loss) of the run under `out`."
     recs = [json.loads(l) for l in (run_dir(out)/"metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["grad_norm"] for r in recs if "grad_norm" in r}
+    return {r["step"]: r[key] for r in recs if key in r}
 
 @pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
 def test_tp_matches_one_process(runs, name):
     one = losses(runs/"one")
     assert_close(one, losses(runs/name), range(1, STEPS + 1))
-    norms = grad_norms(runs/"one")   # the norm over both mesh dims, and the clip it decides (grad_clip 0.5)
+    norms = metric(runs/"one", "grad_norm")   # the norm over both mesh dims, and the clip it decides (grad_clip 0.5)
     assert min(norms.values()) > 0.5
-    assert_close(norms, grad_norms(runs/name), range(1, STEPS + 1))
+    assert_close(norms, metric(runs/name, "grad_norm"), range(1, STEPS + 1))
+    assert_close(metric(runs/"one", "val_loss"), metric(runs/name, "val_loss"), [2, 4])
+    print(name, {k: max(abs(metric(runs/name, k)[s] - v) for s, v in metric(runs/"one", k).items())
+                 for k in ("loss", "grad_norm", "val_loss")})
 
 @pytest.mark.parametrize("name", ["tp2_muon", "dp2tp2_muon"])
 def test_tp_muon_matches_one_process(runs, name):
