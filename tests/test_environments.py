@@ -163,3 +163,20 @@ def test_rollout_loader_trains_on_model_tokens_only(tok):
     assert (b["sampler_logps"][~lab] == 0).all()
     with pytest.raises(ConfigError, match="rl.async_rollouts"):
         check_environment(dataclasses.replace(rl, async_rollouts=True))
+
+
+def test_calculator_sources_for_sft_and_rl(tok):
+    from gradient_garden.stages.base import check_messages, check_source
+    from gradient_garden.stages.rewards import load_prompts
+    from gradient_garden.stages.sft import iter_source_chats, tokenize_chat
+    src = check_source({"type": "calculator", "train": 6, "val": 4, "seed": 1}, "data.sources[0]")
+    chats = list(iter_source_chats(src, "train", "data.sources[0]"))
+    assert [c for _, c in chats] == [tool_conversation(p) for p in calc_problems(6, "train", 1)]
+    assert len(list(iter_source_chats(src, "val", "data.sources[0]"))) == 4
+    msgs = check_messages(chats[0][1])                                 # the tool role is a chat role of SFT data
+    assert tokenize_chat(tok, msgs, 256) is not None
+    train, val = load_prompts([src], "train"), load_prompts([src], "val")
+    assert [p.prompt for p in train] == [p.prompt for p in calc_problems(6, "train", 1)]
+    assert {split_of(p.fields["key"]) for p in val} == {"dev"} and len(val) == 4
+    with pytest.raises(ConfigError, match="data.sources\\[0\\].path: unknown key"):
+        check_source({"type": "calculator", "path": "x"}, "data.sources[0]")
