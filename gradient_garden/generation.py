@@ -167,7 +167,8 @@ def measure_packed_min_macs(sizes=(128, 256, 512, 1024, 2048), rows=(1, 8)) -> t
     lost = [macs for macs, speedup in sorted(shapes) if speedup <= 1]
     crossover = NEVER_PACKED if lost and lost[-1] == max(m for m, _ in shapes) else max(lost, default=0)
     wins = ", ".join(f"{m:,}: {s:.2f}x" for m, s in sorted(shapes))
-    return crossover, f"prepacked/plain speed-up by multiply-adds per matmul ({torch.get_num_threads()} threads): {wins}"
+    threads = torch.get_num_threads()
+    return crossover, f"prepacked/plain speed-up by multiply-adds per matmul ({threads} threads): {wins}"
 
 def packed_min_macs() -> int:
     "The multiply-adds per fp32 matmul above which decoding takes the prepacked weight, measured once per machine."

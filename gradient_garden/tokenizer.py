@@ -421,8 +421,8 @@ def render_template_chat(self: HFTokenizer, messages: Sequence[dict],
         if m["role"] != "assistant": continue
         prompt = template_ids(self.hf, messages[:i], True)      # all before the turn, then the assistant's header
         if ids[:len(prompt)] != prompt:
-            raise ConfigError(f"tokenizer.path={self.path!r}: the chat template lays out the turns before messages[{i}] "
-                              "differently once more follow, so its assistant turns cannot be located")
+            raise ConfigError(f"tokenizer.path={self.path!r}: the chat template lays out the turns before "
+                              f"messages[{i}] differently once more follow, so its assistant turns cannot be located")
         turn = ids[len(prompt):]
         end = turn.index(self.eot_id) + 1 if self.eot_id in turn else len(turn)
         mask[len(prompt):len(prompt) + end] = [1] * end

@@ -45,7 +45,7 @@ def test_float8_with_lora_is_one_line(prepared, tmp_path):
 
 
 @pytest.mark.slow   # three 50-step runs of the debug recipe: about 20 minutes on a shared 2-core CPU, so not in CI
-@pytest.mark.skipif(os.environ.get("GG_LONG") != "1", reason="GG_LONG=1: three 50-step runs (bench/RESULTS.md has them)")
+@pytest.mark.skipif(os.environ.get("GG_LONG") != "1", reason="GG_LONG=1: three 50-step runs (figures in RESULTS.md)")
 def test_fifty_debug_steps_in_float8_end_within_one_percent_of_bf16(prepared, tmp_path):
     "The debug recipe (its model, 4096-token steps) for 50 steps: bf16 against bf16 + float8, each recipe."
     runs = {}

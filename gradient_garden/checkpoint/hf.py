@@ -131,7 +131,7 @@ def hf_start_folder(spec: str | None) -> Path | None:
 
 # %% ../../nbs/29_hf_files.ipynb #4322f171
 def _has_chat_template(folder: Path) -> bool:
-    "True when the folder's tokenizer files carry a chat template (`chat_template.jinja` or in `tokenizer_config.json`)."
+    "True when the folder's tokenizer files carry a chat template (`chat_template.jinja` or `tokenizer_config.json`)."
     if (folder/"chat_template.jinja").is_file(): return True
     tc = folder/"tokenizer_config.json"
     return tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))

@@ -212,6 +212,6 @@ register_generative_set(GenerativeSet("exact_match", embedded_test, 24,
 register_generative_set(GenerativeSet("exact_match_dev", embedded_dev, 24,
                                       "the embedded verifiable tasks' dev problems (for tuning)"))
 register_generative_set(GenerativeSet("gsm8k", gsm8k_set, 256,
-                                      "a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n'), or a hub "
-                                      "id: its test split, or ID:SPLIT (e.g. openai/gsm8k:train) to name another",
-                                      metavar="FILE|ID[:SPLIT]"))
+                                      "a JSON/JSONL file in GSM8K's schema (question, answer ending '#### n'), "
+                                      "or a hub id: its test split, or ID:SPLIT (e.g. openai/gsm8k:train) to name "
+                                      "another", metavar="FILE|ID[:SPLIT]"))
