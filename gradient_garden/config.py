@@ -243,7 +243,6 @@ class DPOConfig:
     reference: Literal["copy", "precomputed"] = "precomputed"
 
 # %% ../nbs/00_config.ipynb #c64e70b3
-# Kept whole: a config section is one dataclass, its fields read together
 @dataclass
 class RLConfig:
     "Reinforcement learning with verifiable rewards (GRPO family; TRL's names and defaults where they exist)."
@@ -257,8 +256,7 @@ class RLConfig:
     entropy_target: float = 0.2  # the bonus applies while the last step's entropy is at or below this (nats)
     entropy_coef_delta: float = 0.005; entropy_coef_min: float = 0.0; entropy_coef_max: float = 1.0
     num_iterations: int = 1  # optimizer steps per batch of rollouts (mu)
-    # up to this many rounds of prompts per step, keeping groups whose rewards differ (DAPO's dynamic sampling)
-    sampling_rounds: int = 1
+    sampling_rounds: int = 1  # DAPO's dynamic sampling: prompt rounds per step to find groups whose rewards differ
     # 0: every prompt; > 0: a task's prompts kept as often as its groups' rewards differ, at least this often
     task_focus: float = 0.0
     # of a group's G rows, this many are the prompt's reference answer (LUFFY's off-policy guidance); 0: all sampled
