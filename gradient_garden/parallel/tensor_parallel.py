@@ -6,6 +6,7 @@ norms by sequence, the output head and its fused loss by vocabulary."""
 
 # %% ../../nbs/24_tensor_parallel.ipynb #a45a2865
 from __future__ import annotations
+import copy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +26,7 @@ from .distributed import DistEnv, apply_fsdp, init_rows, parallelize
 __all__ = ['TP_PLANS', 'check_tp', 'StackedProjections', 'unfuse', 'tendril_tp_plan', 'VocabParallelCrossEntropy',
            'tp_mesh_shape', 'build_tp_mesh', 'vocab_parallel_loss_sum', 'tp_kv_cache', 'check_sequence_split',
            'apply_tp', 'materialize_tp', 'parallelize_tp', 'parallelize_run', 'saved_activation_bytes',
-           'tp_activation_bytes', 'tp_memory']
+           'tp_activation_bytes', 'tp_memory', 'tp_needed']
 
 # %% ../../nbs/24_tensor_parallel.ipynb #edbd13f2
 def check_tp(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -271,3 +272,14 @@ def tp_memory(column: dict, cfg: GlobalConfig) -> dict:
              for m in column["activations"]}
     out["total"] = {m: t - saved[m] for m, t in column["total"].items()}   # when the activations are the peak term
     return out
+
+# %% ../../nbs/24_tensor_parallel.ipynb #03ae5b3a
+def tp_needed(column: dict | None, cfg: GlobalConfig, budget: float, world: int) -> tuple[int, float] | None:
+    "The smallest TP degree at which FSDP2-over-all-ranks `column`'s run fits `budget` bytes per rank, and its need."
+    for tp in (2, 4, 8):
+        run = copy.deepcopy(cfg); run.runtime.tp = tp
+        if column is None or world % tp: continue
+        try: need = tp_memory(column, run)["total"][cfg.runtime.activation_checkpointing]
+        except ConfigError: continue   # a model this degree cannot split (heads, KV heads, tied embeddings)
+        if need <= budget: return tp, need
+    return None

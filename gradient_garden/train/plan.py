@@ -23,7 +23,7 @@ from .optim import muon_critical_path
 from ..parallel.distributed import mesh_shape, step_bytes, wire_bytes
 from ..models.lora import apply_lora
 from ..parallel.activation_checkpointing import SAVE_OPS
-from ..parallel.tensor_parallel import tp_memory
+from ..parallel.tensor_parallel import tp_memory, tp_needed
 from ..runtime import DTYPES, resolve_precision
 from ..stages.registry import get_stage
 
@@ -365,9 +365,7 @@ def estimate_workload(cfg: GlobalConfig, tokens_per_s: float | None = None, worl
 def _with(cfg: GlobalConfig, **changes) -> GlobalConfig:
     "A copy of `cfg` with `section.key` changes, e.g. `_with(cfg, runtime__fsdp=True)`."
     new = copy.deepcopy(cfg)
-    for k, v in changes.items():
-        sec, key = k.split("__")
-        setattr(getattr(new, sec), key, v)
+    for k, v in changes.items(): setattr(getattr(new, k.split("__")[0]), k.split("__")[1], v)
     return new
 
 def _needed(cfg: GlobalConfig, layout: str, world: int, shard: int, device_type: str) -> float:
@@ -393,6 +391,8 @@ def suggestion(p: Plan) -> str | None:
             need = _needed(_with(p.cfg, training__micro_batch_size=mb), p.layout, p.world, shard, dev_type)
             if need <= p.budget: return f"training.micro_batch_size={mb} (needs {fmt(need)})"
         mb //= 2
+    if tp := tp_needed(p.memory.get("fsdp2"), p.cfg, p.budget, p.world):   # long context: one sequence's activations
+        return f"runtime.tp={tp[0]} with runtime.fsdp=true (needs {fmt(tp[1])} per rank)"
     for world in (2, 4, 8, 16, 32, 64, 128, 256):
         if world <= p.world or t.total_batch_size % (t.micro_batch_size * t.seq_len * world): continue
         need = _needed(_with(p.cfg, runtime__fsdp=True), "fsdp2", world, world, dev_type)
