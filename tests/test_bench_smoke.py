@@ -13,6 +13,7 @@ NOT_SCRIPTS = {"common.py": "the helpers the scripts share (parsers, --smoke, sy
 # the keys each script's last stdout line must hold (besides "smoke": true)
 EXPECTED = {
     "activation_checkpointing.py": ["parameters", "modes"],
+    "calculator.py": ["with_tool", "without_tool"],
     "checkpoint.py": ["full", "sharded", "async", "async_blocked_over_full"],
     "cpu_matmul.py": ["us_per_call", "gemm_gflops"],
     "evals.py": ["reference", "tasks"],
