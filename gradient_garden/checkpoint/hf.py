@@ -17,7 +17,7 @@ from .state_dict import StateDictAdapter
 
 # %% auto #0
 __all__ = ['TOKENIZER_FILES', 'HF_START', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_files', 'export_hf', 'load_hf',
-           'export_hf_with_adapter', 'hf_start_folder', 'adopt_hf_model', 'hf_start_checkpoint']
+           'export_hf_with_adapter', 'hf_start_folder', 'has_chat_template', 'adopt_hf_model', 'hf_start_checkpoint']
 
 # %% ../../nbs/29_hf_files.ipynb #689c80b6
 def to_hf_model(model: Tendril, tokenizer=None):
@@ -130,8 +130,9 @@ def hf_start_folder(spec: str | None) -> Path | None:
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
 
 # %% ../../nbs/29_hf_files.ipynb #4322f171
-def _has_chat_template(folder: Path) -> bool:
+def has_chat_template(folder) -> bool:
     "True when the folder's tokenizer files carry a chat template (`chat_template.jinja` or `tokenizer_config.json`)."
+    folder = Path(folder)
     if (folder/"chat_template.jinja").is_file(): return True
     tc = folder/"tokenizer_config.json"
     return tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))
@@ -156,6 +157,6 @@ def hf_start_checkpoint(cfg: GlobalConfig) -> dict | None:
     if folder is None: return None
     with torch.device("meta"): shell = Tendril(cfg.model)
     weights = StateDictAdapter(shell).from_hf(_read_hf_weights(folder))
-    stage = "instruct" if _has_chat_template(folder) and cfg.training.stage != "pretraining" else "pretraining"
+    stage = "instruct" if has_chat_template(folder) and cfg.training.stage != "pretraining" else "pretraining"
     return dict(step=0, stage=stage, architecture=cfg.model.architecture, config=to_plain(cfg), model=weights,
                 from_hf=str(folder))

@@ -6,7 +6,7 @@ Python."""
 
 # %% ../../nbs/64_serve_process.ipynb #4857cb3a
 from __future__ import annotations
-import itertools, json, multiprocessing, os, queue, signal, threading, time, traceback
+import itertools, multiprocessing, os, queue, signal, threading, time, traceback
 from types import SimpleNamespace
 from functools import partial
 from pathlib import Path
@@ -17,7 +17,7 @@ from ..config import ConfigError, TokenizerConfig
 from ..runtime import DTYPES as _DTYPES, resolve_device
 from ..tokenizer import init_tokenizer
 from ..checkpoint.checkpoints import load_model_from_checkpoint
-from ..checkpoint.hf import load_hf
+from ..checkpoint.hf import has_chat_template, load_hf
 from .decoder import BatchDecoder, DecoderClosed, QueueFull, Sequence
 from .api import Served, StreamInterval
 
@@ -26,13 +26,6 @@ __all__ = ['DECODER_FLAGS', 'DECODER_START_TIMEOUT_S', 'decoder_info', 'load_dec
            'decoder_process_main', 'DecoderClient', 'load_served']
 
 # %% ../../nbs/64_serve_process.ipynb #c1ef16e5
-def _chat_template_in(folder) -> bool:
-    "True when a Hugging Face folder carries a chat template."
-    folder = Path(folder)
-    if (folder/"chat_template.jinja").is_file(): return True
-    cfg = folder/"tokenizer_config.json"
-    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
-
 def decoder_info(decoder: BatchDecoder, model_id: str, chat: bool, tokenizer: TokenizerConfig | None) -> dict:
     "What the web server needs to know of an decoder it does not hold: names, limits, the tokenizer to load."
     return dict(model_id=model_id, chat=chat, tokenizer=tokenizer, max_len=decoder.max_len,
@@ -52,7 +45,7 @@ def load_decoder(args) -> tuple[BatchDecoder, dict]:
     else:
         model, _ = load_hf(args.hf_checkpoint, device, dtype)
         tok_cfg = TokenizerConfig(backend="huggingface", path=str(Path(args.hf_checkpoint).resolve()))
-        chat, name = _chat_template_in(args.hf_checkpoint), Path(args.hf_checkpoint).resolve().name
+        chat, name = has_chat_template(args.hf_checkpoint), Path(args.hf_checkpoint).resolve().name
     tokenizer = init_tokenizer(tok_cfg)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size = "
