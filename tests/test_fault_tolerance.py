@@ -2,7 +2,7 @@
 `gg train` process of its own. Once both have taken 5 steps, one group is `kill -9`ed; the other keeps stepping
 without a restart; the killed one is started again with the same command, heals from its peer's live state and
 rejoins; both end with bit-equal weights, optimizer state and loader position. The same with groups of 2 FSDP2 ranks
-(HSDP across groups), each a torchrun job that restarts its own group. Also the one-line errors for a missing
+(HSDP across groups, Muon for the matrices), each a torchrun job that restarts its own group. Also the one-line errors for a missing
 lighthouse and a missing torchft."""
 import json, os, signal, subprocess, sys, time
 os.environ.setdefault("RUST_LOG", "warn")   # the lighthouse in this process logs every quorum at INFO otherwise
@@ -103,12 +103,14 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 @pytest.mark.slow   # about 100-130 s on a shared 2-core machine: 4 ranks and a restart of one group
 def test_a_group_of_fsdp2_ranks_restarted_by_torchrun_heals(prepared, tmp_path):
     ("Two groups of 2 FSDP2 ranks (HSDP across groups), each a torchrun job; one rank of group 1 killed; torchrun "
-     "restarts that group alone and each of its ranks heals its own shards.")
+     "restarts that group alone and each of its ranks heals its own shards. Muon for the matrices: its momentum heals "
+     "with the rest, and each group's Muon shares the orthogonalisations over its own two ranks.")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}   # each attempt of a group: a store of its own
     jobs = [subprocess.Popen(TORCHRUN + ["train", "--recipe", RECIPE, "--set",
                                          *sets(prepared, tmp_path, g, lighthouse.address()),
-                                         "training.total_batch_size=1024", "runtime.fsdp=true"],
+                                         "training.total_batch_size=1024", "runtime.fsdp=true",
+                                         "optimizers.muon.enabled=true"],
                              cwd=ROOT, env=env, stdout=(tmp_path/f"group{g}.log").open("w"), stderr=subprocess.STDOUT)
             for g in (0, 1)]
     try:
@@ -132,6 +134,7 @@ def test_a_group_of_fsdp2_ranks_restarted_by_torchrun_heals(prepared, tmp_path):
     a, b = (load_checkpoint(list_checkpoints(run_dir(tmp_path, g)/"checkpoints")[-1]) for g in (0, 1))
     assert a["step"] == b["step"] == STEPS
     assert_equal(a["model"], b["model"], "model"); assert_equal(a["optimizers"], b["optimizers"])
+    assert any("momentum_buffer" in s for s in a["optimizers"]["state"].values())   # Muon's state, healed and equal
 
 def test_fault_tolerance_without_a_lighthouse_is_one_line(prepared, tmp_path):
     r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=2),
