@@ -4,6 +4,7 @@
 #               (their committed outputs must match a fresh run) and pytest
 #   make book   run every notebook and keep its outputs, so the notebooks read as a book without running them
 PY ?= python3
+PYTEST_ARGS ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 RECIPE ?= recipes/pretraining/debug.yaml
@@ -63,6 +64,6 @@ book:
 
 pytest: export OMP_NUM_THREADS=1
 pytest:
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=30 $(PYTEST_ARGS) tests
 
 test: install-dev check-clean lint nbtest pytest
