@@ -16,9 +16,9 @@ from .schedules import learning_rate
 # %% auto #0
 __all__ = ['GROUPS', 'OUTPUT_NAMES', 'NS_COEFFICIENTS', 'NS_DTYPES', 'classify_parameters', 'zeropower_via_newtonschulz',
            'part_shapes', 'declared_splits', 'orthogonalise', 'muon_lr', 'gathered_orthogonalise', 'Muon', 'ns_flops',
-           'orthogonalise_batched', 'assign_owners', 'muon_layout', 'exchange', 'muon_buckets',
-           'distributed_orthogonalise', 'muon_rank_costs', 'muon_critical_path', 'muon_ns_dtype', 'build_optimizers',
-           'param_group_summary', 'set_learning_rates']
+           'orthogonalise_batched', 'assign_owners', 'muon_units', 'unit_shape', 'muon_schedule', 'muon_layout',
+           'exchange', 'distributed_orthogonalise', 'muon_rank_costs', 'muon_critical_path', 'muon_ns_dtype',
+           'build_optimizers', 'param_group_summary', 'set_learning_rates']
 
 # %% ../../nbs/51_optim.ipynb #5e273563
 try: from torch.distributed.tensor import DTensor, Replicate
@@ -208,6 +208,30 @@ def assign_owners(costs, world: int) -> list[int]:
         load[owners[i]] += costs[i]
     return owners
 
+# %% ../../nbs/51_optim.ipynb #1c5b47b2
+def muon_units(shapes, splits=None) -> list[tuple[int, int, int]]:
+    "Muon's units of work, `(weight, first row, end row)`: each weight whole, or each row block of a fused one."
+    units = []
+    for k, (shape, sp) in enumerate(zip(shapes, splits or [None] * len(shapes))):
+        r0 = 0
+        for q in part_shapes(shape, sp): units.append((k, r0, r0 + q[-2])); r0 += q[-2]
+    return units
+
+def unit_shape(shape, unit) -> tuple:
+    "The shape of `unit`, a block of rows of a weight of `shape`."
+    return (*tuple(shape)[:-2], unit[2] - unit[1], shape[-1])
+
+def muon_schedule(costs, world: int) -> tuple[list[int], list[list[int]]]:
+    ("The owner of each unit (`assign_owners`) and the buckets: the units that start within the same stretch of "
+     "their owner's work, one largest unit long.")
+    owners, load, start = assign_owners(costs, world), [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):   # the order in which assign_owners handed them out
+        start[i] = load[owners[i]]; load[owners[i]] += costs[i]
+    size, rounds = max(costs, default=0) or 1, {}
+    for i in sorted(range(len(costs)), key=lambda i: (start[i], -costs[i])):
+        rounds.setdefault(start[i] // size, []).append(i)
+    return owners, [rounds[j] for j in sorted(rounds)]
+
 # %% ../../nbs/51_optim.ipynb #368ac49e
 def _size_rank(pg) -> tuple[int, int]:
     "Size of process group `pg` and this rank's index in it; (1, 0) for None."
@@ -259,145 +283,171 @@ def _pad(t: Tensor, dim: int, size: int) -> Tensor:
     out.narrow(dim, 0, t.size(dim)).copy_(t)
     return out
 
+def _chunk(n: int, s: int, j: int) -> tuple[int, int]:
+    "`[start, end)` of the j-th `torch.chunk` of n rows over s ranks (FSDP2's shard j; empty past the end)."
+    c = -(-n // s)
+    return min(j * c, n), min((j + 1) * c, n)
+
+def _piece(shape, d: int, s: int, j: int, unit) -> tuple[tuple, int]:
+    ("Shape of shard rank j's part of `unit` of a weight of `shape` split over s ranks along dim d, and the row "
+     "(dim -2) of j's shard where it starts.")
+    shape, (a, b), (lo, hi) = list(shape), _chunk(shape[d], s, j), unit[1:]
+    shape[d] = b - a
+    if d == len(shape) - 2: lo, hi = min(max(lo, a), b) - a, min(max(hi, a), b) - a   # the unit's rows that j holds
+    shape[-2] = hi - lo
+    return tuple(shape), lo
+
 # %% ../../nbs/51_optim.ipynb #90f4e6ec
 class _Bucket:
-    "One shape's matrices on their way through Muon's distributed step: shards to owners, results back, shared."
-    def __init__(self, local: list[Tensor], params: list[Tensor], splits, owner: list[int], group: dict, layout):
-        self.local, self.params, self.splits, self.group, (self.S, self.R) = local, params, splits, group, layout
+    "Units of Muon's work on their way through the distributed step: pieces to owners, results back, shared."
+    def __init__(self, units, updates: list[Tensor], params: list[Tensor], owner: list[int], group: dict, layout,
+                 dtype):
+        self.units, self.group, self.dtype, (self.S, self.R), n = units, group, dtype, layout, len(units)
         (s, self.i_s), (r, self.i_r) = _size_rank(self.S), _size_rank(self.R)
-        self.s, self.r, self.dtype, self.device, n = s, r, local[0].dtype, local[0].device, len(local)
-        self.per = [[k for k in range(n) if owner[k] // s == q] for q in range(r)]   # each replica's matrices
-        self.of = [[k for k in self.per[self.i_r] if owner[k] % s == j] for j in range(s)]  # ... owned by shard rank j
-        if s > 1:   # a shard travels zero-padded to the chunk size along the sharded dim
-            self.dim = [_sharded_dim(p)[0] for p in params]
-            self.chunk = [-(-p.shape[d] // s) for p, d in zip(params, self.dim)]
-            self.padded = [(*p.shape[:d], c, *p.shape[d + 1:]) for p, d, c in zip(params, self.dim, self.chunk)]
+        self.s, self.r, self.device = s, r, updates[units[0][0]].device
+        self.per = [[u for u in range(n) if owner[u] // s == q] for q in range(r)]   # each replica's units
+        self.of = [[u for u in self.per[self.i_r] if owner[u] % s == j] for j in range(s)]  # ... owned by shard rank j
+        self.dim = [_sharded_dim(params[k])[0] if s > 1 else params[k].ndim - 2 for k, _, _ in units]
+        self.pieces = [[_piece(params[u[0]].shape, d, s, j, u) for j in range(s)] for u, d in zip(units, self.dim)]
+        self.rows = [pc[self.i_s][1] for pc in self.pieces]   # where this rank's piece starts in its shard
+        self.local = [_local(updates[k]).narrow(-2, row, pc[self.i_s][0][-2]).to(dtype)
+                      for (k, _, _), row, pc in zip(units, self.rows, self.pieces)]
 
 # %% ../../nbs/51_optim.ipynb #19be32a8
 @patch
 def send(self: _Bucket) -> _Bucket:
-    "Start sending each shard of a matrix this replica owns to its owner (nothing to send unsharded)."
+    "Start sending each piece of a unit this replica owns to its owner (nothing to send unsharded)."
     if self.s > 1:
-        self._shards = exchange([[_pad(self.local[k], self.dim[k], self.chunk[k]) for k in ks] for ks in self.of],
-                                [[self.padded[k] for k in self.of[self.i_s]]] * self.s, self.S, self.dtype,
-                                self.device, async_op=True)
+        self._got = exchange([[self.local[u] for u in us] for us in self.of],
+                             [[self.pieces[u][j][0] for u in self.of[self.i_s]] for j in range(self.s)], self.S,
+                             self.dtype, self.device, async_op=True)
     return self
 
 @patch
 def orthogonalise(self: _Bucket) -> _Bucket:
-    "Join the whole matrices this rank owns as their shards arrive, orthogonalise them, start sending them back."
+    "Join the units this rank owns as their pieces arrive, orthogonalise them, start sending the pieces back."
     mine, s = self.of[self.i_s], self.s
     if s > 1:
-        got = self._shards(); del self._shards   # the receive buffer goes with the last reference
-        full = [torch.cat([got[j][a] for j in range(s)], self.dim[k]) for a, k in enumerate(mine)]
-        full = [f[tuple(slice(0, m) for m in self.params[k].shape)] for f, k in zip(full, mine)]   # padding off
+        got = self._got(); del self._got   # the receive buffer goes with the last reference
+        full = [torch.cat([got[j][a] for j in range(s)], self.dim[u]) for a, u in enumerate(mine)]
         del got
-    else: full = [self.local[k] for k in mine]
-    done = orthogonalise_batched(full, self.group, [self.splits[k] for k in mine])
+    else: full = [self.local[u] for u in mine]
+    done = orthogonalise_batched(full, self.group, [None] * len(mine))
     if s == 1: self._res = dict(zip(mine, done)); return self
-    pieces = [_pad(O, self.dim[k], self.chunk[k] * s).chunk(s, self.dim[k]) for O, k in zip(done, mine)]
-    self._back = exchange([[pc[j] for pc in pieces] for j in range(s)],
-                          [[self.padded[k] for k in ks] for ks in self.of], self.S, self.dtype, self.device,
-                          async_op=True)
+    back = [O.split([pc[0][self.dim[u]] for pc in self.pieces[u]], self.dim[u]) for O, u in zip(done, mine)]
+    self._back = exchange([[pcs[j] for pcs in back] for j in range(s)],
+                          [[self.pieces[u][self.i_s][0] for u in us] for us in self.of], self.S, self.dtype,
+                          self.device, async_op=True)
     return self
 
 # %% ../../nbs/51_optim.ipynb #6eff6c21
 @patch
 def share(self: _Bucket) -> _Bucket:
-    "Take this rank's shards of the results; start the replicas' all-gather of what each of them computed."
+    "Take this rank's pieces of the results; start the replicas' all-gather of what each of them computed."
     if self.s > 1:
         got = self._back(); del self._back
-        self._res = {k: got[j][a].narrow(self.dim[k], 0, self.local[k].size(self.dim[k]))
-                     for j, ks in enumerate(self.of) for a, k in enumerate(ks)}
+        self._res = {u: got[j][a] for j, us in enumerate(self.of) for a, u in enumerate(us)}
     if self.r > 1:
-        self._sizes = [sum(self.local[k].numel() for k in ks) for ks in self.per]
-        mine = _pad(_flat([self._res[k] for k in self.per[self.i_r]], self.dtype, self.device), 0, max(self._sizes))
+        self._sizes = [sum(math.prod(self.pieces[u][self.i_s][0]) for u in us) for us in self.per]
+        mine = _pad(_flat([self._res[u] for u in self.per[self.i_r]], self.dtype, self.device), 0, max(self._sizes))
         self._outs = [torch.empty_like(mine) for _ in range(self.r)]
         self._shared = dist.all_gather(self._outs, mine, group=self.R, async_op=True)
     return self
 
 @patch
 def result(self: _Bucket) -> list[Tensor]:
-    "This rank's part of every orthogonalised matrix of the bucket, once the replicas' all-gather is done."
+    "This rank's piece of every orthogonalised unit of the bucket, once the replicas' all-gather is done."
     if self.r > 1:
         self._shared.wait()
-        for q, ks in enumerate(self.per):
+        for q, us in enumerate(self.per):
             if q != self.i_r:
-                self._res.update(zip(ks, _unflat(self._outs[q][:self._sizes[q]], [self.local[k].shape for k in ks])))
+                got = _unflat(self._outs[q][:self._sizes[q]], [self.pieces[u][self.i_s][0] for u in us])
+                self._res.update(zip(us, got))
         del self._shared
-    return [self._res[k] for k in range(len(self.local))]
+    return [self._res[u] for u in range(len(self.units))]
 
 # %% ../../nbs/51_optim.ipynb #f69e08a3
-def muon_buckets(costs, shapes, splits) -> list[list[int]]:
-    "Indices of the matrices of each (shape, split) bucket, the costliest matrices' bucket first."
-    buckets = {}
-    for k, (s, sp) in enumerate(zip(shapes, splits)): buckets.setdefault((tuple(s), sp), []).append(k)
-    return sorted(buckets.values(), key=lambda ks: -costs[ks[0]])
+def _assemble(done, updates: list[Tensor], dtype) -> list[Tensor]:
+    "Each weight's orthogonalised update on this rank, put together from the pieces of its units in `done` buckets."
+    out = {}
+    for b, res in done:
+        for (k, _, _), row, O in zip(b.units, b.rows, res):
+            shape = _local(updates[k]).shape
+            if O.shape == shape: out[k] = O; continue   # a whole weight, or a block that covers this rank's shard
+            if k not in out: out[k] = torch.empty(shape, dtype=dtype, device=O.device)
+            out[k].narrow(-2, row, O.size(-2)).copy_(O)
+    return [out[k] for k in range(len(updates))]
 
 def distributed_orthogonalise(updates: list[Tensor], params: list[Tensor], splits, group: dict, layout,
                               overlap: bool = True) -> list[Tensor]:
-    ("This rank's part of every orthogonalised update; each matrix is orthogonalised once, on the rank `assign_owners` "
-     "picks.")
+    ("This rank's part of every orthogonalised update; each unit (a weight, or a block of a fused one) is "
+     "orthogonalised once, on the rank `muon_schedule` picks.")
     (s, _), (r, _) = _size_rank(layout[0]), _size_rank(layout[1])
-    costs = [sum(ns_flops(q, group["ns_steps"]) for q in part_shapes(p.shape, sp)) for p, sp in zip(params, splits)]
-    owner, dtype = assign_owners(costs, s * r), NS_DTYPES[group.get("ns_dtype", "bf16")]
-    order = muon_buckets(costs, [p.shape for p in params], splits)
-    bucket = lambda ks: _Bucket([_local(updates[k]).to(dtype) for k in ks], [params[k] for k in ks],
-                                [splits[k] for k in ks], [owner[k] for k in ks], group, layout).send()
-    if not overlap: results = [bucket(ks).orthogonalise().share().result() for ks in order]   # one at a time
-    else:   # a pipeline one bucket deep: the next shards travel, and the last results return, during Newton-Schulz
-        done, nxt = [], bucket(order[0]) if order else None
-        for i in range(len(order)):
-            b, nxt = nxt, bucket(order[i + 1]) if i + 1 < len(order) else None
-            done.append(b.orthogonalise())
-            if i: done[i - 1].share()
-        if done: done[-1].share()
-        results = [b.result() for b in done]
-    out = [None] * len(params)
-    for ks, res in zip(order, results):
-        for k, o in zip(ks, res): out[k] = o
-    return out
+    units = muon_units([p.shape for p in params], splits)
+    owner, order = muon_schedule([ns_flops(unit_shape(params[u[0]].shape, u), group["ns_steps"]) for u in units], s * r)
+    dtype = NS_DTYPES[group.get("ns_dtype", "bf16")]
+    bucket = lambda us: _Bucket([units[u] for u in us], updates, params, [owner[u] for u in us], group, layout,
+                                dtype).send()
+    done = []
+    if not overlap:   # one at a time
+        for us in order: b = bucket(us).orthogonalise().share(); done.append((b, b.result()))
+        return _assemble(done, updates, dtype)
+    nxt = bucket(order[0]) if order else None   # a pipeline one bucket deep: the next pieces travel, and the last
+    for i in range(len(order)):                 # results return, during Newton-Schulz
+        b, nxt = nxt, bucket(order[i + 1]) if i + 1 < len(order) else None
+        done.append(b.orthogonalise())
+        if i: done[i - 1].share()
+    if done: done[-1].share()
+    return _assemble([(b, b.result()) for b in done], updates, dtype)
 
 # %% ../../nbs/51_optim.ipynb #f13106cf
+def _modelled(shapes, splits, shard: int, replicate: int, ns_steps: int):
+    ("The step's units as the models see them: NS FLOPs and elements of each, owners, buckets, and the elements of "
+     "each unit on each shard rank.")
+    units = muon_units(shapes, splits)
+    ushapes = [unit_shape(shapes[u[0]], u) for u in units]
+    costs = [ns_flops(q, ns_steps) for q in ushapes]
+    owner, order = muon_schedule(costs, shard * replicate)
+    piece = [[math.prod(_piece(shapes[u[0]], 0, shard, j, u)[0]) for j in range(shard)] for u in units]  # FSDP2: dim 0
+    return costs, [math.prod(q) for q in ushapes], owner, order, piece
+
 def muon_rank_costs(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5,
                     ns_bytes: int = 2) -> dict:
     "Busiest rank's Newton-Schulz FLOPs per step and the step's buffers beyond the shards, gathered and distributed."
     splits = splits or [None] * len(shapes)
-    costs = [sum(ns_flops(q, ns_steps) for q in part_shapes(s, sp)) for s, sp in zip(shapes, splits)]
     numel, world = [math.prod(s) for s in shapes], shard * replicate
-    gathered = {"ns_flops": sum(costs), "bytes": (4 * (shard > 1) + ns_bytes) * max(numel)}
+    gathered = {"ns_flops": sum(ns_flops(q, ns_steps) for s, sp in zip(shapes, splits) for q in part_shapes(s, sp)),
+                "bytes": (4 * (shard > 1) + ns_bytes) * max(numel)}
     if world == 1: return {"gathered": gathered, "distributed": dict(gathered)}
-    owner = assign_owners(costs, world)
-    busiest = lambda v, ks: max(sum(v[k] for k in ks if owner[k] == g) for g in range(world))
-    share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
-    def bucket_bytes(ks):   # whole matrices joined + orthogonalised, all-to-all buffers, all-gather buffers
-        per_rep = max(sum(share[k] for k in ks if owner[k] // shard == q) for q in range(replicate))
-        return (2 * busiest(numel, ks) + (2 * per_rep if shard > 1 else 0)
-                + (replicate * per_rep if replicate > 1 else 0))
-    held = [bucket_bytes(ks) for ks in muon_buckets(costs, shapes, splits)]   # two buckets in flight (overlap)
-    return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs, range(len(shapes))),
+    costs, units, owner, order, piece = _modelled(shapes, splits, shard, replicate, ns_steps)
+    busiest = lambda v, us: max(sum(v[u] for u in us if owner[u] == g) for g in range(world))
+    def bucket_bytes(us):   # whole units joined + orthogonalised, all-to-all buffers, all-gather buffers
+        held = max(sum(piece[u][j] for u in us if owner[u] // shard == q) for q in range(replicate)
+                   for j in range(shard))
+        return 2 * busiest(units, us) + (2 * held if shard > 1 else 0) + (replicate * held if replicate > 1 else 0)
+    held = [bucket_bytes(us) for us in order]   # two buckets in flight (overlap)
+    return {"gathered": gathered, "distributed": {"ns_flops": busiest(costs, range(len(costs))),
                                                   "bytes": ns_bytes * max(map(sum, zip(held, held[1:] + [0])))}}
 
 # %% ../../nbs/51_optim.ipynb #2ab30f48
 def muon_critical_path(shapes, splits=None, shard: int = 1, replicate: int = 1, ns_steps: int = 5, ns_bytes: int = 2,
                        flops_per_s: float = 4e14, shard_bytes_per_s: float = 4e11,
                        replicate_bytes_per_s: float = 4e10) -> dict:
-    "Modelled seconds of Muon's distributed step: the ideal (work / ranks), one bucket at a time, and overlapped."
-    splits, world = splits or [None] * len(shapes), shard * replicate
-    costs = [sum(ns_flops(q, ns_steps) for q in part_shapes(s, sp)) for s, sp in zip(shapes, splits)]
-    owner, order = assign_owners(costs, world), muon_buckets(costs, shapes, splits)
-    share = [-(-s[0] // shard) * math.prod(s[1:]) for s in shapes]   # a padded shard of dim 0
-    def moves(ks):   # one all-to-all (either way) and the replicas' all-gather, in seconds
-        a2a = max((max(sum(share[k] for k in ks if owner[k] // shard == g // shard and owner[k] != g),
-                       (shard - 1) * sum(share[k] for k in ks if owner[k] == g)) for g in range(world)), default=0)
-        per_rep = max(sum(share[k] for k in ks if owner[k] // shard == q) for q in range(replicate))
-        return ns_bytes * a2a / shard_bytes_per_s, ns_bytes * (replicate - 1) * per_rep / replicate_bytes_per_s
-    comp = [[sum(costs[k] for k in ks if owner[k] == g) / flops_per_s for g in range(world)] for ks in order]
-    mv = [moves(ks) for ks in order]
+    "Modelled seconds of Muon's distributed step: the ideal (work / ranks), one bucket at a time, overlapped; parts."
+    world = shard * replicate
+    costs, numel, owner, order, piece = _modelled(shapes, splits or [None] * len(shapes), shard, replicate, ns_steps)
+    def moves(us):   # one all-to-all (either way: the most a rank sends or receives) and the replicas' all-gather
+        a2a = max(max(sum(numel[u] - piece[u][g % shard] for u in us if owner[u] == g),
+                      sum(piece[u][g % shard] for u in us if owner[u] // shard == g // shard and owner[u] != g))
+                  for g in range(world))
+        held = max(sum(piece[u][j] for u in us if owner[u] // shard == q) for q in range(replicate) for j in range(shard))
+        return ns_bytes * a2a / shard_bytes_per_s, ns_bytes * (replicate - 1) * held / replicate_bytes_per_s
+    comp = [[sum(costs[u] for u in us if owner[u] == g) / flops_per_s for g in range(world)] for us in order]
+    mv = [moves(us) for us in order]
     blocking = sum(2 * a + max(c) + ag for (a, ag), c in zip(mv, comp))
-    clock, free = [0.0] * world, {"S": 0.0, "R": 0.0}
+    clock, free, ns_end = [0.0] * world, {"S": 0.0, "R": 0.0}, 0.0
     def start(group, dur):   # when every rank has started it and the group's previous collective is done
-        if dur == 0 or (shard if group == "S" else replicate) == 1: return max(clock) * 0
+        if dur == 0 or (shard if group == "S" else replicate) == 1: return 0.0
         free[group] = max(max(clock), free[group]) + dur
         return free[group]
     sent = [start("S", mv[0][0])] if order else []
@@ -405,11 +455,12 @@ def muon_critical_path(shapes, splits=None, shard: int = 1, replicate: int = 1, 
     for i in range(len(order)):
         if i + 1 < len(order): sent.append(start("S", mv[i + 1][0]))
         clock = [max(c, sent[i]) + comp[i][g] for g, c in enumerate(clock)]
-        back.append(start("S", mv[i][0]))
+        ns_end, _ = max(ns_end, *clock), back.append(start("S", mv[i][0]))
         if i: clock = [max(c, back[i - 1]) for c in clock]; start("R", mv[i - 1][1])
     if order: clock = [max(c, back[-1]) for c in clock]; start("R", mv[-1][1])
     return dict(ideal=sum(costs) / world / flops_per_s, largest=max(costs, default=0) / flops_per_s,
-                blocking=blocking, overlapped=max(clock + [free["R"]]))
+                blocking=blocking, overlapped=max(clock + [free["R"]]), first=sent[0] if sent else 0.0,
+                busiest=max(map(sum, zip(*comp)), default=0.0), ns_end=ns_end, buckets=len(order))
 
 # %% ../../nbs/51_optim.ipynb #d3c01f5d
 def _split_twice(params) -> bool:
