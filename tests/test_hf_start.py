@@ -1,7 +1,8 @@
 """Every stage starts from a Hugging Face folder (`training.init_from: hf:DIR`, `gg train --hf-checkpoint DIR`): a
 Qwen3-shaped folder built locally with `transformers` (its tokenizer files beside it) starts SFT, DPO (the reference
-is the imported model: the first loss is log 2), distillation (teacher = the same folder: the first KL is 0), LoRA,
-on one process and under FSDP2 on 2 gloo ranks (the same losses), each resuming bit-exactly; `gg plan` plans it."""
+is the imported model: the first loss is log 2), distillation (teacher = the same folder: the first KL is 0), RL and
+LoRA, each resuming bit-exactly on one process; DDP and FSDP2 on 2 gloo ranks give one process's losses (RL on fixed
+completions: its sampler draws per rank); `gg plan` plans it."""
 import json, math, shutil
 from pathlib import Path
 
@@ -70,10 +71,20 @@ def _losses(run_dir) -> dict:
     return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
 
 
+_FULL: dict = {}
+
+def _full(inputs, stage, **over) -> GlobalConfig:
+    "The 4-step run of `stage` with `over` on one process, made once per module (the resume and FSDP2 tests share it)."
+    key = (stage, json.dumps(over, sort_keys=True))
+    if key not in _FULL:
+        _FULL[key] = _cfg(inputs, stage, inputs["base"]/"full"/str(len(_FULL)), **over)
+        run_training(_FULL[key])
+    return _FULL[key]
+
+
 def _full_and_resumed(inputs, tmp_path, stage, **over):
     "Run 4 steps, then again from the step-2 checkpoint; return both runs' configs."
-    full = _cfg(inputs, stage, tmp_path/"full", **over)
-    run_training(full)
+    full = _full(inputs, stage, **over)
     resumed = _cfg(inputs, stage, tmp_path/"resumed", **over)
     run_training(resumed, checkpoint=full.run_dir/"checkpoints"/"step_0000002.pt")
     a, b = _losses(full.run_dir), _losses(resumed.run_dir)
@@ -138,6 +149,73 @@ def test_ddp_and_fsdp2_on_two_ranks_match_one_process(inputs, tmp_path):
         torchrun("train", "--recipe", recipe, "--hf-checkpoint", inputs["folder"], "--set",
                  *_cli_sets(inputs, tmp_path/name, **{"runtime.fsdp": fsdp}))
         assert_close(one, _losses(tmp_path/name/"instruct"/"debug"), range(1, 5))
+
+
+# -- FSDP2 on 2 gloo ranks: DPO, distillation, RL and LoRA from the folder give one process's losses
+NUMBERS = "one two three four five six seven eight nine ten".split()
+
+
+def length_reward(prompt, completion, **fields):
+    "1 for a completion of at least 20 characters: five of the numbers below, or more."
+    return float(len(completion) >= 20)
+
+
+def fixed_sample(self, idx, model=None, round_=None):
+    """RL completions that are a fixed function of the prompt's index and the row, each ended by the end of turn. The
+    sampler seeds its draws per rank, so sampled rollouts differ between world sizes; these do not. Row g of prompt i
+    counts to 1 + (3i + 3g) mod 10: every group has rows under and over `length_reward`'s bar and the longer rows earn
+    more, so every step's loss is below 0."""
+    words = [self.tok.encode(f" {w}") for w in NUMBERS]
+    count = lambda i, g: 1 + (3 * i + 3 * g) % len(NUMBERS)
+    outs = [sum(words[:count(i, g)], []) + [self.tok.eot_id] for i in idx for g in range(self.rl.group_size)]
+    return outs, [True] * len(outs), 0.0, torch.zeros(len(outs), dtype=torch.float64), [None] * len(outs)
+
+
+def _fsdp2_cases(inputs) -> dict:
+    "name -> (stage, overrides) of the runs made on one process and on 2 FSDP2 ranks."
+    return {"dpo": ("dpo", {}),
+            "distillation": ("instruct", {"distillation": {"enabled": True, "teacher": str(inputs["folder"]),
+                                                           "alpha": 0.5}}),   # the loss mixes CE and KL: not 0
+            "rl": ("rl", {"rl": {"group_size": 4, "max_new_tokens": 24, "mask_truncated": False, "eval_k": 1,
+                                 "reward_functions": ["test_hf_start:length_reward"]},
+                          "validation": {"enabled": False}}),
+            "lora": ("instruct", {"lora": {"enabled": True, "rank": 4}})}
+
+
+def _fsdp2_cfg(inputs, stage, name, over) -> GlobalConfig:
+    return _cfg(inputs, stage, inputs["base"]/"fsdp2"/name, **over, checkpointing={"every": 0},
+                runtime={"device": "cpu", "precision": "fp32", "fsdp": True})
+
+
+def _fsdp2_world(rank, world, inputs, cases):
+    "Rank body: each case in turn on the 2-rank FSDP2 world, RL with the fixed completions."
+    from gradient_garden.stages.rl_rollouts import RolloutLoader
+    RolloutLoader._sample = fixed_sample
+    for name, (stage, over) in cases.items(): run_training(_fsdp2_cfg(inputs, stage, name, over))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(inputs):
+    "name -> (one process's losses, 2 FSDP2 ranks' losses); one spawned world runs all four cases."
+    from gloo_ranks import run_ranks
+    from gradient_garden.stages.rl_rollouts import RolloutLoader
+    cases = _fsdp2_cases(inputs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RolloutLoader, "_sample", fixed_sample)
+        one = {name: _losses(_full(inputs, stage, **over).run_dir) for name, (stage, over) in cases.items()}
+    run_ranks(_fsdp2_world, 2, inputs["base"]/"init_fsdp2", inputs, cases)
+    return {name: (one[name], _losses(_fsdp2_cfg(inputs, stage, name, over).run_dir))
+            for name, (stage, over) in cases.items()}
+
+
+@pytest.mark.parametrize("name", ["dpo", "distillation", "rl", "lora"])
+def test_fsdp2_on_two_ranks_matches_one_process(fsdp2_runs, name):
+    "The imported folder trained by `name` on 2 FSDP2 ranks (1 micro-batch each) and on one process (2): same losses."
+    from test_distributed import assert_close
+    one, two = fsdp2_runs[name]
+    assert_close(one, two, range(1, 5))
+    assert len(set(one.values())) == 4 and all(abs(v) > 1e-3 for v in one.values()), one   # losses that say something
+    if name == "rl": assert all(v < 0 for v in one.values()), one    # every group's longer rows earn more
 
 
 def test_plan_plans_the_folders_model(inputs):
