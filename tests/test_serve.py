@@ -342,7 +342,7 @@ def test_hf_checkpoint_serves_like_the_platform_checkpoint(tiny):
     import argparse
     from gradient_garden.cli.generate import add_export_args, run_export
     from gradient_garden.cli.serve import add_serve_args
-    from gradient_garden.serve.decoder import Sequence, SamplingParams
+    from gradient_garden.batching import Sequence, SamplingParams
     from gradient_garden.serve.process import load_served
     out = tiny["base"]/"hf"
     assert run_export(add_export_args(argparse.ArgumentParser()).parse_args(["--checkpoint", str(tiny["ckpt"]), "--out",
@@ -487,7 +487,8 @@ def test_completion_tokens_count_the_stop_token(eot_server, tiny, stream):
 
 def test_decoder_failures_stay_with_their_rows(tiny):
     "A failing prefill fails only its newcomers, a failing forward only the rows running; the decoder goes on."
-    from gradient_garden.serve.decoder import BatchDecoder, Sequence, SamplingParams
+    from gradient_garden.batching import Sequence, SamplingParams
+    from gradient_garden.serve.decoder import BatchDecoder
     model, _ = load_model_from_checkpoint(tiny["ckpt"])
     dec, events = BatchDecoder(model, tiny["tok"], max_batch_size=4), {}
     def seq(name, n=6):

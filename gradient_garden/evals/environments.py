@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 import torch
 from ..config import ConfigError
-from ..generation import group_rollouts, plain_module
+from ..generation import plain_module
+from ..batching import group_rollouts
 from .verifiers import Problem
 from .generative import encode_prompt
 

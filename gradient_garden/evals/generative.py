@@ -14,7 +14,8 @@ import torch
 from ..config import ConfigError
 from ..parallel.collectives import all_gather_objects
 from ..data.verifiable import heldout_examples, figure_examples
-from ..generation import group_rollouts, plain_module
+from ..generation import plain_module
+from ..batching import group_rollouts
 from .verifiers import Problem, correctness, from_verifiable, gsm8k_final
 
 # %% auto #0

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..config import ConfigError
-from .decoder import BatchDecoder, SamplingParams
+from ..batching import SamplingParams
+from .decoder import BatchDecoder
 
 # %% auto #0
 __all__ = ['STREAM_INTERVAL_TOKENS', 'STREAM_INTERVAL_MS', 'SAMPLING_EPS', 'StreamOptions', 'SamplingRequest', 'TextPart',

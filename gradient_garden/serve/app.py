@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException
 from .api import (SamplingRequest, APIError, chat_prompt, ChatCompletionRequest, check_request,
                                        completion_prompts, CompletionRequest, parse_body, sampling_params, Served,
                                        StreamInterval)
-from .decoder import BatchDecoder, DecoderClosed, QueueFull, SamplingParams, Sequence
+from ..batching import SamplingParams, Sequence
+from .decoder import BatchDecoder, DecoderClosed, QueueFull
 
 # %% auto #0
 __all__ = ['log', 'LoopWaker', 'loop_waker', 'RequestRun', 'collect_run', 'chat_page', 'create_app']

@@ -18,7 +18,8 @@ from ..runtime import DTYPES as _DTYPES, resolve_device
 from ..tokenizer import init_tokenizer
 from ..checkpoint.checkpoints import load_model_from_checkpoint
 from ..checkpoint.hf import has_chat_template, load_hf
-from .decoder import BatchDecoder, DecoderClosed, QueueFull, Sequence
+from ..batching import Sequence
+from .decoder import BatchDecoder, DecoderClosed, QueueFull
 from .api import Served, StreamInterval
 
 # %% auto #0

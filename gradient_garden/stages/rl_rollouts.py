@@ -15,7 +15,8 @@ from ..config import ConfigError
 from ..parallel.collectives import all_reduce, is_fsdp
 from ..runtime import autocast_context
 from ..models.tendril import unwrap_model
-from ..generation import group_rollouts, plain_module
+from ..generation import plain_module
+from ..batching import group_rollouts
 from ..evals.verifiers import Problem
 from ..evals.generative import encode_prompt
 from ..evals.environments import env_rollouts, model_sampler, tool_mask_of
