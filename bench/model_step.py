@@ -21,8 +21,9 @@ apart), and timed in the same rotation: a change's speed measured side by side, 
 
 With `--dtype bf16`, `tendril_fp32` (the same model without autocast) runs beside the bf16 contenders, so the bf16
 speed-up is measured side by side; its MFU is quoted against the fp32 peak, the others' against the bf16 peak. On CPU
-`tendril_sdpa` is Tendril bf16 with PyTorch's SDPA (flash) kernel instead of `BlockAttentionFunction`, which bf16
-CPU training uses by default (`models.attention.BLOCK_ATTENTION_MAX_BYTES`). Every contender is timed the same way:
+bf16 training attends by the kernel `models.attention.train_attention_kernel` measured on this machine (printed as
+`dispatch bf16_train_attention@...`, with the timings behind it); `tendril_block` and `tendril_sdpa` are the same model
+held to `BlockAttentionFunction` and to PyTorch's SDPA (flash) kernel in bf16. Every contender is timed the same way:
 forward with its loss, backward, fused AdamW step and `zero_grad`, under the same autocast.
 
 The last line of stdout is one JSON object with the figures.
@@ -39,11 +40,15 @@ from gradient_garden.models.tendril import Tendril, count_parameters, ffn_hidden
 from gradient_garden.models.registry import flops_per_token
 from gradient_garden.checkpoint.hf import to_hf_model
 import gradient_garden.models.attention as attention
-BLOCK_BYTES = attention.BLOCK_ATTENTION_MAX_BYTES
+from gradient_garden.runtime import dispatch_choices
+MEASURED_KERNEL = attention.train_attention_kernel
+FORCED_KERNEL = {"tendril_block": "block", "tendril_sdpa": "sdpa"}   # bf16 CPU training contenders on one kernel
 
 def use_attention_of(name: str):
-    "`tendril_sdpa` attends with SDPA in bf16 CPU training; every other contender with the default choice."
-    attention.BLOCK_ATTENTION_MAX_BYTES = 0 if name == "tendril_sdpa" else BLOCK_BYTES
+    "`tendril_block` / `tendril_sdpa` attend by that kernel in bf16 CPU training; the others by the measured choice."
+    forced = FORCED_KERNEL.get(name)
+    attention.train_attention_kernel = MEASURED_KERNEL if forced is None else \
+        (lambda q, k, mask: forced if MEASURED_KERNEL(q, k, mask) else None)
 
 
 def parse_args(argv=None):
@@ -186,7 +191,7 @@ def main(argv=None):
     names = ["tendril", "tendril_logits", "llama"] + ([] if args.no_compile else ["tendril_compiled"])
     if args.compile_llama: names.append("llama_compiled")
     if dtype != "fp32": names.append("tendril_fp32")
-    if dtype == "bf16" and dev_type == "cpu": names.insert(1, "tendril_sdpa")
+    if dtype == "bf16" and dev_type == "cpu": names[1:1] = ["tendril_block", "tendril_sdpa"]
     if args.against: names.insert(1, "tendril_against")
     dtype_of = lambda n: None if n.endswith("_fp32") else autocast_dtype   # the contender's autocast dtype
     contenders = make_contenders(cfg, args, names)
@@ -243,6 +248,9 @@ def main(argv=None):
           f"measured {dtype} matmul peak {peak/1e12:.3f} TFLOP/s"
           + (f" (fp32 {peak_fp32/1e12:.3f})" if dtype != "fp32" else "")
           + (f"; datasheet {datasheet/1e12:.0f}" if datasheet else ""))
+    choices = dispatch_choices()
+    for name, c in choices.items():
+        if name != "machine": print(f"dispatch {name} = {c['value']} ({c['why']}; on {choices['machine']})")
     against = None
     if args.against:   # per-round ratios: each round times both under the same load
         paired = lambda t: statistics.median(a / b for a, b in zip(t["tendril"], t["tendril_against"]))
@@ -253,7 +261,7 @@ def main(argv=None):
     if "tendril_fp32" in names:
         print("vs tendril_fp32 (median step): "
               + ", ".join(f"{n} {med['tendril_fp32']/med[n]:.2f}x" for n in names if n != "tendril_fp32"))
-    result = dict(bench="model_step", smoke=args.smoke, device=args.device,
+    result = dict(bench="model_step", smoke=args.smoke, device=args.device, dispatch=choices,
                   device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__,
                   shape=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,

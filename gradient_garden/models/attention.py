@@ -6,21 +6,23 @@
 
 # %% ../../nbs/10_attention.ipynb #a0180e4a
 from __future__ import annotations
-import math
+import math, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
+from ..runtime import measured_choice
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # %% auto #0
-__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'NEVER_PACKED', 'rope_inv_freq',
-           'precompute_rope', 'swap_halves', 'apply_rope', 'llama3_inv_freq', 'RotateHeads', 'plain_ops',
-           'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask', 'additive_mask',
-           'LayerKV', 'KVCache', 'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies', 'sdpa_gqa',
-           'sdpa_kernel_class', 'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention',
-           'flex_gqa', 'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'packed_weight',
-           'inference_linear', 'Attention']
+__all__ = ['BLOCK_ATTENTION_MAX_BYTES', 'TRAIN_ATTENTION_KERNELS', 'ATTENTION_BACKENDS', 'FLEX_COMPILE_BACKEND', 'NEVER_PACKED',
+           'rope_inv_freq', 'precompute_rope', 'swap_halves', 'apply_rope', 'llama3_inv_freq', 'RotateHeads',
+           'plain_ops', 'rotate_heads', 'positions_from_pad_mask', 'positions_from_doc_ids', 'attention_mask',
+           'additive_mask', 'LayerKV', 'KVCache', 'fp32_at_least', 'BlockAttentionFunction', 'block_attention_applies',
+           'bf16_train_attend', 'measure_train_attention', 'train_attention_kernel', 'sdpa_gqa', 'sdpa_kernel_class',
+           'attention_backend', 'document_block_mask', 'compiled_once', 'compiled_flex_attention', 'flex_gqa',
+           'plain_linear', 'fused_layout', 'fused_splits', 'prepack_cpu_weight', 'packed_weight', 'inference_linear',
+           'Attention']
 
 # %% ../../nbs/10_attention.ipynb #4f1704e0
 def rope_inv_freq(head_dim: int, theta: float = 500000.0, device=None) -> torch.Tensor:
@@ -236,6 +238,52 @@ def block_attention_applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
     if mask is not None and not (torch.is_tensor(mask) and mask.dtype == torch.bool): return False
     return q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.element_size() <= BLOCK_ATTENTION_MAX_BYTES
 
+# %% ../../nbs/10_attention.ipynb #65d991c5
+TRAIN_ATTENTION_KERNELS = ("block", "sdpa", "sdpa_fp32")   # bf16 CPU training: ours, SDPA in bf16, SDPA in fp32
+
+def bf16_train_attend(kernel: str, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    "bf16 attention of `q` on `k`, `v` (causal when `mask` is None) by one of `TRAIN_ATTENTION_KERNELS`."
+    if kernel == "block": return BlockAttentionFunction.apply(q, k, v, mask)
+    if kernel not in TRAIN_ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel: got {kernel!r}; allowed: {', '.join(TRAIN_ATTENTION_KERNELS)}")
+    if kernel == "sdpa_fp32": q, k, v = q.float(), k.float(), v.float()
+    with torch.autocast(q.device.type, enabled=False):             # autocast would run SDPA in bf16 again
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    return out.to(torch.bfloat16)
+
+def measure_train_attention(heads: int, kv_heads: int, seq_len: int, head_dim: int, rows: int = 2,
+                            reps: int = 5) -> tuple[str, str]:
+    "Forward + backward of causal bf16 attention by each kernel at this shape: (kernels fastest first, why)."
+    qkv = [torch.randn(rows, n, seq_len, head_dim, dtype=torch.bfloat16) for n in (heads, kv_heads, kv_heads)]
+    def seconds(kernel):
+        best = float("inf")
+        for i in range(reps + 2):                      # two untimed calls, then the fastest timed one
+            ts = [t.detach().requires_grad_() for t in qkv]
+            t0 = time.perf_counter(); bf16_train_attend(kernel, *ts).sum().backward()
+            if i >= 2: best = min(best, time.perf_counter() - t0)
+        return best
+    with torch.enable_grad():
+        fits = block_attention_applies(*[t.requires_grad_() for t in qkv[:2]], None)
+        times = {kn: seconds(kn) for kn in TRAIN_ATTENTION_KERNELS if kn != "block" or fits}
+    order = sorted(times, key=times.get)
+    why = ", ".join(f"{kn} {times[kn] * 1e3:.2f} ms" for kn in order)
+    return ">".join(order), f"forward + backward of {rows} x {heads}/{kv_heads} heads x {seq_len} x {head_dim}: {why}"
+
+
+# %% ../../nbs/10_attention.ipynb #3f93231d
+def train_attention_kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str | None:
+    "For bf16 CPU training attention, the fastest kernel measured here that applies to this call; else None."
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or plain_ops() or q.shape[2] == 1: return None
+    if mask is not None and not (torch.is_tensor(mask) and mask.dtype == torch.bool): return None
+    H, KV, d = q.shape[1], k.shape[1], q.shape[3]
+    n = 1 << (max(q.shape[2], k.shape[2]) - 1).bit_length()     # sequence length rounded up to a power of two
+    ranking = measured_choice(f"bf16_train_attention@{H}x{KV}x{n}x{d}",
+                              lambda: measure_train_attention(H, KV, n, d)).split(">")
+    fits = block_attention_applies(q, k, mask)
+    return next((kn for kn in ranking if kn != "block" or fits), "sdpa")
+
+
 # %% ../../nbs/10_attention.ipynb #132ca764
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     "Attention of `q` `[B, H, T, d]` on shared heads `k`, `v` `[B, KV, S, d]`; causal when `mask` is None and T > 1."
@@ -243,7 +291,7 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         fmask = mask.float() if mask is not None and mask.is_floating_point() else mask
         return sdpa_gqa(q.float(), k.float(), v.float(), fmask).to(q.dtype)
     if k.dtype != q.dtype: k, v = k.to(q.dtype), v.to(q.dtype)     # an fp32 CPU cache under autocast, with gradients
-    if block_attention_applies(q, k, mask): return BlockAttentionFunction.apply(q, k, v, mask)   # bf16 CPU training
+    if (kernel := train_attention_kernel(q, k, mask)): return bf16_train_attend(kernel, q, k, v, mask)   # CPU training
     B, H, T, d = q.shape
     n_rep = H // k.shape[1]
     if T == 1 and n_rep > 1:
