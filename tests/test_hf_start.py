@@ -260,3 +260,26 @@ def test_qwen3_recipes_run_sft_then_rl_on_a_local_folder_of_the_same_format(tmp_
     rl = _records(tmp_path/"runs"/"rl"/"qwen3-0.6b-gsm8k")
     losses = [(r["step"], r["loss"]) for r in rl if "loss" in r]
     assert [s for s, _ in losses] == [1] and math.isfinite(losses[0][1])
+
+
+QUIET = """import torch
+from gradient_garden.checkpoint.hf import to_hf_model
+from gradient_garden.config import ModelConfig
+from gradient_garden.models.tendril import Tendril
+to_hf_model(Tendril(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16)))
+from gradient_garden.models.float8 import torchao_float8
+torchao_float8()
+"""
+
+
+def test_building_a_transformers_model_prints_no_torchao_notes():
+    """`transformers` imports torchao when it builds a model (its quantizers); torchao's import notes (the pytree
+    deprecation of its enums, its CUDA kernels on a machine without them) are dropped where we build one. Importing
+    torchao bare shows what is dropped."""
+    import subprocess, sys
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    bare = subprocess.run([sys.executable, "-c", "import transformers, torchao"], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    ours = subprocess.run([sys.executable, "-c", QUIET], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert ours.returncode == 0 and ours.stderr == "", ours.stderr[-3000:]
+    assert "is an Enum subclass" in bare.stderr or "torchao/_C" in bare.stderr, bare.stderr  # the notes it drops

@@ -14,6 +14,7 @@ from ..models.hf import check_llama_compatible, hf_config, model_config_from_hf
 from ..models.lora import lora_modules, save_peft_adapter, unload_lora
 from ..models.tendril import Tendril
 from .state_dict import StateDictAdapter
+from ..models.float8 import quiet_torchao_notes
 
 # %% auto #0
 __all__ = ['TOKENIZER_FILES', 'HF_START', 'to_hf_model', 'from_hf_model', 'copy_tokenizer_files', 'export_hf', 'load_hf',
@@ -24,6 +25,7 @@ def to_hf_model(model: Tendril, tokenizer=None):
     ("The `transformers` model of `model`'s family (`LlamaForCausalLM`, `Qwen3ForCausalLM`, ...) holding a copy of its "
      "weights.")
     # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    quiet_torchao_notes()   # transformers imports torchao when it builds a model
     from transformers import AutoModelForCausalLM
     cfg = check_llama_compatible(model.cfg)
     p = next(model.parameters())

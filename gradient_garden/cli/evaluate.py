@@ -16,6 +16,7 @@ from ..data.loaders import PretrainLoader
 from ..evals.benchmarks import BENCHMARKS, eval_file
 from ..evals.multiple_choice import HFCausalLM, default_prefix, evaluate_benchmarks, validation_loss
 from ..checkpoint.checkpoints import load_model_from_checkpoint
+from ..models.float8 import quiet_torchao_notes
 from ..stages.registry import get_stage
 from ..parallel.distributed import destroy_distributed, init_distributed
 from .prepare import selected_benchmarks
@@ -153,6 +154,7 @@ def evaluation_plan(args) -> tuple[list[str], list[str]]:
 # %% ../../nbs/73_cli_evaluate.ipynb #d0f8fa85
 def load_hf_checkpoint(path, device="cpu", dtype=torch.float32):
     "An `AutoModelForCausalLM` folder as (HFCausalLM, tokenizer)."
+    quiet_torchao_notes()   # transformers imports torchao when it builds a model
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: only --hf-checkpoint needs the auto classes
     p = Path(path)
     if not (p/"config.json").is_file(): raise ConfigError(f"--hf-checkpoint {p}: no config.json; expected a model "

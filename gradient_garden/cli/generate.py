@@ -7,19 +7,19 @@ from __future__ import annotations
 import argparse, contextlib, json, warnings
 from pathlib import Path
 import torch
-from ..config import ConfigError, read_data_file
+from ..config import ConfigError, GlobalConfig, TokenizerConfig, read_data_file
 from ..runtime import DTYPES, autocast_context, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
 from ..generation import default_test_prompts, generate_text
 from ..models.hf import check_llama_compatible
-from ..checkpoint.hf import export_hf, export_hf_with_adapter
+from ..checkpoint.hf import export_hf, export_hf_with_adapter, has_chat_template, load_hf
 from ..models.lora import lora_modules
 from ..checkpoint.checkpoints import load_model_from_checkpoint
 from ..stages.registry import get_stage
 
 # %% auto #0
-__all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'prompt_format', 'write_generations',
-           'run_generate', 'add_export_args', 'export_tokenizer', 'run_export']
+__all__ = ['load_prompts', 'default_prompts', 'add_generate_args', 'check_generate_args', 'prompt_format', 'load_generate_model',
+           'write_generations', 'run_generate', 'add_export_args', 'export_tokenizer', 'run_export']
 
 # %% ../../nbs/72_cli_generate.ipynb #62f81f33
 def load_prompts(path) -> list:
@@ -54,7 +54,9 @@ def default_prompts(cfg, instruct: bool) -> list:
 # %% ../../nbs/72_cli_generate.ipynb #a814ae5a
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Flags of `gg generate`."
-    parser.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) or run checkpoint folder")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint file (.pt) or run checkpoint folder")
+    src.add_argument("--hf-checkpoint", help="a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3)")
     parser.add_argument("--prompts", default=None, help="JSON file of prompts (default: the run's test prompts)")
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--instruct", action="store_true", help="chat format even on a pretraining checkpoint")
@@ -96,6 +98,16 @@ def prompt_format(args, stage: str) -> tuple[bool, str]:
     if not get_stage(stage).chat: return False, f"a {stage} checkpoint; --instruct for the chat format"
     return True, f"the checkpoint's stage is {stage}; --raw for plain text"
 
+# %% ../../nbs/72_cli_generate.ipynb #ac2646ef
+def load_generate_model(args, device, dtype) -> tuple:
+    "Model and run config of `--checkpoint`, or of a Hugging Face folder (`--hf-checkpoint`: chat if it has a template)."
+    if args.checkpoint: return load_model_from_checkpoint(args.checkpoint, device, dtype)
+    model, model_cfg = load_hf(args.hf_checkpoint, device, dtype)
+    folder = Path(args.hf_checkpoint).resolve()
+    cfg = GlobalConfig(model=model_cfg, tokenizer=TokenizerConfig(backend="huggingface", path=str(folder)))
+    cfg.training.stage = "instruct" if has_chat_template(folder) else "pretraining"   # as a run started from it
+    return model, cfg
+
 # %% ../../nbs/72_cli_generate.ipynb #860de5be
 def write_generations(args, results: list[dict]) -> Path:
     "Write the flags and the (prompt, completion) pairs to `--output-file-name` as JSON, atomically."
@@ -114,7 +126,7 @@ def run_generate(args) -> int:
     dtype = parse_dtype(args.dtype, "--dtype")
     # CPU: fp32 weights, bf16/fp16 matmuls under autocast (bf16 copies held while decoding)
     on_cpu = device.type == "cpu"
-    model, cfg = load_model_from_checkpoint(args.checkpoint, device, torch.float32 if on_cpu else dtype)
+    model, cfg = load_generate_model(args, device, torch.float32 if on_cpu else dtype)
     if args.compile: model.forward = torch.compile(model.forward, dynamic=True)
     tokenizer = init_tokenizer(cfg.tokenizer)
     instruct, why = prompt_format(args, cfg.training.stage)

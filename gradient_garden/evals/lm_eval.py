@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 # %% auto #0
-__all__ = ['GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
+__all__ = ['CONTINUE_TAG', 'GardenLM', 'load_checkpoint_lm', 'lm_eval_scores', 'lm_eval_task_manager', 'run_lm_eval_tasks']
 
 # %% ../../nbs/35_lm_eval.ipynb #f909bc45
 from fastcore.basics import patch
@@ -162,18 +162,26 @@ def generate_until(self: GardenLM, requests, disable_tqdm: bool = False) -> list
     return out
 
 # %% ../../nbs/35_lm_eval.ipynb #4d8d268d
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "   # transformers' mark of where a continued message ends
+
 @patch
 def apply_chat_template(self: GardenLM, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
     "The platform's chat text of `chat_history`: open for the assistant, or continuing its last message."
-    ids, _ = self.tokenizer.render_chat(chat_history, add_generation_prompt=add_generation_prompt)
-    if not add_generation_prompt and chat_history and ids[-1] == self.tokenizer.eot_id: ids = ids[:-1]
-    return self.tokenizer.decode(ids)
+    if add_generation_prompt or not chat_history:
+        return self.tokenizer.decode(self.tokenizer.render_chat(chat_history, add_generation_prompt)[0])
+    marked = [*chat_history[:-1], {**chat_history[-1], "content": chat_history[-1]["content"] + CONTINUE_TAG}]
+    text = self.tokenizer.decode(self.tokenizer.render_chat(marked)[0])
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0: raise ConfigError("chat_history: the chat format drops the last message, so it cannot be continued")
+    # the layout kept the content's spacing: cut at the mark; it trimmed the content (Llama 3's): trim it here too
+    return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 # %% ../../nbs/35_lm_eval.ipynb #d969fec2
 @patch
 def chat_template(self: GardenLM, chat_template: bool | str = False) -> Optional[str]:
-    "The Jinja form of the chat format (what an export's tokenizer carries), or None when templates are off."
-    return LLAMA3_CHAT_TEMPLATE if chat_template else None
+    "The Jinja form of the chat format (the model's own template, else Llama 3's), or None when templates are off."
+    if not chat_template: return None
+    return getattr(self.tokenizer, "chat_template", None) or LLAMA3_CHAT_TEMPLATE
 
 # %% ../../nbs/35_lm_eval.ipynb #39e219ca
 @patch

@@ -9,23 +9,39 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT8_RECIPES', 'FLOAT8_SKIP', 'torchao_float8', 'float8_config', 'float8_filter', 'float8_emulated', 'apply_float8']
+__all__ = ['TORCHAO_NOTE_LOGGERS', 'FLOAT8_RECIPES', 'FLOAT8_SKIP', 'torchao_note', 'quiet_torchao_notes', 'torchao_float8',
+           'float8_config', 'float8_filter', 'float8_emulated', 'apply_float8']
 
 # %% ../../nbs/16_float8.ipynb #bcb180da
 from ..config import ConfigError
 
 # %% ../../nbs/16_float8.ipynb #4ed77e44
+TORCHAO_NOTE_LOGGERS = ("torch.utils._pytree", "torchao", "torchao.kernel.intmm")
+
+def torchao_note(record: logging.LogRecord) -> bool:
+    "True for torchao's import notes: the pytree deprecation of its enums; without CUDA, its CUDA kernels missing."
+    msg = record.getMessage()
+    if record.name == "torch.utils._pytree":
+        cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return "is an Enum subclass and is now natively supported" in msg and \
+            str(getattr(cls, "__module__", "")).startswith("torchao")
+    return not torch.cuda.is_available() and (("Failed to load" in msg and "torchao/_C" in msg) or
+                                              "Detected no triton" in msg)
+
+def _keep(record: logging.LogRecord) -> bool: return not torchao_note(record)
+
+def quiet_torchao_notes():
+    "Drop torchao's import notes (`torchao_note`) from its loggers, every other record kept; before torchao loads."
+    for name in TORCHAO_NOTE_LOGGERS:
+        if _keep not in logging.getLogger(name).filters: logging.getLogger(name).addFilter(_keep)
+
+# %% ../../nbs/16_float8.ipynb #a5ed5c3b
 def torchao_float8():
     "The `torchao.float8` module; a one-line `ConfigError` when torchao is not installed."
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers: lg.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as f8
+    quiet_torchao_notes()
+    try: import torchao.float8 as f8
     except ImportError as e:
         raise ConfigError("runtime.float8: needs torchao; pip install 'gradient-garden[float8]'") from e
-    finally:
-        for lg, level in zip(loggers, levels): lg.setLevel(level)
     return f8
 
 # %% ../../nbs/16_float8.ipynb #31e732d3

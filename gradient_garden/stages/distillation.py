@@ -21,6 +21,7 @@ from ..runtime import parse_dtype
 from .pretraining import CausalLMTask, MODEL_INPUTS, causal_lm_loss_sum
 from .base import IGNORE_INDEX
 from ..models.attention import additive_mask, attention_mask
+from ..models.float8 import quiet_torchao_notes
 
 # %% ../../nbs/44_distillation.ipynb #0850eee8
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
@@ -35,6 +36,7 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 def load_teacher(name_or_path: str, dtype: str = "fp32", device="cpu"):
     "A frozen, eval-mode `AutoModelForCausalLM` from a hub id or local folder."
     # lazy: transformers takes seconds to import; only Hugging Face models and tokenizers need it
+    quiet_torchao_notes()   # transformers imports torchao when it builds a model
     from transformers import AutoModelForCausalLM
     torch_dtype = parse_dtype(dtype, "distillation.teacher_dtype")
     try: teacher = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=torch_dtype)
