@@ -77,6 +77,7 @@ class Decoder:
         if max_batch_size < 1: raise ConfigError(f"--max-batch-size: got {max_batch_size}; must be >= 1")
         self.model, self.max_batch_size, self.precision = model, max_batch_size, precision
         self.max_len = max_len or model.cfg.max_seq_len      # the cache's columns
+        self.vocab_size, self.log = model.cfg.vocab_size, log  # the logger failures go to
         self.stop_ids, self.pad_id = {int(t) for t in stop_ids}, int(pad_id)
         self.keep_done, self.lockstep = keep_done, lockstep   # finished rows stay until a quarter has; FSDP ranks
         self.device = next(model.parameters()).device
@@ -156,7 +157,7 @@ def _finish(self: Decoder, r: Sequence, reason: str, stop_token: bool = False) -
 def _fail(self: Decoder, r: Sequence, e: Exception) -> bool:
     "End `r` alone with an `error` event that names `e` (the other rows go on); False: the row is done."
     message = f"generation failed for this request: {type(e).__name__}: {str(e)[:200]}"
-    log.error(message); log.debug("the failure's traceback", exc_info=e)
+    self.log.error(message); self.log.debug("the failure's traceback", exc_info=e)
     r.finish_reason, r.error = "error", e
     self.stats["failed"] += 1
     r.emit("error", message)
