@@ -159,27 +159,29 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk_rows: int, ignore_index: int,
                 chunk_fn: Callable = _eager_chunk_loss_and_grad):
+        w = weight.to(h.dtype)                   # matmuls in h's dtype; the weight's gradient in fp32, then its own
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32,
-                             device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_wt = torch.zeros(weight.shape[::-1], dtype=torch.float32,   # transposed: each chunk adds hc.T @ grad
+                              device=weight.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk_rows):
             hc = h[s:s + chunk_rows]
-            loss, grad = chunk_fn(hc, weight, labels[s:s + chunk_rows], ignore_index)
+            loss, grad = chunk_fn(hc, w, labels[s:s + chunk_rows], ignore_index)
             total += loss
-            if grad_h is not None: torch.mm(grad, weight, out=grad_h[s:s + chunk_rows])
-            if grad_w is not None:
-                if grad.dtype == torch.float32: grad_w.addmm_(grad.T, hc)
-                else: grad_w.add_(grad.T @ hc)
-        ctx.save_for_backward(grad_h, grad_w)
+            if grad_h is not None: torch.mm(grad, w, out=grad_h[s:s + chunk_rows])
+            if grad_wt is not None:
+                if grad.dtype == torch.float32: grad_wt.addmm_(hc.T, grad)
+                else: grad_wt.add_(hc.T @ grad)
+        ctx.save_for_backward(grad_h, grad_wt)
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_wt = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
-        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
+        gw = None if grad_wt is None else torch.mul(grad_wt.T, grad_out, out=torch.empty_like(grad_wt.T,
+                                                    memory_format=torch.contiguous_format)).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None
 
 
@@ -206,9 +208,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if h.shape[0] != labels.shape[0]:
         raise ValueError(f"labels: {labels.shape[0]} positions for {h.shape[0]} hidden states")
     dev = h.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        h, weight = h.to(dtype), weight.to(dtype)
+    if torch.is_autocast_enabled(dev): h = h.to(torch.get_autocast_dtype(dev))   # the weight is cast where it is used
     budget = LOSS_CHUNK_ELEMENTS.get(dev, LOSS_CHUNK_ELEMENTS["default"])
     rows = chunk_rows or max(1, budget // weight.shape[0], h.numel() // weight.shape[0])
     return _chunked_loss(h, weight, labels, rows, ignore_index, loss_impl(dev, impl))
@@ -222,12 +222,13 @@ def _chunked_loss(h, weight, labels, rows: int, ignore_index: int, impl: str = "
         if impl == "liger":
             # lazy: optional kernel (loss_impl liger), not a dependency
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-            out = liger_fused_linear_cross_entropy(h, weight, labels, ignore_index=ignore_index, reduction="sum")
+            out = liger_fused_linear_cross_entropy(h, weight.to(h.dtype), labels, ignore_index=ignore_index,
+                                                   reduction="sum")
             return (out[0] if isinstance(out, tuple) else out).float()
         if wants_grad:
             fn = compiled_chunk_fn() if impl == "compiled" else _eager_chunk_loss_and_grad
             return LinearCrossEntropyFunction.apply(h, weight, labels, rows, ignore_index, fn)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        total, weight = torch.zeros((), dtype=torch.float32, device=h.device), weight.to(h.dtype)
         for s in range(0, h.shape[0], rows):
             total += F.cross_entropy((h[s:s + rows] @ weight.T).float(), labels[s:s + rows], ignore_index=ignore_index,
                                      reduction="sum")
