@@ -99,7 +99,7 @@ def test_gg_serve_chat_endpoint_uses_the_folders_template(chatml):
             assert r["choices"][0]["finish_reason"] == ("stop" if stopped else "length"), (q, r)
             assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (
                 len(template_ids(chatml["tok"], q)), len(ids)), (q, r["usage"])
-        assert stopped is not None
+        assert _answer(chatml, QUESTIONS[0])[0][-1] == chatml["end"]        # the first answer stopped at <|im_end|>
     finally: stop(proc)
 
 
