@@ -529,7 +529,7 @@ def _muon_path_line(p: Plan) -> list[str]:
     if (t := muon_step_time(p)) is None: return []
     return [f"Muon step (modelled, replicate x shard {'%d x %d' % mesh_of(p)}): ideal {1e3 * t['ideal']:,.1f} "
             f"ms; overlapped {t['overlapped'] / t['ideal']:.2f}x the ideal (one bucket at a time "
-            f"{t['blocking'] / t['ideal']:.2f}x; the largest matrix alone {t['largest'] / t['ideal']:.2f}x), "
+            f"{t['blocking'] / t['ideal']:.2f}x; the largest unit alone {t['largest'] / t['ideal']:.2f}x), "
             f"{t['overlapped'] * p.tokens_per_s / p.cfg.training.total_batch_size:.1%} of a step's compute"]
 
 # %% ../../nbs/53_plan.ipynb #fe76acc4
