@@ -278,8 +278,9 @@ def test_building_a_transformers_model_prints_no_torchao_notes():
     torchao bare shows what is dropped."""
     import subprocess, sys
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    bare = subprocess.run([sys.executable, "-c", "import transformers, torchao"], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=300)
-    ours = subprocess.run([sys.executable, "-c", QUIET], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert ours.returncode == 0 and ours.stderr == "", ours.stderr[-3000:]
-    assert "is an Enum subclass" in bare.stderr or "torchao/_C" in bare.stderr, bare.stderr  # the notes it drops
+    start = lambda code: subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    bare, ours = start("import transformers, torchao"), start(QUIET)     # side by side
+    (_, bare_err), (_, ours_err) = bare.communicate(timeout=300), ours.communicate(timeout=300)
+    assert ours.returncode == 0 and ours_err == "", ours_err[-3000:]
+    assert "is an Enum subclass" in bare_err or "torchao/_C" in bare_err, bare_err  # the notes it drops
