@@ -31,7 +31,7 @@ from gradient_garden.runtime import dispatch_choices
 from common import add_smoke, apply_smoke, matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig
-from gradient_garden.generation import generate
+from gradient_garden.generation import generate, hold_decode_weights
 from gradient_garden.models.tendril import Tendril
 from gradient_garden.models.registry import flops_per_token
 from gradient_garden.checkpoint.hf import to_hf_model
@@ -209,7 +209,13 @@ def main(argv=None):
     choices = dispatch_choices()
     for name, c in choices.items():
         if name != "machine": print(f"dispatch {name} = {c['value']:,} ({c['why']}; on {choices['machine']})")
-    result = dict(bench="generate", smoke=args.smoke, device=args.device, dispatch=choices,
+    prepacked = None
+    if dev_type == "cpu":     # what generate held prepacked: the weights a step of the batch's rows takes packed
+        with torch.inference_mode(), low, hold_decode_weights(model, rows=args.batch_size):
+            prepacked = [n for n, m in model.named_modules() if m.__dict__.get("_packed_weight") is not None]
+        print(f"prepacked for decoding {args.batch_size} rows: {', '.join(prepacked) or 'none'} (fp32: where "
+              f"{args.batch_size} x the weight's size passes the measured crossover; bf16 copies: all)")
+    result = dict(bench="generate", smoke=args.smoke, device=args.device, dispatch=choices, prepacked=prepacked,
                   device_name=torch.cuda.get_device_name() if dev_type == "cuda" else "cpu",
                   threads=torch.get_num_threads(), dtype=dtype, torch=torch.__version__, compile=args.compile,
                   checkpoint=args.checkpoint,

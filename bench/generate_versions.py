@@ -27,7 +27,8 @@ def worker(root: str, rounds: int, threads: int, clock: str, dtype: str = "fp32"
     from gradient_garden.config import ModelConfig
     from gradient_garden.generation import generate
     from gradient_garden.models.tendril import Tendril
-    from gradient_garden.checkpoint.hf import to_hf_model
+    try: from gradient_garden.checkpoint.hf import to_hf_model
+    except ImportError: from gradient_garden.models.hf import to_hf_model   # checkouts before checkpoint/ existed
     assert os.path.realpath(gradient_garden.__file__).startswith(os.path.realpath(root)), gradient_garden.__file__
     B, n_new = (2, 4) if smoke else (8, 64)
     cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256, max_seq_len=128,

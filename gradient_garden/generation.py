@@ -177,8 +177,9 @@ def packed_min_macs() -> int:
 # %% ../nbs/30_generation.ipynb #5b2bb22d
 @contextmanager
 def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES,
-                        pack_bytes: int | None = PACK_MAX_BYTES):
-    "On CPU, hold every matmul weight prepacked for oneDNN; under autocast in its dtype (copies up to `max_bytes`)."
+                        pack_bytes: int | None = PACK_MAX_BYTES, rows: int | None = None,
+                        crossover: int | None = None):
+    "On CPU, hold matmul weights prepacked for oneDNN where a step of `rows` rows takes them; under autocast in its dtype."
     dev = _model_device(model).type
     if dev != "cpu" or not isinstance(model, Tendril): yield model; return
     low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
@@ -188,8 +189,12 @@ def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES
         for m in mods: m._held_weight = m.weight.detach().to(low)
     size = sum((w := _decode_weight(m)).numel() * w.element_size() for m in mods)
     if pack_bytes is None or size <= pack_bytes:
-        crossover = packed_min_macs() if not held else NEVER_PACKED   # bf16 copies always take the packed kernel
-        for m in mods: m._packed_weight, m._packed_min_macs = prepack_cpu_weight(_decode_weight(m)), crossover
+        if held: crossover = NEVER_PACKED                   # bf16 copies always take the packed kernel
+        elif crossover is None: crossover = packed_min_macs()
+        for m in mods:    # fp32: only the weights a decoding step multiplies above the crossover (rows None: all)
+            pays = held or rows is None or rows * m.weight.numel() > crossover
+            m._packed_weight = prepack_cpu_weight(_decode_weight(m)) if pays else None
+            m._packed_min_macs = crossover
     try: yield model
     finally:
         for m in mods: m._packed_weight = m._held_weight = m._packed_min_macs = None
@@ -277,7 +282,8 @@ def generate(model: nn.Module, tokenizer, prompts: list[list[int]], max_new_toke
     bs = batch_size or len(prompts)
     out: list = [None] * len(prompts)
     cpu = _model_device(model).type == "cpu"
-    with _no_grad_mode(model), hold_decode_weights(model) if cpu else nullcontext():
+    rows = min(bs, len(prompts))              # the most rows a decoding step multiplies
+    with _no_grad_mode(model), hold_decode_weights(model, rows=rows) if cpu else nullcontext():
         for s in range(0, len(order), bs):
             idx = order[s:s + bs]
             batch = [list(prompts[i]) for i in idx]
