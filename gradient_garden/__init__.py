@@ -2,7 +2,8 @@
 
 Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the notebooks in reading order):
 
-- `gradient_garden.batching`: `Decoder`: continuous batching, the one decoder that serving and RL rollouts share.
+- `gradient_garden.batching`: `Decoder`: continuous batching, the one decoder that serving and RL rollouts share. One KV
+  cache, sequences
 - `gradient_garden.checkpoint.checkpoints`: One file, or one directory of per-rank shards, per checkpoint, written
   atomically, read back without unpickling
 - `gradient_garden.checkpoint.dcp_files`: Reading a `torch.distributed.checkpoint` directory without unpickling code,
@@ -88,8 +89,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   turned into the prompts
 - `gradient_garden.serve.app`: A request run on the event loop with one wake-up per decoding step, streams coalesced by
   a stream interval, SSE
-- `gradient_garden.serve.decoder`: `BatchDecoder`: the server's `Decoder` (`30a_batching`), with a bounded queue, text
-  streams and a thread.
+- `gradient_garden.serve.decoder`: `BatchDecoder`: the server's `Decoder` (`30a_batching`), with a bounded queue fed
+  from the web server's threads,
 - `gradient_garden.serve.process`: A checkpoint loaded into a `BatchDecoder`, and that decoder in a process of its own,
   spoken to over two pipes
 - `gradient_garden.serve.streams`: Token ids in, text out one piece at a time: whole characters only, and stop strings
@@ -129,11 +130,6 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
 - `gradient_garden.train.telemetry`: What a run records and shows: the snapshot of what ran, metrics as JSON lines and
   W&B, the profiler, the progress
 - `gradient_garden.train.trainer`: One loop for every stage: gradient accumulation from a token budget, an exact mean
-  over supervised tokens,
-
-Modules:
-
-- `gradient_garden.batching`: `Decoder`: continuous batching, the one decoder that serving and RL rollouts share. One KV cache for every running sequence, sequences joining between steps with one prefill per group (a prompt sampled G times is prefilled once), finished rows dropped, per-row sampling settings and generators, stop tokens, the sampler's log-probabilities; and `group_rollouts`, G answers per prompt on it.
-- `gradient_garden.serve.decoder`: `BatchDecoder`: the server's `Decoder` (`30a_batching`), with a bounded queue, text streams and a thread. The queue is fed from the web server's threads, each sequence gets a text stream (stop strings, whole characters), the thread steps the decoder and wakes the listeners once per step; greedy output token for token equal to `generate` on each prompt alone."""
+  over supervised tokens,"""
 
 __version__ = "0.1.0"
