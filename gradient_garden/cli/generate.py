@@ -100,7 +100,7 @@ def prompt_format(args, stage: str) -> tuple[bool, str]:
 
 # %% ../../nbs/72_cli_generate.ipynb #ac2646ef
 def load_generate_model(args, device, dtype) -> tuple:
-    "Model and run config of `--checkpoint`, or of a Hugging Face folder (`--hf-checkpoint`: chat if it has a template)."
+    "Model and run config of `--checkpoint` or of a Hugging Face folder (`--hf-checkpoint`: chat with a template)."
     if args.checkpoint: return load_model_from_checkpoint(args.checkpoint, device, dtype)
     model, model_cfg = load_hf(args.hf_checkpoint, device, dtype)
     folder = Path(args.hf_checkpoint).resolve()
