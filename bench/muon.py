@@ -16,7 +16,9 @@ Newton-Schulz call under torch's `FlopCounterMode` (matmul FLOPs only). Newton-S
 The last line of stdout is one JSON object: `ns_flops_per_rank_ratio` (busiest rank / one process, for 2 and 4 ranks,
 distributed) and `step_time_ratio` (2 ranks FSDP2, distributed / gathered median step time), with the details;
 `critical_path_over_ideal`: each distributed step (overlapped, and one bucket at a time) against the ideal, one
-process's step divided by the ranks; `overlapped_over_blocking`: the two distributed steps' ratio.
+process's step divided by the ranks; `critical_path_over_ideal_in_run`: the same against the ideal measured in the
+same run (`alone`: every rank steps a plain copy of the model by itself, in the same alternation, so the ideal sees
+the same load and the same sharing of cores); `overlapped_over_blocking`: the two distributed steps' ratio.
 """
 from __future__ import annotations
 import argparse, json, os, statistics, tempfile, time
@@ -77,6 +79,8 @@ def time_steps(args, layout, world, counts):
     algs = ("gathered", "distributed") + (("blocking",) if world > 1 else ())   # blocking: one bucket at a time
     opts = {alg: Muon(mats, lr=0.02, weight_decay=0.0, ns_dtype="fp32", distributed=alg != "gathered",
                       process_group=group, overlap=alg != "blocking") for alg in algs}
+    if world > 1:   # alone: every rank steps a plain copy by itself, one process's step under this run's load
+        opts["alone"] = Muon(build(args, "single", 1)[1], lr=0.02, weight_decay=0.0, ns_dtype="fp32")
     times, flops = {a: [] for a in opts}, {}
     for rnd in range(args.rounds + 1):   # round 0 warms up (and counts FLOPs)
         for alg, opt in opts.items():
@@ -137,6 +141,10 @@ def main(argv=None):
         out["critical_path_over_ideal"] = {f"{lay}_{w}_{alg}": out["worlds"][w][lay][alg]["step_s"] * w / one_s
                                            for w in out["worlds"] if w > 1 for lay in ("fsdp2", "ddp")
                                            for alg in ("distributed", "blocking")}
+        out["critical_path_over_ideal_in_run"] = {f"{lay}_{w}_{alg}": out["worlds"][w][lay][alg]["step_s"] * w
+                                                  / out["worlds"][w][lay]["alone"]["step_s"]
+                                                  for w in out["worlds"] if w > 1 for lay in ("fsdp2", "ddp")
+                                                  for alg in ("distributed", "blocking")}
         out["overlapped_over_blocking"] = {f"{lay}_{w}": out["worlds"][w][lay]["distributed"]["step_s"]
                                            / out["worlds"][w][lay]["blocking"]["step_s"]
                                            for w in out["worlds"] if w > 1 for lay in ("fsdp2", "ddp")}
