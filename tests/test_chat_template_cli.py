@@ -18,9 +18,9 @@ from test_serve import free_port, stop, wait_ready
 from test_tokenizer import _chatml_folder
 from gradient_garden.checkpoint.checkpoints import save_checkpoint
 from gradient_garden.checkpoint.hf import adopt_hf_model, hf_start_checkpoint
-from gradient_garden.config import GlobalConfig
+from gradient_garden.config import GlobalConfig, TokenizerConfig
 from gradient_garden.generation import encode_prompts
-from gradient_garden.tokenizer import TokenizerConfig, init_tokenizer
+from gradient_garden.tokenizer import init_tokenizer
 
 QUESTIONS = ["What is 12 + 7?", "Spell cat", "Reverse abc"]
 MAX_NEW = 12
