@@ -17,7 +17,7 @@ from .config import ConfigError
 from .generation import (apply_repetition_penalty, decode_step, decode_step_applies, hold_decode_weights,
                                         sample_next, token_entropy, token_logps, _no_grad_mode)
 from .runtime import autocast_context
-from .models.attention import additive_mask, KVCache
+from .models.attention import additive_mask, attention_mask, KVCache, positions_from_pad_mask
 
 # %% auto #0
 __all__ = ['log', 'SamplingParams', 'Sequence', 'Decoder', 'group_rollouts']
@@ -80,6 +80,7 @@ class Decoder:
         self.stop_ids, self.pad_id = {int(t) for t in stop_ids}, int(pad_id)
         self.keep_done, self.lockstep = keep_done, lockstep   # finished rows stay until a quarter has; FSDP ranks
         self.device = next(model.parameters()).device
+        self._no_grad = type(_no_grad_mode(model))   # inference_mode; no_grad for FSDP2's sharded parameters
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []
         self.cache: KVCache | None = None  # buffers of `capacity` rows; rows 0..len(rows)-1 are in use
@@ -272,14 +273,21 @@ def _shared(seqs: list[Sequence]) -> tuple[list[list[int]], list[int]]:
 
 @patch
 def _prefill(self: Decoder, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor]:
-    "One left-padded forward of `prompts` into a cache of their own: that cache, and the logits of each last token."
+    ("One left-padded forward of `prompts` into a cache of their own (`decode_step` when it applies, with the "
+     "positions and bias `forward` makes of the mask): that cache, and the logits of each last token.")
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
     for i, p in enumerate(prompts): tokens[i, width - len(p):] = torch.tensor(p)
-    real = torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]
-    cache = self.model.new_kv_cache(len(prompts), self.max_len)
-    mask = None if all(len(p) == width for p in prompts) else real.to(self.device)
-    logits = self.model(tokens.to(self.device), attn_mask=mask, kv_cache=cache, logits_to_keep=1)[:, -1]
+    tokens, cache = tokens.to(self.device), self.model.new_kv_cache(len(prompts), width)
+    starts = tokens.new_tensor([width - len(p) for p in prompts])
+    real = torch.arange(width, device=self.device)[None] >= starts[:, None]
+    real = None if bool(real.all()) else real
+    if not self.fast: logits = self.model(tokens, attn_mask=real, kv_cache=cache, logits_to_keep=1)[:, -1]
+    else:
+        positions = None if real is None else positions_from_pad_mask(real)
+        bias = None if real is None else additive_mask(attention_mask(width, 0, real, device=self.device),
+                                                          self.model.tok_embeddings.weight.dtype)
+        logits = decode_step(self.model, tokens, cache, 0, positions=positions, attn_bias=bias)
     self.stats["prefills"] += 1; self.stats["prefill_rows"] += len(prompts)
     return cache, logits.float()
 
@@ -363,7 +371,7 @@ def _decode(self: Decoder):
 @patch
 def step(self: Decoder) -> bool:
     "Drop cancelled rows, admit waiting sequences, decode one token per row; True while work remains."
-    with _no_grad_mode(self.model):
+    with self._no_grad():
         if self.rows and any(r.cancelled for r in self.rows): self._keep(self._uncancelled(self.rows))
         self._admit()
         self._notify()
