@@ -19,7 +19,7 @@ from ..config import ConfigError, GlobalConfig, from_plain
 from ..runtime import fsync_dir, torch_save_atomic, write_text_atomic
 from ..models.lora import apply_lora
 from ..parallel.collectives import barrier, is_fsdp
-from ..parallel.distributed import DistEnv, agree
+from ..parallel.distributed import DistEnv, Agreement
 from ..models.tendril import unwrap_model
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -225,7 +225,7 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
 class CheckpointManager:
     "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
     def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
-                 raise_failures: bool = False, group=None):
+                 raise_failures: bool = False, group=None, poll_every_s: float = 2.0):
         if keep_last < 1: raise ConfigError(f"checkpointing.keep_last: got {keep_last}; must be >= 1")
         self.dir, self.keep_last, self.keep_best, self.async_save = Path(ckpt_dir), keep_last, keep_best, async_save
         self._val_loss: dict[str, float | None] = {}
@@ -236,6 +236,7 @@ class CheckpointManager:
         self._group = group   # the gloo group of background writes (`DistEnv.checkpoint_group`, made at start)
         self._stager = None         # the staging buffers of background saves, made once and reused
         self._staged = None         # the staging of the save in flight (a future on an accelerator)
+        self.poll_every_s, self._poll = poll_every_s, None   # `poll`'s agreement: (the save, its `Agreement`)
 
 # %% ../../nbs/28_checkpoints.ipynb #09a518b6
 @patch
@@ -507,12 +508,15 @@ def wait(self: CheckpointManager) -> Path | None:
 @patch
 def poll(self: CheckpointManager, env: DistEnv | None = None) -> Path | None:
     ("Commit the save in flight once its background write has finished on every rank of `env` (agreed on the CPU "
-     "group); never blocks.")
+     "group about every `poll_every_s`); never blocks.")
     if self.pending is None: return None
     busy = not self.pending[0].done()
-    # every rank commits (or reports a failure) at the same step
-    if env is not None: busy = bool(agree(env, [int(busy)])[0])
-    return None if busy else self.wait()
+    if env is None or not env.distributed: return None if busy else self.wait()   # one process: nothing to agree
+    # every rank commits (or reports a failure) at the same step: every rank calls `poll` at the same steps, and the
+    # agreement of one save counts them from its first call, so a commit waits at most about `poll_every_s` longer
+    if self._poll is None or self._poll[0] is not self.pending: self._poll = (self.pending, Agreement(self.poll_every_s))
+    flags = self._poll[1](env, [int(busy)])   # None between agreements: no communication
+    return None if flags is None or flags[0] else self.wait()
 
 # %% ../../nbs/28_checkpoints.ipynb #e3a5c389
 def consolidate_checkpoint(src, dst) -> Path:

@@ -265,7 +265,8 @@ def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None
     if self.ckpt_manager is None:
         self.ckpt_manager = CheckpointManager(self.run_dir/"checkpoints", keep_last=c.keep_last, keep_best=c.keep_best,
                                               async_save=c.async_save, raise_failures=True,
-                                              group=self.env.checkpoint_group)
+                                              group=self.env.checkpoint_group,
+                                              poll_every_s=self.cfg.runtime.stop_check_s)
     return write_checkpoint(self.ckpt_manager, self.state.step, self.model, self.optimizers, self.checkpoint_meta,
                             self.env, sharded=c.format == "sharded", val_loss=val_loss)
 
