@@ -2,8 +2,8 @@
 `gg train` process of its own. Once both have taken 5 steps, one group is `kill -9`ed; the other keeps stepping
 without a restart; the killed one is started again with the same command, heals from its peer's live state and
 rejoins; both end with bit-equal weights, optimizer state and loader position. The same with groups of 2 FSDP2 ranks
-(HSDP across groups, Muon for the matrices), each a torchrun job that restarts its own group. Also the one-line errors for a missing
-lighthouse and a missing torchft."""
+(HSDP across groups, Muon for the matrices), each a torchrun job that restarts its own group. Also the one-line
+errors for a missing lighthouse and a missing torchft."""
 import json, os, signal, subprocess, sys, time
 os.environ.setdefault("RUST_LOG", "warn")   # the lighthouse in this process logs every quorum at INFO otherwise
 from pathlib import Path
