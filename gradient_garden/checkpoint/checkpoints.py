@@ -514,7 +514,8 @@ def poll(self: CheckpointManager, env: DistEnv | None = None) -> Path | None:
     if env is None or not env.distributed: return None if busy else self.wait()   # one process: nothing to agree
     # every rank commits (or reports a failure) at the same step: every rank calls `poll` at the same steps, and the
     # agreement of one save counts them from its first call, so a commit waits at most about `poll_every_s` longer
-    if self._poll is None or self._poll[0] is not self.pending: self._poll = (self.pending, Agreement(self.poll_every_s))
+    if self._poll is None or self._poll[0] is not self.pending:
+        self._poll = (self.pending, Agreement(self.poll_every_s))
     flags = self._poll[1](env, [int(busy)])   # None between agreements: no communication
     return None if flags is None or flags[0] else self.wait()
 

@@ -440,7 +440,8 @@ def muon_critical_path(shapes, splits=None, shard: int = 1, replicate: int = 1, 
         a2a = max(max(sum(numel[u] - piece[u][g % shard] for u in us if owner[u] == g),
                       sum(piece[u][g % shard] for u in us if owner[u] // shard == g // shard and owner[u] != g))
                   for g in range(world))
-        held = max(sum(piece[u][j] for u in us if owner[u] // shard == q) for q in range(replicate) for j in range(shard))
+        held = max(sum(piece[u][j] for u in us if owner[u] // shard == q) for q in range(replicate)
+                   for j in range(shard))
         return ns_bytes * a2a / shard_bytes_per_s, ns_bytes * (replicate - 1) * held / replicate_bytes_per_s
     comp = [[sum(costs[u] for u in us if owner[u] == g) / flops_per_s for g in range(world)] for us in order]
     mv = [moves(us) for us in order]
