@@ -1,5 +1,6 @@
 """Optimizers beyond the notebook: Muon on 2 and 4 gloo ranks (FSDP2, HSDP 2 x 2, DDP; gathered and distributed
-Newton-Schulz) equal to one process, its overlapped step bit-equal to one bucket at a time, LoRA-only groups."""
+Newton-Schulz) equal to one process, its overlapped step bit-equal to one bucket at a time, row blocks of expert weights
+as units, LoRA-only groups."""
 import copy, json, os
 import pytest
 import torch
@@ -206,3 +207,46 @@ def test_real_tendril_groups_and_lora():
     opts = build_optimizers(model, cfg.optimizers, "cpu")
     assert [(type(o).__name__, g["group"], len(g["params"])) for o in opts
             for g in o.param_groups] == [("AdamW", "adapters", 16)]
+
+
+class _Experts(nn.Module):
+    "A 3-D weight (5 experts: uneven over 2 and 4 ranks) with row blocks 4 + 2, and a weight fused from three blocks."
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(5, 6, 4) * 0.3)
+        self.split_sizes = {"w": (4, 2)}
+        self.v = nn.Linear(4, 9, bias=False)
+        self.v.split_sizes = (2, 4, 3)
+    def forward(self, x): return torch.tanh(torch.einsum("bi,eoi->beo", torch.tanh(self.v(x))[:, :4], self.w)).sum()
+
+
+def _experts_worker(rank, world, out_dir):
+    "5 Muon steps on `_Experts` under FSDP2 (2 ranks) or HSDP 2 x 2 (4) and in one process; the max difference."
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    ref = _Experts()
+    model, init = copy.deepcopy(ref), ref.w.detach().clone()
+    mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4
+            else init_device_mesh("cpu", (world,)))
+    fully_shard(model.v, mesh=mesh); fully_shard(model, mesh=mesh)
+    opts = [Muon([{"params": [m.w, m.v.weight], "splits": [(4, 2), (2, 4, 3)]}], lr=0.05, weight_decay=0.1,
+                 ns_dtype="fp32") for m in (model, ref)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(3, 4, generator=g)
+        for m, o in zip((model, ref), opts): m(x).backward(); o.step(); o.zero_grad()
+    pairs = zip((model.w, model.v.weight), (ref.w, ref.v.weight))
+    diff = max((p.full_tensor() - q).abs().max().item() for p, q in pairs)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"diff": diff, "moved": (ref.w - init).abs().max().item()}, f)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_muon_splits_experts_into_units(tmp_path, world):
+    "Row blocks of a 3-D (expert) weight sharded over its experts travel as pieces and equal one process's update."
+    run_ranks(_experts_worker, world, tmp_path / "pg_init", str(tmp_path))
+    for r in range(world):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["moved"] > 1e-2 and got["diff"] <= 1e-5, (r, got)
