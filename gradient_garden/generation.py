@@ -179,7 +179,7 @@ def packed_min_macs() -> int:
 def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES,
                         pack_bytes: int | None = PACK_MAX_BYTES, rows: int | None = None,
                         crossover: int | None = None):
-    "On CPU, hold matmul weights prepacked for oneDNN where a step of `rows` rows takes them; under autocast in its dtype."
+    "On CPU, hold matmul weights prepacked for oneDNN where a step of `rows` rows takes them; autocast: in its dtype."
     dev = _model_device(model).type
     if dev != "cpu" or not isinstance(model, Tendril): yield model; return
     low = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
