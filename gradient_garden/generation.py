@@ -16,7 +16,7 @@ from .parallel.collectives import is_fsdp
 from .data.verifiable import heldout_examples
 import torch.nn.functional as F
 from .models.attention import (Attention, KVCache, additive_mask, apply_rope, attention_mask,
-                                              inference_linear, plain_linear, prepack_cpu_weight, sdpa_gqa,
+                                              plain_linear, prepack_cpu_weight, sdpa_gqa,
                                               NEVER_PACKED)
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm, unwrap_model
 
@@ -78,10 +78,37 @@ def _decode_weight(m: nn.Module) -> torch.Tensor:
     "The weight a decoding matmul of `m` multiplies by: its held copy, else its own weight."
     return _held(m) if _held(m) is not None else m.weight.detach()
 
-def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-    "`x @ W.T` with the weight `m` decodes with (prepacked where it pays, else `_decode_weight`); `x` cast to it."
-    w = _decode_weight(m)
-    return inference_linear(x.to(w.dtype), m, w)
+
+# %% ../nbs/30_generation.ipynb #6abec428
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    "`F.rms_norm` of `x` `[N, dim]` (fp32 or wider, `weight` its dtype) on CPU in fewer calls, bit for bit the same."
+    return x * x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_() * weight
+
+def _decode_matmul(m: nn.Module) -> tuple:
+    "(W.T, the prepacked W or None, the most rows a step multiplies by W.T before the prepacked W pays) of `m`."
+    w, packed = _decode_weight(m), m.__dict__.get("_packed_weight")
+    if packed is None: return w.t(), None, None, 0
+    most = -1 if packed.dtype != torch.float32 else m.__dict__.get("_packed_min_macs", NEVER_PACKED) // w.numel()
+    return w.t(), packed, torch.ops.mkldnn._linear_pointwise.default, most
+
+def _mm(x: torch.Tensor, mat: tuple) -> torch.Tensor:
+    "`x @ W.T` for `x` `[N, in]` with a `_decode_matmul` entry: prepacked above its rows, `x` cast to the weight's dtype."
+    wt, packed, op, most = mat
+    if packed is not None and x.shape[0] > most:
+        return op(x if x.dtype == packed.dtype else x.to(packed.dtype), packed, None, "none", [], "")
+    return torch.mm(x if x.dtype == wt.dtype else x.to(wt.dtype), wt)
+
+def _gather_decode_plan(model: Tendril) -> tuple:
+    "What a decoding step reads of each layer, gathered once: norm weights, `_decode_matmul` entries, head counts."
+    layers = []
+    for b in model.layers:
+        att, ff = b.attention, b.feed_forward
+        heads = att._norm_heads if att.q_norm is not None else None
+        layers.append((b.attention_norm.weight.detach(), b.attention_norm.eps, _decode_matmul(att.wqkv), heads,
+                       att.layer_id, att.n_heads, att.n_kv_heads, att.head_dim, _decode_matmul(att.wo),
+                       b.ffn_norm.weight.detach(), b.ffn_norm.eps, _decode_matmul(ff.w13), _decode_matmul(ff.w2)))
+    head = _decode_matmul(model.output) if model.output.__dict__.get("_packed_weight") is not None else None
+    return tuple(layers), model.norm.weight.detach(), model.norm.eps, head
 
 
 # %% ../nbs/30_generation.ipynb #6a1d0c37
@@ -98,26 +125,43 @@ def _rope_and_bias(model: Tendril, start_pos: int, T: int, pad_mask, positions, 
         return model.rope_cos[start_pos:start_pos + T, None], model.rope_sin[start_pos:start_pos + T, None], attn_bias
     return model.rope_cos[positions].unsqueeze(2), model.rope_sin[positions].unsqueeze(2), attn_bias
 
+
+# %% ../nbs/30_generation.ipynb #38ddf992
 def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start_pos: int,
                 pad_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attn_bias: torch.Tensor | None = None) -> torch.Tensor:
     ("Logits `[B, vocab]` of the last of `tokens` `[B, T]` written at `start_pos`; padding as `pad_mask` (T = 1) or "
      "`positions` + `attn_bias`.")
     B, T = tokens.shape
-    h = F.embedding(tokens, model.tok_embeddings.weight)          # the residual stream stays in the weights' dtype
+    layers, norm_w, norm_eps, head = model.__dict__.get("_decode_plan") or _gather_decode_plan(model)
+    h = F.embedding(tokens.reshape(-1), model.tok_embeddings.weight)   # [B*T, dim], in the weights' dtype
     cos, sin, mask = _rope_and_bias(model, start_pos, T, pad_mask, positions, attn_bias, h.dtype)
-    for layer in model.layers:
-        att, ff = layer.attention, layer.feed_forward
-        H, KV, d = att.n_heads, att.n_kv_heads, att.head_dim
-        x = rms_norm(h, layer.attention_norm.weight, layer.attention_norm.eps)
-        qkv = att._norm_heads(_linear(x, att.wqkv).view(B, T, H + 2 * KV, d))   # per-head norms (Qwen3), if any
+    exact = h.device.type == "cpu" and h.element_size() >= 4 and norm_w.dtype == h.dtype
+    norm = _rms_norm_fp32 if exact else rms_norm
+    end = start_pos + T
+    for an_w, an_eps, wqkv, heads, i, H, KV, d, wo, fn_w, fn_eps, w13, w2 in layers:
+        qkv = _mm(norm(h, an_w, an_eps), wqkv).view(B, T, H + 2 * KV, d)
+        if heads is not None: qkv = heads(qkv)                       # per-head norms (Qwen3)
+        if cos.dtype != qkv.dtype: cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
-        k, v = kv_cache.update(att.layer_id, qk[:, :, H:], qkv[:, :, H + KV:], start_pos)
-        out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask)
-        h = h + _linear(out.transpose(1, 2).reshape(B, T, H * d), att.wo)
-        gate, up = _linear(rms_norm(h, layer.ffn_norm.weight, layer.ffn_norm.eps), ff.w13).chunk(2, -1)
-        h = h + _linear(F.silu(gate) * up, ff.w2)
-    return model.head(rms_norm(h[:, -1:], model.norm.weight, model.norm.eps))[:, -1]
+        if kv_cache.keys[i] is None: kv_cache.allocate(qk.dtype, qk.device)
+        ck, cv = kv_cache.keys[i], kv_cache.values[i]
+        if end > ck.shape[1]: raise ValueError(f"KV cache holds {ck.shape[1]} positions; asked to write up to {end}")
+        ck[:, start_pos:end] = qk[:, :, H:]
+        cv[:, start_pos:end] = qkv[:, :, H + KV:]
+        k, v = ck[:, :end].transpose(1, 2), cv[:, :end].transpose(1, 2)
+        if T == 1 and H > KV and qk.dtype == torch.float32 == k.dtype:   # sdpa_gqa's one-token GQA call, directly
+            out = F.scaled_dot_product_attention(qk[:, 0, :H].view(B, KV, H // KV, d), k, v, attn_mask=mask)
+            out = out.reshape(B, H * d)
+        else: out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask).transpose(1, 2).reshape(B * T, H * d)
+        h = h + _mm(out, wo)
+        gu = _mm(norm(h, fn_w, fn_eps), w13)
+        hid = gu.shape[-1] // 2
+        h = h + _mm(F.silu(gu[:, :hid]) * gu[:, hid:], w2)
+    x = norm(h if T == 1 else h.view(B, T, -1)[:, -1], norm_w, norm_eps)
+    if head is not None and not torch.is_autocast_enabled(x.device.type) and head[3] < B <= 32: return _mm(x, head)
+    return model.head(x[:, None])[:, -1]
+
 
 # %% ../nbs/30_generation.ipynb #5d3c92f4
 HOLD_MAX_BYTES = 256 * 2**20   # CPU decoding under autocast holds low-precision weight copies up to this size
@@ -195,9 +239,11 @@ def hold_decode_weights(model: nn.Module, max_bytes: int | None = HOLD_MAX_BYTES
             pays = held or rows is None or rows * m.weight.numel() > crossover
             m._packed_weight = prepack_cpu_weight(_decode_weight(m)) if pays else None
             m._packed_min_macs = crossover
+    if decode_step_applies(model): model._decode_plan = _gather_decode_plan(model)   # read by every step
     try: yield model
     finally:
         for m in mods: m._packed_weight = m._held_weight = m._packed_min_macs = None
+        model.__dict__.pop("_decode_plan", None)
 
 
 # %% ../nbs/30_generation.ipynb #c7f45fb9
