@@ -80,9 +80,16 @@ def _decode_weight(m: nn.Module) -> torch.Tensor:
 
 
 # %% ../nbs/30_generation.ipynb #6abec428
-def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    "`F.rms_norm` of `x` `[N, dim]` (fp32 or wider, `weight` its dtype) on CPU in fewer calls, bit for bit the same."
-    return x * x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_() * weight
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, dim: torch.Tensor) -> torch.Tensor:
+    ("`F.rms_norm` of fp32 `x` `[N, dim]` on CPU in 8 calls, not 24, bit for bit the same (`eps`, `dim`: 0-dim fp32 "
+     "tensors).")
+    return x * (x * x).sum(-1, keepdim=True).div_(dim).add_(eps).rsqrt_() * weight
+
+def _decode_norm(m: RMSNorm) -> tuple:
+    "(weight, eps, eps and the normalised width as 0-dim fp32 tensors) of the norm `m`, as `_rms_norm_fp32` takes them."
+    w = m.weight.detach()
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=w.device)
+    return w, m.eps, f32(m.eps), f32(w.shape[-1])
 
 def _decode_matmul(m: nn.Module) -> tuple:
     "(W.T, the prepacked W or None, the most rows a step multiplies by W.T before the prepacked W pays) of `m`."
@@ -104,11 +111,11 @@ def _gather_decode_plan(model: Tendril) -> tuple:
     for b in model.layers:
         att, ff = b.attention, b.feed_forward
         heads = att._norm_heads if att.q_norm is not None else None
-        layers.append((b.attention_norm.weight.detach(), b.attention_norm.eps, _decode_matmul(att.wqkv), heads,
+        layers.append((_decode_norm(b.attention_norm), _decode_matmul(att.wqkv), heads,
                        att.layer_id, att.n_heads, att.n_kv_heads, att.head_dim, _decode_matmul(att.wo),
-                       b.ffn_norm.weight.detach(), b.ffn_norm.eps, _decode_matmul(ff.w13), _decode_matmul(ff.w2)))
+                       _decode_norm(b.ffn_norm), _decode_matmul(ff.w13), _decode_matmul(ff.w2)))
     head = _decode_matmul(model.output) if model.output.__dict__.get("_packed_weight") is not None else None
-    return tuple(layers), model.norm.weight.detach(), model.norm.eps, head
+    return tuple(layers), _decode_norm(model.norm), head
 
 
 # %% ../nbs/30_generation.ipynb #6a1d0c37
@@ -133,14 +140,14 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
     ("Logits `[B, vocab]` of the last of `tokens` `[B, T]` written at `start_pos`; padding as `pad_mask` (T = 1) or "
      "`positions` + `attn_bias`.")
     B, T = tokens.shape
-    layers, norm_w, norm_eps, head = model.__dict__.get("_decode_plan") or _gather_decode_plan(model)
+    layers, final_norm, head = model.__dict__.get("_decode_plan") or _gather_decode_plan(model)
     h = F.embedding(tokens.reshape(-1), model.tok_embeddings.weight)   # [B*T, dim], in the weights' dtype
     cos, sin, mask = _rope_and_bias(model, start_pos, T, pad_mask, positions, attn_bias, h.dtype)
-    exact = h.device.type == "cpu" and h.element_size() >= 4 and norm_w.dtype == h.dtype
-    norm = _rms_norm_fp32 if exact else rms_norm
+    exact = h.device.type == "cpu" and h.dtype == torch.float32 == final_norm[0].dtype
+    norm = (lambda x, n: _rms_norm_fp32(x, n[0], n[2], n[3])) if exact else (lambda x, n: rms_norm(x, n[0], n[1]))
     end = start_pos + T
-    for an_w, an_eps, wqkv, heads, i, H, KV, d, wo, fn_w, fn_eps, w13, w2 in layers:
-        qkv = _mm(norm(h, an_w, an_eps), wqkv).view(B, T, H + 2 * KV, d)
+    for att_norm, wqkv, heads, i, H, KV, d, wo, ffn_norm, w13, w2 in layers:
+        qkv = _mm(norm(h, att_norm), wqkv).view(B, T, H + 2 * KV, d)
         if heads is not None: qkv = heads(qkv)                       # per-head norms (Qwen3)
         if cos.dtype != qkv.dtype: cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
@@ -155,10 +162,10 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
             out = out.reshape(B, H * d)
         else: out = sdpa_gqa(qk[:, :, :H].transpose(1, 2), k, v, mask).transpose(1, 2).reshape(B * T, H * d)
         h = h + _mm(out, wo)
-        gu = _mm(norm(h, fn_w, fn_eps), w13)
+        gu = _mm(norm(h, ffn_norm), w13)
         hid = gu.shape[-1] // 2
         h = h + _mm(F.silu(gu[:, :hid]) * gu[:, hid:], w2)
-    x = norm(h if T == 1 else h.view(B, T, -1)[:, -1], norm_w, norm_eps)
+    x = norm(h if T == 1 else h.view(B, T, -1)[:, -1], final_norm)
     if head is not None and not torch.is_autocast_enabled(x.device.type) and head[3] < B <= 32: return _mm(x, head)
     return model.head(x[:, None])[:, -1]
 
