@@ -106,7 +106,7 @@ def _mm(x: torch.Tensor, mat: tuple) -> torch.Tensor:
     return torch.mm(x if x.dtype == wt.dtype else x.to(wt.dtype), wt)
 
 def _gather_decode_plan(model: Tendril) -> tuple:
-    "What a decoding step reads of each layer, gathered once: norm weights, `_decode_matmul` entries, head counts."
+    "What a decoding step reads of the model, gathered once: each layer's norms, matmuls and head counts; the head."
     layers = []
     for b in model.layers:
         att, ff = b.attention, b.feed_forward
