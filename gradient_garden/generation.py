@@ -99,7 +99,7 @@ def _decode_matmul(m: nn.Module) -> tuple:
     return w.t(), packed, torch.ops.mkldnn._linear_pointwise.default, most
 
 def _mm(x: torch.Tensor, mat: tuple) -> torch.Tensor:
-    "`x @ W.T` for `x` `[N, in]` with a `_decode_matmul` entry: prepacked above its rows, `x` cast to the weight's dtype."
+    "`x @ W.T` for `x` `[N, in]` with a `_decode_matmul` entry: prepacked above its rows, `x` in the weight's dtype."
     wt, packed, op, most = mat
     if packed is not None and x.shape[0] > most:
         return op(x if x.dtype == packed.dtype else x.to(packed.dtype), packed, None, "none", [], "")
