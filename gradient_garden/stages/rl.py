@@ -213,7 +213,8 @@ def rl_plan_transient(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
     # prompt + completion: the loader keeps prompts within it
     length = min(t.seq_len + 1, m.max_seq_len)
     kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * sizes["value_bytes"]
-    cache = (rows // rl.group_size + rows) * length * kv_per_token  # the prompts' prefill cache and its G-fold copy
+    prompt = max(length - rl.max_new_tokens, 1)   # the loader keeps prompts to what leaves room for the answer
+    cache = (rows // rl.group_size * prompt + rows * length) * kv_per_token   # the prompts' prefill cache, the rows'
     # fp32 logits and sampling's shifted, scaled, softmaxed copies
     logits = 4 * rows * m.vocab_size * 4
     return {"RL rollouts (before the update)": cache + logits}
