@@ -118,7 +118,8 @@ def test_a_two_rank_checkpoint_resumes_bit_exactly_on_one_process(prepared, tmp_
         if name == "plain": assert "saved by 2 ranks; one process adds their gradients in another order" in r.stderr
     exact, plain = losses(tmp_path/"exact"), losses(tmp_path/"plain")
     assert sorted(exact) == list(range(1, STEPS + 1)) and exact == two        # bit for bit, steps 11..30 included
-    assert max(abs(plain[s] - two[s]) / two[s] for s in two) < 1e-5            # the plain order: float rounding only
+    # the plain order: rounding only (under bf16 autocast, the DDP case's `auto` precision on CPU, a little more)
+    assert max(abs(plain[s] - two[s]) / two[s] for s in two) < (1e-5 if fsdp == "true" else 5e-5)
 
 FAIL_SECOND_SAVE = """
 import errno, sys, unittest.mock as m
