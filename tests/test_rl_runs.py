@@ -205,3 +205,16 @@ def test_a_step_whose_every_completion_is_cut_off_learns_nothing(rl_inputs, tmp_
     recs = records(out)
     assert sorted(recs) == [1, 2] and all(r["loss"] == 0 for r in recs.values()), recs
     assert all(torch.isfinite(v).all() for v in last_weights(out).values())
+
+
+def test_train_says_when_the_prepared_prompts_are_not_the_recipes(rl_inputs, capsys):
+    """The prompts prepared here (64, two tasks) are not the recipe's (8000, all tasks): `gg train` says so in one line
+    on stderr, and says nothing when the recipe's sources are the prepared ones."""
+    from gradient_garden.cli.train import warn_prepared_sources
+    from gradient_garden.recipes import load_config
+    cfg, recipe = load_config(recipe=RECIPE, overrides=rl_inputs)
+    note = warn_prepared_sources(cfg, recipe)
+    assert '"tasks": ["add", "first_letter"]' in note and '"train": 8000' in note, note
+    assert capsys.readouterr().err == f"warning: {note}\n"
+    recipe.data = {"sources": [{"type": "verifiable", "train": 64, "tasks": ["add", "first_letter"], "seed": 0}]}
+    assert warn_prepared_sources(cfg, recipe) is None and capsys.readouterr().err == ""

@@ -12,7 +12,8 @@ import psutil
 from .common import tell_torchrun
 from ..config import ConfigError
 from ..recipes import load_config
-from ..stages.registry import STAGES, check_stage
+from ..stages.registry import STAGES, check_stage, get_stage
+from ..stages.base import prepared_sources_note
 from ..checkpoint.checkpoints import list_checkpoints
 from ..checkpoint.hf import HF_START, adopt_hf_model
 from ..parallel.distributed import destroy_distributed
@@ -20,8 +21,8 @@ from ..train.plan import format_plan, plan
 from ..train.run import prepare_run_dir, restart_point, run_training
 
 # %% auto #0
-__all__ = ['add_config_args', 'config_from_args', 'add_hf_start_arg', 'add_train_args', 'run_train', 'stopped_line',
-           'forward_to_children', 'forwarding_stop_signals', 'default_train_notebook', 'report_path',
+__all__ = ['add_config_args', 'config_from_args', 'warn_prepared_sources', 'add_hf_start_arg', 'add_train_args', 'run_train',
+           'stopped_line', 'forward_to_children', 'forwarding_stop_signals', 'default_train_notebook', 'report_path',
            'add_notebook_args', 'KernelStartStopped', 'stop_if_signalled', 'kernel_log_manager', 'kernel_error',
            'notebook_parameters', 'run_notebook', 'add_plan_args', 'run_plan']
 
@@ -48,6 +49,14 @@ def config_from_args(args) -> tuple:
         return cfg, recipe
     except ConfigError as e: e.same_on_every_rank = True; raise
 
+# %% ../../nbs/74_cli_train.ipynb #e4b3445f
+def warn_prepared_sources(cfg, recipe) -> str | None:
+    "Rank 0 says in one line when the stage's prepared data came from other sources than the recipe's (`40_stages`)."
+    if recipe is None or int(os.environ.get("RANK", 0)) != 0: return None
+    note = prepared_sources_note(get_stage(cfg.training.stage), cfg.paths.datasets, recipe.data)
+    if note: print(f"warning: {note}", file=sys.stderr, flush=True)
+    return note
+
 # %% ../../nbs/74_cli_train.ipynb #127497d4
 def add_hf_start_arg(p: argparse.ArgumentParser):
     "Add `--hf-checkpoint DIR`: start from a Hugging Face model (sets `training.init_from: hf:DIR`)."
@@ -71,7 +80,8 @@ def add_train_args(p: argparse.ArgumentParser):
 # %% ../../nbs/74_cli_train.ipynb #5279108b
 def run_train(args) -> int:
     "`gg train`: resolve the config and run its stage."
-    cfg, _ = config_from_args(args)
+    cfg, recipe = config_from_args(args)
+    warn_prepared_sources(cfg, recipe)
     res = run_training(cfg, checkpoint=args.checkpoint, reset_optimizers=args.reset_optimizers,
                        start_step=args.start_step, reset_loader=args.reset_loader,
                        reset_val_history=args.reset_val_history, overwrite=args.overwrite)
@@ -213,7 +223,8 @@ def run_notebook(args) -> int:
     "`gg notebook`: execute the training notebook with papermill, leaving the report in the run directory."
     # lazy: papermill's Jupyter stack about doubles the verb's import time (measured), for `gg notebook` only
     import papermill as pm
-    cfg, _ = config_from_args(args)  # fail fast, before starting a kernel
+    cfg, recipe = config_from_args(args)  # fail fast, before starting a kernel
+    warn_prepared_sources(cfg, recipe)
     rank = int(os.environ.get("RANK", 0))
     nb = Path(args.notebook) if args.notebook else default_train_notebook()
     if not nb.is_file(): raise ConfigError(f"--notebook: {nb} not found")

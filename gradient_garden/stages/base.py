@@ -16,7 +16,7 @@ from ..config import ConfigError, from_plain
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'ROLES', 'SOURCE_KEYS', 'StageParts', 'Stage', 'stage_options', 'check_messages', 'save_ragged',
            'load_ragged', 'open_split', 'check_source', 'load_rows', 'datasets_progress', 'stage_sources',
-           'stream_positions', 'SplitStream', 'check_stream_state', 'check_identity']
+           'prepared_sources_note', 'stream_positions', 'SplitStream', 'check_stream_state', 'check_identity']
 
 # %% ../../nbs/40_stages.ipynb #ab36fbe7
 @dataclass
@@ -46,6 +46,7 @@ class Stage:
     # (cfg, world, sizes) -> {row: bytes per rank} held only before the forward passes
     plan_transient: Callable | None = None
     plan_lines: Callable | None = None     # (cfg, world) -> lines of text `gg plan` adds
+    sources: list | None = None            # the data sources `gg prepare` uses when a recipe names none
 
 # %% ../../nbs/40_stages.ipynb #291ac115
 def stage_options(stage: Stage, cfg) -> Any:
@@ -163,6 +164,18 @@ def stage_sources(recipe_data: Optional[dict], default: list) -> list[dict]:
     srcs = (recipe_data or {}).get("sources") or default
     if not isinstance(srcs, list): raise ConfigError(f"data.sources: got {type(srcs).__name__}; expected a list")
     return srcs
+
+# %% ../../nbs/40_stages.ipynb #2d85aeee
+def prepared_sources_note(stage: Stage, datasets, recipe_data: Optional[dict]) -> Optional[str]:
+    "One line when `datasets/<stage>` was prepared from other sources than the recipe's; None when they agree."
+    if stage.prepare is None: return None   # token shards: their own meta is checked by the loader
+    f = Path(datasets)/stage.name/"train"/"meta.json"
+    if not f.is_file(): return None          # unprepared: the stage's loader says how to prepare it
+    got, want = json.loads(f.read_text()).get("sources"), stage_sources(recipe_data, stage.sources or [])
+    if got is None or got == want: return None
+    brief = lambda s: (lambda t: t if len(t) <= 160 else t[:157] + "...")(json.dumps(s))
+    return (f"data.sources: {f.parent.parent} was prepared from {brief(got)}, not the recipe's {brief(want)}; "
+            "the run trains on what was prepared (`gg prepare --recipe <recipe> --overwrite` prepares the recipe's)")
 
 # %% ../../nbs/40_stages.ipynb #69137eee
 def stream_positions(epoch: int, cursor: int, n: int, rank: int, world_size: int, epoch_len):

@@ -413,4 +413,4 @@ def dpo_plan_bytes(cfg: GlobalConfig, world: int, sizes: dict) -> dict:
     return {"frozen reference (DPO copy)": 4 * sizes["parameters"] if cfg.dpo.reference == "copy" else 0}
 
 STAGE = Stage("dpo", build_dpo, order=2, chat=True, section="dpo", prepare=prepare_dpo_stage, check=check_dpo_section,
-              plan_bytes=dpo_plan_bytes)
+              plan_bytes=dpo_plan_bytes, sources=DEFAULT_DPO_SOURCES)

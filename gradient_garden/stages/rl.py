@@ -242,4 +242,4 @@ def prepare_rl_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = 
 
 STAGE = Stage("rl", build_rl, order=3, chat=True, section="rl", prepare=prepare_rl_stage, check=check_rl_section,
               check_start=check_rl_start, plan_bytes=rl_plan_bytes, plan_transient=rl_plan_transient,
-              plan_lines=rl_plan_lines)
+              plan_lines=rl_plan_lines, sources=DEFAULT_RL_SOURCES)

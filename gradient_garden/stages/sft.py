@@ -348,4 +348,5 @@ def prepare_instruct_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: b
     "`gg prepare` of the instruct stage: the recipe's chats into `paths.datasets/instruct`, unless already up to date."
     return prepare_stage_dir(cfg, data, "instruct", prepare_instruct, DEFAULT_INSTRUCT_SOURCES, overwrite, progress)
 
-STAGE = Stage("instruct", build_instruct, order=1, chat=True, prepare=prepare_instruct_stage)
+STAGE = Stage("instruct", build_instruct, order=1, chat=True, prepare=prepare_instruct_stage,
+              sources=DEFAULT_INSTRUCT_SOURCES)
