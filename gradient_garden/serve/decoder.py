@@ -46,6 +46,8 @@ def submit(self: BatchDecoder, seqs: list[Sequence]):
         if len(seqs) > room:
             self.stats["rejected"] += 1
             raise QueueFull(f"{len(self.rows)} requests running and {len(self.waiting)} waiting; the queue is full")
+        for s in seqs:                       # neighbours with the same prompt (a request's n choices): one prefill
+            if s.group is None: s.group = tuple(s.prompt)
         self.waiting.extend(seqs)
         self._cv.notify()
 
