@@ -1,4 +1,4 @@
-"""Batched KV-cache generation throughput: gradient_garden.generation.generate vs transformers' generate, same weights.
+"""Batched KV-cache generation throughput: gradient_garden.batching.generate vs transformers' generate, same weights.
 
 Both decode the same batch of mixed-length prompts (left padding), greedily, for exactly the same number of new
 tokens (no stop tokens), in alternating (rotated) order; figures are medians over rounds. Reported: generated
@@ -31,7 +31,8 @@ from gradient_garden.runtime import dispatch_choices
 from common import add_smoke, apply_smoke, matmul_peak_flops, sync
 
 from gradient_garden.config import ModelConfig
-from gradient_garden.generation import generate, hold_decode_weights
+from gradient_garden.batching import generate
+from gradient_garden.generation import hold_decode_weights
 from gradient_garden.models.tendril import Tendril
 from gradient_garden.models.registry import flops_per_token
 from gradient_garden.checkpoint.hf import to_hf_model

@@ -2,8 +2,8 @@
 
 Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the notebooks in reading order):
 
-- `gradient_garden.batching`: `Decoder`: continuous batching, the one decoder that serving and RL rollouts share. One KV
-  cache, sequences
+- `gradient_garden.batching`: `Decoder`: continuous batching, the one decoder that `generate`, serving and RL rollouts
+  share. One KV cache,
 - `gradient_garden.checkpoint.checkpoints`: One file, or one directory of per-rank shards, per checkpoint, written
   atomically, read back without unpickling
 - `gradient_garden.checkpoint.dcp_files`: Reading a `torch.distributed.checkpoint` directory without unpickling code,
@@ -51,8 +51,8 @@ Modules (each exported from one notebook in `nbs/`; `nbs/index.ipynb` lists the 
   scores them, in batches, split
 - `gradient_garden.evals.verifiers`: What says whether a generated answer is right: the embedded tasks' exact match,
   GSM8K's one final answer, a
-- `gradient_garden.generation`: Greedy, temperature, top-k and top-p sampling with a repetition penalty; batches of
-  prompts of different lengths
+- `gradient_garden.generation`: Greedy, temperature, top-k and top-p sampling with a repetition penalty; a lean
+  one-token decoding step over a KV
 - `gradient_garden.hardware`: What a device can do: the dense datasheet peak of known GPUs, a measured matmul peak
   elsewhere, and the precision
 - `gradient_garden.models.attention`: Rotary position embeddings from precomputed tables, grouped-query attention on

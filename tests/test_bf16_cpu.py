@@ -2,7 +2,7 @@
 under autocast takes the lean decoding step with bf16 weight copies that are released afterwards."""
 import torch
 import torch.nn.functional as F
-import gradient_garden.generation as generation
+import gradient_garden.batching as batching
 import gradient_garden.models.attention as attention
 from gradient_garden.config import ModelConfig
 from gradient_garden.models.tendril import Tendril
@@ -51,13 +51,13 @@ def test_bf16_decoding_takes_the_decoding_step_with_bf16_copies(monkeypatch):
     "Under autocast `generate` holds bf16 weight copies, decodes with `decode_step`, and drops the copies at the end."
     torch.manual_seed(0)
     model = Tendril(CFG).eval()
-    steps, real = [], generation.decode_step
+    steps, real = [], batching.decode_step
     def spy(m, *a, **k):
         steps.append(m.output.__dict__.get("_held_weight").dtype)
         return real(m, *a, **k)
-    monkeypatch.setattr(generation, "decode_step", spy)
+    monkeypatch.setattr(batching, "decode_step", spy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generation.generate(model, None, [[5, 6, 7], [9]], max_new_tokens=6, stop_ids=[])
+        out = batching.generate(model, None, [[5, 6, 7], [9]], max_new_tokens=6, stop_ids=[])
     assert [len(o) for o in out] == [6, 6]
     assert steps and set(steps) == {torch.bfloat16}
     assert model.output.__dict__.get("_held_weight") is None

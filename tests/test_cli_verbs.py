@@ -44,7 +44,8 @@ def test_generate_bf16_on_cpu_decodes_fp32_weights_under_autocast(checkpoint, tm
     import torch
     import gradient_garden.cli.generate as cli_generate
     from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint
-    from gradient_garden.generation import PRETRAINING_TEST_PROMPTS, generate_text
+    from gradient_garden.batching import generate_text
+    from gradient_garden.generation import PRETRAINING_TEST_PROMPTS
     from gradient_garden.tokenizer import init_tokenizer
     loaded = []
     def spy(path, device, dtype):

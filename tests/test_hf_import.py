@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from gradient_garden.checkpoint.hf import export_hf, export_hf_with_adapter, load_hf
 from gradient_garden.config import ConfigError, LoraConfig
-from gradient_garden.generation import generate
+from gradient_garden.batching import generate
 from gradient_garden.models.attention import precompute_rope
 from gradient_garden.models.lora import apply_lora, lora_modules
 

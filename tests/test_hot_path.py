@@ -241,7 +241,7 @@ def test_compiled_blocks_do_not_recompile_per_layer(monkeypatch):
      "layer.")
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
-    import gradient_garden.generation as generation
+    import gradient_garden.batching as batching
     torch._dynamo.reset(); counters.clear()
     tr = make_trainer("dense", n_layers=6)
     cnt = CompileCounter()                      # backend="eager" that counts the graphs it is handed
@@ -250,8 +250,8 @@ def test_compiled_blocks_do_not_recompile_per_layer(monkeypatch):
     after_train = cnt.frame_count
     tr.validate(); tr.validate()
     after_validate = cnt.frame_count
-    monkeypatch.setattr(generation, "decode_step_applies", lambda m: False)   # decode through the blocks, as on a GPU
-    generation.generate(tr.model, None, [[1, 2, 3], [4, 5, 6]], max_new_tokens=6, stop_ids=[])
+    monkeypatch.setattr(batching, "decode_step_applies", lambda m: False)   # decode through the blocks, as on a GPU
+    batching.generate(tr.model, None, [[1, 2, 3], [4, 5, 6]], max_new_tokens=6, stop_ids=[])
     limit_hits = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
     assert not limit_hits, limit_hits
     # train: 1; validate (no grad): +1; sampling (inference mode): prefill, first decode, then start_pos turns dynamic

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig, to_plain
-from gradient_garden.generation import generate
+from gradient_garden.batching import generate
 from gradient_garden.models.tendril import Tendril, count_parameters
 from gradient_garden.models.registry import build_model
 
@@ -40,7 +40,7 @@ def _args(add, argv):
 def test_gg_generate(run, capsys):
     "`run_generate` loads the checkpoint and tokenizer, completes plain and chat prompts, and writes the JSON file."
     from gradient_garden.cli.generate import add_generate_args, run_generate
-    from gradient_garden.generation import generate_text
+    from gradient_garden.batching import generate_text
     from gradient_garden.tokenizer import init_tokenizer
     base = run["base"]
     (base / "prompts.json").write_text(json.dumps(["def main(", {"prompt": "import os"}]))
@@ -143,10 +143,10 @@ def test_compiled_training_step_matches_eager():
                                                                                                        atol=1e-5)
 
 def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatch):
-    """Plain Tendril on CPU: every step after the prefill goes through `decode_step` and the tokens equal cache-free
-    decoding; a LoRA-adapted model and the MoE model decode through `forward` and agree with their cache-free
+    """Plain Tendril on CPU: the prefill and every step after it go through `decode_step` and the tokens equal
+    cache-free decoding; a LoRA-adapted model and the MoE model decode through `forward` and agree with their cache-free
     decoding."""
-    import gradient_garden.generation as G
+    import gradient_garden.batching as G
     from gradient_garden.config import LoraConfig
     from gradient_garden.models.lora import apply_lora
     calls = []
@@ -161,7 +161,7 @@ def test_cpu_generation_takes_the_decoding_step_only_where_it_applies(monkeypatc
                          LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["wq", "wv", "w1"])).eval()
     moe = build_model(ModelConfig(**{**cfg.__dict__, "architecture": "tendril_moe", "n_experts": 4,
                                      "n_experts_per_token": 2})).eval()
-    for model, expect_calls in ((plain, 9), (adapted, 0), (moe, 0)):
+    for model, expect_calls in ((plain, 10), (adapted, 0), (moe, 0)):   # plain: the prefill and 9 steps
         calls.clear()
         cached = generate(model, None, prompts, max_new_tokens=10, stop_ids=[])
         assert len(calls) == expect_calls, (type(model).__name__, len(calls))

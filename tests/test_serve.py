@@ -12,7 +12,8 @@ openai = pytest.importorskip("openai")
 
 from gradient_garden.config import GlobalConfig, ModelConfig, TokenizerConfig, to_plain
 from gradient_garden.checkpoint.checkpoints import load_model_from_checkpoint, save_checkpoint
-from gradient_garden.generation import generate, special_token_ids
+from gradient_garden.batching import generate
+from gradient_garden.generation import special_token_ids
 from gradient_garden.models.tendril import Tendril
 from gradient_garden.tokenizer import init_tokenizer, train_bpe
 

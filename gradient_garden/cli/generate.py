@@ -10,7 +10,8 @@ import torch
 from ..config import ConfigError, GlobalConfig, TokenizerConfig, read_data_file
 from ..runtime import DTYPES, autocast_context, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
-from ..generation import default_test_prompts, generate_text
+from ..generation import default_test_prompts
+from ..batching import generate_text
 from ..models.hf import check_llama_compatible
 from ..checkpoint.hf import export_hf, export_hf_with_adapter, has_chat_template, load_hf
 from ..models.lora import lora_modules

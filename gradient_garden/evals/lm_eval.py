@@ -29,7 +29,7 @@ from ..config import ConfigError
 from ..runtime import parse_dtype
 from .multiple_choice import (_Row, _forward_rows, _length_batches, _plain_row, _shared_row,
                                                    default_prefix, prefix_token_id)
-from ..generation import generate
+from ..batching import generate
 from ..checkpoint.checkpoints import load_model_from_checkpoint
 from ..tokenizer import LLAMA3_CHAT_TEMPLATE, init_tokenizer
 
@@ -136,7 +136,7 @@ def loglikelihood_rolling(self: GardenLM, requests, disable_tqdm: bool = False) 
 
 # %% ../../nbs/35_lm_eval.ipynb #b531870e
 def _sampling(kwargs: dict) -> dict:
-    "`generation.generate` arguments from lm-eval generation kwargs (greedy unless sampling is asked for)."
+    "`batching.generate` arguments from lm-eval generation kwargs (greedy unless sampling is asked for)."
     t = float(kwargs.get("temperature", 0.0) or 0.0)
     if not kwargs.get("do_sample", t > 0): t = 0.0
     return {"temperature": t, "top_p": float(kwargs.get("top_p", 1.0) or 1.0), "top_k": kwargs.get("top_k")}

@@ -25,7 +25,7 @@ from ..runtime import atomic_dir
 from ..data.verifiable import (sample_conversations, heldout_examples, exact_match, VerifiableExample,
                                              SPLITS)
 from ..tokenizer import init_tokenizer
-from ..generation import generate
+from ..batching import generate
 from ..evals.environments import CALC_TASKS, calc_problems, tool_conversation
 from .pretraining import CausalLMTask
 

@@ -22,7 +22,8 @@ from ..checkpoint.checkpoints import CheckpointManager, rng_state, set_rng_state
 from ..parallel.fault_tolerance import copy_into, load_optimizer_shards, local_tensors
 from .telemetry import (MetricsLogger, Progress, eval_cell, format_duration, format_metric,
                                               init_wandb, make_profiler, summary_table)
-from ..generation import default_test_prompts, encode_prompts, generate
+from ..generation import default_test_prompts, encode_prompts
+from ..batching import generate
 from ..models.tendril import trainable, unwrap_model
 from ..models.registry import flops_per_token
 from .optim import build_optimizers, set_learning_rates
