@@ -105,12 +105,22 @@ class Decoder:
         return len(self.rows) + len(self.waiting)
 
 # %% ../nbs/30a_batching.ipynb #539708fe
+def _sampling_key(p: SamplingParams) -> tuple:
+    "What decides how a row samples: temperature (0 when greedy), top-p, top-k, repetition penalty."
+    return (p.temperature if not p.greedy else 0.0, p.top_p, p.top_k, p.repetition_penalty)
+
 def _uniform(rows: list[Sequence]) -> bool:
     "Whether `rows` sample alike: one generator (or none), the same temperature, top-p, top-k and penalty."
     p0, g0 = rows[0].params, rows[0].generator
-    key = lambda p: (p.temperature if not p.greedy else 0.0, p.top_p, p.top_k, p.repetition_penalty)
-    return all(r.generator is g0 and key(r.params) == key(p0) for r in rows)
+    k0 = None
+    for r in rows:                  # rows sharing one params object (a group, `generate`'s batch) compare at once
+        if r.generator is not g0: return False
+        if r.params is p0: continue
+        if k0 is None: k0 = _sampling_key(p0)
+        if _sampling_key(r.params) != k0: return False
+    return True
 
+# %% ../nbs/30a_batching.ipynb #e3443b56
 @patch
 def _sample(self: Decoder, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
     ("The next token of every row: rows that sample alike in one call (one draw from their generator), else greedy "
@@ -142,7 +152,9 @@ def _sample(self: Decoder, rows: list[Sequence], logits: torch.Tensor) -> list[i
 @patch
 def _record(self: Decoder, rows: list[Sequence], logits: torch.Tensor, nxt: torch.Tensor):
     "Each running sampled row's token log-probability and next-token entropy, where its params ask for them."
-    live = [i for i, r in enumerate(rows) if r.finish_reason is None and r.params.temperature > 0]
+    live = [i for i, r in enumerate(rows) if r.finish_reason is None and r.params.temperature > 0
+            and (r.params.logprobs or r.params.entropy)]
+    if not live: return
     figures = (("logprobs", lambda t: token_logps(logits, nxt, t)), ("entropy", lambda t: token_entropy(logits, t)))
     for want, fn in figures:
         asks = [i for i in live if getattr(rows[i].params, want)]
@@ -304,6 +316,7 @@ def _prefill(self: Decoder, prompts: list[list[int]]) -> tuple[KVCache, torch.Te
 def _admit(self: Decoder):
     ("Prefill waiting sequences (a group's prompt once) and copy their keys and values into free rows, ending at the "
      "write column; sample their first tokens.")
+    if not self.waiting or len(self.rows) >= self.max_batch_size: return
     new = self._take(self.max_batch_size - len(self.rows))
     new = [s for s, k in zip(new, self._uncancelled(new)) if k]
     new = [s for s in new if self._prepared(s)]
@@ -393,7 +406,7 @@ def _recompute(self: Decoder, col: int) -> torch.Tensor:
 @patch
 def step(self: Decoder) -> bool:
     "Drop cancelled rows, admit waiting sequences, decode one token per row; True while work remains."
-    with self._no_grad():
+    with self._no_grad() if torch.is_grad_enabled() else nullcontext():   # `running` has it on already
         if self.rows and any(r.cancelled for r in self.rows): self._keep(self._uncancelled(self.rows))
         self._admit()
         self._notify()
@@ -408,10 +421,10 @@ def _notify(self: Decoder):
 @patch
 @contextmanager
 def running(self: Decoder, rows: int | None = None):
-    ("Within the block autocast is on (CPU, `precision`), the model holds its decoding weights (those a step of "
-     "`rows` rows takes), the fast step is chosen.")
+    ("Within the block gradients are off, autocast is on (CPU, `precision`), the model holds its decoding weights "
+     "(those a step of `rows` rows takes), the fast step is chosen.")
     cpu = self.device.type == "cpu"
-    with autocast_context(self.device, self.precision) if cpu else nullcontext(), \
+    with self._no_grad(), autocast_context(self.device, self.precision) if cpu else nullcontext(), \
          hold_decode_weights(self.model, rows=rows) if cpu else nullcontext():
         self.fast = decode_step_applies(self.model)
         try: yield self
