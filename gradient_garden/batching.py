@@ -122,7 +122,7 @@ def _uniform(rows: list[Sequence]) -> bool:
 
 # %% ../nbs/30a_batching.ipynb #e3443b56
 @patch
-def _sample(self: Decoder, rows: list[Sequence], logits: torch.Tensor) -> list[int]:
+def _sample(self: Decoder, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     ("The next token of every row: rows that sample alike in one call (one draw from their generator), else greedy "
      "rows by one argmax and the others with their own settings (a failure: `row.error`).")
     if _uniform(rows):
@@ -135,7 +135,7 @@ def _sample(self: Decoder, rows: list[Sequence], logits: torch.Tensor) -> list[i
             for r in rows: r.error = e
             nxt = logits.max(-1).indices
         self._record(rows, logits, nxt)
-        return nxt.tolist()
+        return nxt
     nxt = logits.max(-1).indices
     for i, r in enumerate(rows):
         p = r.params
@@ -146,7 +146,7 @@ def _sample(self: Decoder, rows: list[Sequence], logits: torch.Tensor) -> list[i
             nxt[i] = sample_next(row, p.temperature, p.top_p, p.top_k, r.generator)[0]
         except Exception as e: r.error = e
     self._record(rows, logits, nxt)
-    return nxt.tolist()
+    return nxt
 
 # %% ../nbs/30a_batching.ipynb #5162c111
 @patch
@@ -337,7 +337,7 @@ def _admit(self: Decoder):
     nxt = self._sample(new, logits.index_select(0, idx))
     self.until = max(getattr(self, "until", 0) if n else 0, self.col + max(s.params.max_tokens for s in new) - 1)
     starts = torch.tensor([self.col - len(s.prompt) for s in new], device=self.device)
-    first = torch.tensor(nxt, device=self.device)
+    first, nxt = nxt, nxt.tolist()
     self.rows, self._view = self.rows + new, None
     self.starts = starts if self.starts is None else torch.cat([self.starts, starts])
     self.last = first if self.last is None else torch.cat([self.last, first])
@@ -386,9 +386,8 @@ def _decode(self: Decoder):
         self._keep([r.finish_reason is None and self._fail(r, e) for r in self.rows]); return
     self.col += 1
     self.stats["steps"] += 1
-    nxt = self._sample(self.rows, logits.float())
-    self.last = torch.tensor(nxt, device=self.device)
-    self._compact([self._advance(r, t) for r, t in zip(self.rows, nxt)])
+    self.last = self._sample(self.rows, logits if logits.dtype == torch.float32 else logits.float())
+    self._compact([self._advance(r, t) for r, t in zip(self.rows, self.last.tolist())])
 
 # %% ../nbs/30a_batching.ipynb #118bd167
 @patch
