@@ -42,7 +42,7 @@ def small(rl_inputs, out: Path, **extra) -> list[str]:
          "model.vocab_size": 768, "model.max_seq_len": 64, "training.seq_len": 32, "training.micro_batch_size": 8,
          "training.total_batch_size": 32 * 16, "training.max_steps": 4, "training.log_every": 1, "rl.group_size": 4,
          "rl.off_policy_rows": 1, "rl.max_new_tokens": 6, "rl.plain_prompts": "true", "rl.temperature": 1.0,
-         "rl.eval_k": 2, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
+         "rl.eval_k": 2, "rl.beta": 0.0, "rl.reward_functions": '["test_rl_runs:parity_reward"]',
          "optimizers.adamw.max_lr": 3e-3, "optimizers.adamw.warmup_steps": 1, "validation.every": 2,
          "checkpointing.every": 2, "checkpointing.keep_last": 10, "runtime.device": "cpu", "runtime.precision": "fp32",
          **extra}
