@@ -146,12 +146,13 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, kv_cache: KVCache, start
     exact = h.device.type == "cpu" and h.dtype == torch.float32 == final_norm[0].dtype
     norm = (lambda x, n: _rms_norm_fp32(x, n[0], n[2], n[3])) if exact else (lambda x, n: rms_norm(x, n[0], n[1]))
     end = start_pos + T
+    f32_cache = torch.float32 if h.device.type == "cpu" and torch.is_autocast_enabled("cpu") else None
     for att_norm, wqkv, heads, i, H, KV, d, wo, ffn_norm, w13, w2 in layers:
         qkv = _mm(norm(h, att_norm), wqkv).view(B, T, H + 2 * KV, d)
         if heads is not None: qkv = heads(qkv)                       # per-head norms (Qwen3)
         if cos.dtype != qkv.dtype: cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
-        if kv_cache.keys[i] is None: kv_cache.allocate(qk.dtype, qk.device)
+        if kv_cache.keys[i] is None: kv_cache.allocate(f32_cache or qk.dtype, qk.device)   # forward's dtype
         ck, cv = kv_cache.keys[i], kv_cache.values[i]
         if end > ck.shape[1]: raise ValueError(f"KV cache holds {ck.shape[1]} positions; asked to write up to {end}")
         ck[:, start_pos:end] = qk[:, :, H:]
