@@ -45,7 +45,7 @@ def test_a_rank_that_hangs_ends_the_run_with_one_line(prepared, tmp_path):
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers, exited = {}, {}
     while proc.poll() is None and time.time() - t0 < 300:   # when each rank's process ends
-        for c in psutil.Process(proc.pid).children(recursive=True):
+        for c in psutil.Process(proc.pid).children():   # the ranks: the agent's own children, not theirs
             try:
                 if c.pid not in workers and "train" in c.cmdline(): workers[c.pid] = c
             except psutil.Error: pass
