@@ -115,7 +115,7 @@ def test_a_group_of_fsdp2_ranks_restarted_by_torchrun_heals(prepared, tmp_path):
             for g in (0, 1)]
     try:
         wait_until(lambda: min(last_step(tmp_path, 0), last_step(tmp_path, 1)) >= 5, "both groups' fifth step", jobs)
-        ranks = [p for p in psutil.Process(jobs[1].pid).children(recursive=True)
+        ranks = [p for p in psutil.Process(jobs[1].pid).children()   # the ranks: the agent's own children, not theirs
                  if "gradient_garden.cli" in " ".join(p.cmdline())]
         assert len(ranks) == 2, ranks
         os.kill(ranks[-1].pid, signal.SIGKILL)
