@@ -12,7 +12,7 @@ from ..config import ConfigError
 
 # %% auto #0
 __all__ = ['WORDS', 'TASKS', 'SPLITS', 'PROBLEM_SPLITS', 'TEST_PERCENT', 'DEV_PERCENT', 'TEST_PER_TASK', 'SYSTEM_PROMPT',
-           'split_of', 'VerifiableExample', 'sample_examples', 'heldout_examples', 'figure_examples',
+           'split_of', 'train_half_of', 'VerifiableExample', 'sample_examples', 'heldout_examples', 'figure_examples',
            'normalize_answer', 'exact_match', 'to_messages', 'sample_conversations', 'corrupt_answer',
            'sample_preference_pairs']
 
@@ -86,6 +86,10 @@ def split_of(task: str, key) -> str:
     h = int.from_bytes(hashlib.sha1(f"{task}|{key!r}".encode()).digest()[:4], "little") % 100
     return "test" if h < TEST_PERCENT else "dev" if h < TEST_PERCENT + DEV_PERCENT else "train"
 
+def train_half_of(task: str, key) -> int:
+    "The half (0 or 1) of the train problems that `key` of `task` falls in, by a second stable hash."
+    return hashlib.sha1(f"half|{task}|{key!r}".encode()).digest()[0] % 2
+
 # %% ../../nbs/05_verifiable.ipynb #e320b10d
 @dataclass(frozen=True)
 class VerifiableExample:
@@ -103,18 +107,24 @@ def _check_tasks(tasks) -> list[str]:
         raise ConfigError(f"verifiable.tasks: got {bad or tasks}; allowed tasks are {', '.join(TASKS)}")
     return tasks
 
-def sample_examples(n: int, split: str = "train", tasks=None, seed: int = 0,
-                    unique: bool = False) -> list[VerifiableExample]:
+def _in_half(task: str, key, train_half) -> bool:
+    return train_half is None or train_half_of(task, key) == train_half
+
+def sample_examples(n: int, split: str = "train", tasks=None, seed: int = 0, unique: bool = False,
+                    train_half: Optional[int] = None) -> list[VerifiableExample]:
     "`n` examples of `split` ('val': dev problems), tasks drawn uniformly; `unique` drops repeats (may return fewer)."
     allowed = PROBLEM_SPLITS + ("val",)
     if split not in allowed: raise ConfigError(f"verifiable.split: got {split!r}; allowed: {', '.join(allowed)}")
+    if train_half not in (None, 0, 1):
+        raise ConfigError(f"verifiable.train_half: got {train_half!r}; allowed: 0, 1 (unset: all train problems)")
     want = "dev" if split == "val" else split
     tasks, rng = _check_tasks(tasks), random.Random(f"{seed}|{split}")
     out, seen, misses = [], set(), 0
     while len(out) < n and misses < 200 * max(n, 1):
         task = rng.choice(tasks)
         key, prompt, answer = TASKS[task](rng)
-        if split_of(task, key) != want or (unique and (task, key) in seen): misses += 1; continue
+        if (split_of(task, key) != want or (unique and (task, key) in seen)
+                or (want == "train" and not _in_half(task, key, train_half))): misses += 1; continue
         seen.add((task, key))
         out.append(VerifiableExample(task, prompt, answer, key))
     return out
@@ -152,11 +162,11 @@ def to_messages(ex: VerifiableExample, system: Optional[str] = None) -> list[dic
     return msgs + [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.answer}]
 
 def sample_conversations(n: int, split: str = "train", tasks=None, seed: int = 0, max_turns: int = 3,
-                         system_prob: float = 0.5) -> list[list[dict]]:
+                         system_prob: float = 0.5, train_half: Optional[int] = None) -> list[list[dict]]:
     "`n` chats of 1..`max_turns` exchanges from `split`, with the system prompt in a `system_prob` fraction."
     rng = random.Random(f"conv|{seed}|{split}")
     turns = [rng.randint(1, max_turns) for _ in range(n)]
-    pool = iter(sample_examples(sum(turns), split, tasks, seed))
+    pool = iter(sample_examples(sum(turns), split, tasks, seed, train_half=train_half))
     convs = []
     for k in turns:
         msgs = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < system_prob else []

@@ -102,7 +102,7 @@ def open_split(data_dir, split: str, what: str, stage: str) -> tuple[Path, dict]
 
 # %% ../../nbs/40_stages.ipynb #8ee6669f
 SOURCE_KEYS = {
-    "verifiable": {"type", "train", "val", "tasks", "seed", "max_turns", "system_prob"},
+    "verifiable": {"type", "train", "val", "tasks", "seed", "max_turns", "system_prob", "train_half"},
     "hub": {"type", "path", "name", "split", "column", "max_examples", "val_split", "val_fraction", "revision"},
     "json": {"type", "path", "column", "max_examples", "val_fraction"},
     "calculator": {"type", "train", "val", "tasks", "seed"},   # 36_environments: arithmetic with a tool call

@@ -70,7 +70,7 @@ def group_totals(self: Rewarder, rewards: list[dict]) -> list[float]:
     return [r["total"] - self.format_weight * r.get("format", 0.0) for r in rewards]
 
 # %% ../../nbs/45_rewards.ipynb #2bb3981a
-RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob"},
+RL_SOURCE_KEYS = {"verifiable": {"type", "train", "tasks", "seed", "system_prob", "train_half"},
                   "gsm8k": {"type", "path", "name", "split", "val_split", "max_examples", "max_val_examples",
                             "revision"},
                   "calculator": {"type", "train", "val", "tasks", "seed"}}   # 36_environments
@@ -103,5 +103,6 @@ def load_prompts(sources: Optional[list], split: str = "train") -> list[Problem]
             out += calc_problems(n, which, src.get("seed", 2), src.get("tasks") or CALC_TASKS)
         elif split == "train":
             out += [from_verifiable(e)
-                    for e in sample_examples(src.get("train", 4000), "train", src.get("tasks"), src.get("seed", 2))]
+                    for e in sample_examples(src.get("train", 4000), "train", src.get("tasks"), src.get("seed", 2),
+                                             train_half=src.get("train_half"))]
     return out

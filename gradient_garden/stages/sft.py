@@ -98,7 +98,7 @@ def iter_source_chats(src: dict, split: str, where: str) -> Iterator[tuple[str, 
     if src["type"] == "verifiable":
         n = src.get("train", 6000) if split == "train" else src.get("val", 300)
         convs = sample_conversations(n, split, src.get("tasks"), src.get("seed", 0), src.get("max_turns", 3),
-                                     src.get("system_prob", 0.5))
+                                     src.get("system_prob", 0.5), src.get("train_half"))
         for i, c in enumerate(convs): yield f"{where}[{i}]", c
         return
     if src["type"] == "calculator":      # conversations that call the calculator, then answer (36_environments)
