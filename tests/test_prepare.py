@@ -453,3 +453,21 @@ def test_cli_warns_when_sources_run_out(tmp_path, tok, capsys):
                f"tokenizer.path={tok.path}", "model.vocab_size=1024") == 0
     err = capsys.readouterr().err
     assert "note: every source ran out at" in err and "below data.target_tokens = 10,000,000" in err
+
+
+def test_half_recipes_keep_rl_prompts_out_of_the_sft_data(tmp_path, tok):
+    ("`recipes/instruct/debug-half.yaml` and `recipes/rl/debug-unseen-half.yaml` prepare disjoint halves of the train "
+     "problems: no RL prompt is a user turn of the SFT conversations.")
+    from gradient_garden.data.verifiable import sample_conversations
+    from gradient_garden.recipes import load_recipe
+    from gradient_garden.stages.rl import read_prompts
+    sets = ["--set", f"tokenizer.path={tok.path}", f"paths.datasets={tmp_path}"]
+    for recipe in ("instruct/debug-half.yaml", "rl/debug-unseen-half.yaml"):
+        assert cli("--recipe", REPO / "recipes" / recipe, "--no-progress", *sets) == 0
+    sft = load_recipe(REPO / "recipes" / "instruct" / "debug-half.yaml").data["sources"][0]
+    assert json.loads((tmp_path / "instruct" / "train" / "meta.json").read_text())["sources"][0]["train_half"] == 0
+    convs = sample_conversations(sft["train"], "train", None, sft["seed"], sft["max_turns"], sft["system_prob"],
+                                 sft["train_half"])
+    seen = {m["content"] for c in convs for m in c if m["role"] == "user"}
+    prompts = {p.prompt for p in read_prompts(tmp_path / "rl" / "train")}
+    assert len(seen) > 1000 and len(prompts) > 1000 and not seen & prompts
