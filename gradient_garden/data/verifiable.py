@@ -107,9 +107,6 @@ def _check_tasks(tasks) -> list[str]:
         raise ConfigError(f"verifiable.tasks: got {bad or tasks}; allowed tasks are {', '.join(TASKS)}")
     return tasks
 
-def _in_half(task: str, key, train_half) -> bool:
-    return train_half is None or train_half_of(task, key) == train_half
-
 def sample_examples(n: int, split: str = "train", tasks=None, seed: int = 0, unique: bool = False,
                     train_half: Optional[int] = None) -> list[VerifiableExample]:
     "`n` examples of `split` ('val': dev problems), tasks drawn uniformly; `unique` drops repeats (may return fewer)."
@@ -124,7 +121,8 @@ def sample_examples(n: int, split: str = "train", tasks=None, seed: int = 0, uni
         task = rng.choice(tasks)
         key, prompt, answer = TASKS[task](rng)
         if (split_of(task, key) != want or (unique and (task, key) in seen)
-                or (want == "train" and not _in_half(task, key, train_half))): misses += 1; continue
+                or (want == "train" and train_half is not None and train_half_of(task, key) != train_half)):
+            misses += 1; continue
         seen.add((task, key))
         out.append(VerifiableExample(task, prompt, answer, key))
     return out
