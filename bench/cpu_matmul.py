@@ -41,28 +41,35 @@ def main(argv=None):
     global SHAPES, ROWS, CALLS, REPEATS, WARMUP, GEMM_N
     if args.smoke: SHAPES, ROWS, CALLS, REPEATS, WARMUP, GEMM_N = SHAPES[:2], [1, 8], 5, 1, 2, 256
     mk, out = torch.ops.mkldnn, {}
-    print(f"threads {torch.get_num_threads()}; us per call, MKL fp32 / oneDNN fp32 / oneDNN bf16")
+    # oneDNN's bf16 matmul needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; without them its column is null
+    bf16 = mk._is_mkldnn_bf16_supported()
+    print(f"threads {torch.get_num_threads()}; us per call, MKL fp32 / oneDNN fp32 / oneDNN bf16"
+          + ("" if bf16 else " (not on this CPU: oneDNN has no bf16 matmul here)"))
     with torch.inference_mode():
         for o, i in SHAPES:
             w = torch.randn(o, i)
-            p32, p16 = mk._reorder_linear_weight(w, 8), mk._reorder_linear_weight(w.bfloat16(), 8)
+            p32, p16 = mk._reorder_linear_weight(w, 8), mk._reorder_linear_weight(w.bfloat16(), 8) if bf16 else None
             row = {}
             for m in ROWS:
                 x = torch.randn(m, i); xb = x.bfloat16()
                 row[m] = [round(median_us(f), 1) for f in (lambda: F.linear(x, w),
-                                                           lambda: mk._linear_pointwise(x, p32, None, "none", [], ""),
-                                                           lambda: mk._linear_pointwise(xb, p16, None, "none", [], ""))]
+                                                           lambda: mk._linear_pointwise(x, p32, None, "none", [], ""))]
+                row[m].append(round(median_us(lambda: mk._linear_pointwise(xb, p16, None, "none", [], "")), 1)
+                              if bf16 else None)
             out[f"{o}x{i}"] = row
-            print(f"{o:>5} x {i:<4} " + "  ".join(f"{m}: {a:.0f}/{b:.0f}/{c:.0f}" for m, (a, b, c) in row.items()))
+            print(f"{o:>5} x {i:<4} " + "  ".join(f"{m}: {a:.0f}/{b:.0f}/{'-' if c is None else f'{c:.0f}'}"
+                                                  for m, (a, b, c) in row.items()))
         n = GEMM_N
-        a = torch.randn(n, n); pa, pb = mk._reorder_linear_weight(a, n), mk._reorder_linear_weight(a.bfloat16(), n)
+        a = torch.randn(n, n); pa = mk._reorder_linear_weight(a, n)
+        pb = mk._reorder_linear_weight(a.bfloat16(), n) if bf16 else None
         flops = 2 * n ** 3
-        gemm = {name: round(flops / median_us(f, calls=min(20, CALLS)) / 1e3, 1) for name, f in (
-            ("mkl_fp32", lambda: a @ a), ("onednn_fp32", lambda: mk._linear_pointwise(a, pa, None, "none", [], "")),
-            ("onednn_bf16", lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], "")))}
+        calls = {"mkl_fp32": lambda: a @ a, "onednn_fp32": lambda: mk._linear_pointwise(a, pa, None, "none", [], ""),
+                 "onednn_bf16": lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], "")}
+        gemm = {name: round(flops / median_us(f, calls=min(20, CALLS)) / 1e3, 1) if bf16 or name != "onednn_bf16"
+                else None for name, f in calls.items()}
     print(f"{n}^3 GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in gemm.items()))
     print(json.dumps(dict(bench="cpu_matmul", smoke=args.smoke, gemm_n=n, threads=torch.get_num_threads(),
-                          torch=torch.__version__, us_per_call=out, gemm_gflops=gemm)))
+                          torch=torch.__version__, onednn_bf16=bf16, us_per_call=out, gemm_gflops=gemm)))
 
 if __name__ == "__main__":
     main()

@@ -21,10 +21,22 @@ from .models.attention import (Attention, KVCache, additive_mask, apply_rope, at
 from .models.tendril import FeedForward, RMSNorm, Tendril, TransformerBlock, rms_norm, unwrap_model
 
 # %% auto #0
-__all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'apply_repetition_penalty', 'sample_next',
-           'decode_step_applies', 'decode_step', 'measure_packed_min_macs', 'packed_min_macs', 'hold_decode_weights',
-           'plain_module', 'token_entropy', 'token_logps', 'encode_prompts', 'special_token_ids',
+__all__ = ['HOLD_MAX_BYTES', 'PACK_MAX_BYTES', 'PRETRAINING_TEST_PROMPTS', 'sample_categorical', 'apply_repetition_penalty',
+           'sample_next', 'decode_step_applies', 'decode_step', 'measure_packed_min_macs', 'packed_min_macs',
+           'hold_decode_weights', 'plain_module', 'token_entropy', 'token_logps', 'encode_prompts', 'special_token_ids',
            'default_test_prompts']
+
+# %% ../nbs/30_generation.ipynb #204e964e
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    "One index `[B]` per row of non-negative weights `[B, V]`: the inverse CDF at one uniform per row."
+    cdf = probs.cumsum(-1)
+    total = cdf[..., -1:].contiguous()
+    if not bool(((total > 0) & total.isfinite()).all()):
+        raise ValueError("sample_categorical: a row's probabilities are NaN, infinite or all zero (diverged logits?)")
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=cdf.dtype) * total
+    # u rounded up to the total would fall past the end: the last index that adds weight is the furthest a draw goes
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, total)).squeeze(-1)
+
 
 # %% ../nbs/30_generation.ipynb #0924fd99
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -47,7 +59,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return sample_categorical(logits.softmax(-1), generator)
 
 # %% ../nbs/30_generation.ipynb #595c245d
 def _held(m: nn.Module) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ EXPECTED = {
     "rl.py": ["ours", "ours_over_trl"],
     "rl_control.py": ["control_loss", "zeroed_advantages_loss", "with_sampled_rows_loss"],
     "rl_curves.py": ["train_records", "validations"],
+    "sampling.py": ["shapes", "frequency_gap", "frequency_gap_5_sigma"],
     "save_grace.py": ["durable_s", "exit_s", "plan_estimate_s", "checkpoint_bytes", "plan_checkpoint_bytes"],
     "scale_124m.py": ["resume_2ranks_equal", "resume_1rank_max_rel", "hf_max_abs_logit_diff"],
     "serve.py": ["results", "target_8x_ge_4"],
