@@ -48,7 +48,8 @@ def main(argv=None):
     with torch.inference_mode():
         for o, i in SHAPES:
             w = torch.randn(o, i)
-            p32, p16 = mk._reorder_linear_weight(w, 8), mk._reorder_linear_weight(w.bfloat16(), 8) if bf16 else None
+            p32 = mk._reorder_linear_weight(w, 8)
+            p16 = mk._reorder_linear_weight(w.bfloat16(), 8) if bf16 else None
             row = {}
             for m in ROWS:
                 x = torch.randn(m, i); xb = x.bfloat16()
@@ -64,9 +65,10 @@ def main(argv=None):
         pb = mk._reorder_linear_weight(a.bfloat16(), n) if bf16 else None
         flops = 2 * n ** 3
         calls = {"mkl_fp32": lambda: a @ a, "onednn_fp32": lambda: mk._linear_pointwise(a, pa, None, "none", [], ""),
-                 "onednn_bf16": lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], "")}
-        gemm = {name: round(flops / median_us(f, calls=min(20, CALLS)) / 1e3, 1) if bf16 or name != "onednn_bf16"
-                else None for name, f in calls.items()}
+                 "onednn_bf16": (lambda: mk._linear_pointwise(a.bfloat16(), pb, None, "none", [], ""))
+                 if bf16 else None}
+        gemm = {name: None if f is None else round(flops / median_us(f, calls=min(20, CALLS)) / 1e3, 1)
+                for name, f in calls.items()}
     print(f"{n}^3 GEMM GFLOP/s: " + ", ".join(f"{k} {v}" for k, v in gemm.items()))
     print(json.dumps(dict(bench="cpu_matmul", smoke=args.smoke, gemm_n=n, threads=torch.get_num_threads(),
                           torch=torch.__version__, onednn_bf16=bf16, us_per_call=out, gemm_gflops=gemm)))
