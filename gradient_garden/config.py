@@ -97,7 +97,8 @@ class ModelConfig:
 # %% ../nbs/00_config.ipynb #4e59787b
 @dataclass
 class EarlyStoppingConfig:
-    "Stop when validation loss has not improved by `min_delta` for `patience` validations (after `skip_steps`)."
+    ("Stop when `validation.metric` has not improved by `min_delta` for `patience` validations (after "
+     "`skip_steps`).")
     enabled: bool = False
     patience: int = 3
     min_delta: float = 0.0
@@ -166,11 +167,15 @@ class PathsConfig:
 
 @dataclass
 class ValidationConfig:
-    "Validation loss on the same fixed batches every `every` steps."
+    ("Validation loss on the same fixed batches every `every` steps; `metric` is what early stopping and "
+     "`checkpointing.keep_best` follow.")
     enabled: bool = True
     every: int = 50
     steps: int = 8
+    # val_loss (lower is better), or a score of the stage's held-out evaluation, higher is better (exact_match: sft, rl)
+    metric: str = "val_loss"
 
+# %% ../nbs/00_config.ipynb #6da404f9
 @dataclass
 class EvalsConfig:
     "Multiple-choice benchmarks run during training every `every` steps (0: never)."
@@ -197,7 +202,7 @@ class GenerationConfig:
 # %% ../nbs/00_config.ipynb #7496961e
 @dataclass
 class CheckpointingConfig:
-    "Save every `every` steps; keep the last `keep_last` and, optionally, the best by validation loss."
+    "Save every `every` steps; keep the last `keep_last` and, optionally, the best by `validation.metric`."
     every: int = 100
     keep_last: int = 2
     keep_best: bool = True

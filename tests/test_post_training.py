@@ -374,3 +374,21 @@ def test_resume_is_exact(data, tmp_path, stage, over):
     assert sorted(b) == [3, 4]
     for s in b: assert a[s] == b[s], (stage, s, a[s], b[s])
     assert va[4] == vb[4]
+
+
+def test_sft_keeps_the_checkpoint_best_by_held_out_exact_match(data, tmp_path):
+    "validation.metric: exact_match: SFT scores the held-out problems at every validation and ranks checkpoints by it."
+    from gradient_garden.train.run import run_training
+    from gradient_garden.checkpoint.checkpoints import list_checkpoints, load_checkpoint, resolve_checkpoint
+    cfg = _run_cfg(data, "instruct", tmp_path, steps=6, validation={"metric": "exact_match"},
+                   checkpointing={"keep_last": 1})
+    run_training(cfg, checkpoint=None)
+    recs = [json.loads(l) for l in (cfg.run_dir/"metrics.jsonl").read_text().splitlines()]
+    em = {r["step"]: r["exact_match"] for r in recs if "exact_match" in r}
+    assert sorted(em) == [2, 4, 6] and [r["step"] for r in recs].count(6) == 1   # the last step's, evaluated once
+    top = max(em.values()); best_step = min(s for s in em if em[s] == top)      # the earliest on ties
+    best = resolve_checkpoint(cfg.run_dir/"best")
+    meta = load_checkpoint(best, weights=False)
+    assert (meta["step"], meta["best_by"]) == (best_step, -top)
+    assert {p.name for p in list_checkpoints(cfg.run_dir/"checkpoints")} == {best.name, "step_0000006.pt"}
+

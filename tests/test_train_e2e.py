@@ -81,6 +81,11 @@ def test_bad_inputs_are_one_line_errors(prepared, tmp_path):
     bad = tmp_path/"bad.pt"; bad.write_bytes(b"not a checkpoint")
     r = run_gg("train", "--recipe", RECIPE, "--checkpoint", bad, "--set", *small(prepared, tmp_path), check=False)
     assert r.returncode == 2 and "bad.pt" in r.stderr and "Traceback" not in r.stderr
+    r = run_gg("train", "--recipe", RECIPE, "--set", *small(prepared, tmp_path), "validation.metric=exact_match",
+               check=False)
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        "validation.metric: 'exact_match' is a held-out score, and stage 'pretraining' has no held-out evaluation; use "
+        "val_loss"), r.stderr
 
 def test_notebook_leaves_a_report(prepared, tmp_path):
     run_gg("notebook", "--recipe", RECIPE, "--set", *small(prepared, tmp_path, steps=4))

@@ -37,9 +37,9 @@ from .dcp_files import (DCP_ERRORS, SafeLoadPlanner, SafeReader, dcp_error, firs
 __all__ = ['CHECKPOINT_FORMAT', 'CHECKPOINT_VERSION', 'REQUIRED_KEYS', 'CHECKPOINT_RE', 'SHARDED_MARKER', 'SHARDED_META',
            'SHAPE_FIELDS', 'MOE_SHAPE_FIELDS', 'find_unsafe', 'rng_state', 'set_rng_state', 'save_checkpoint',
            'is_sharded_checkpoint', 'list_checkpoints', 'resolve_checkpoint', 'load_checkpoint', 'check_compatible',
-           'CheckpointManager', 'sharded_state', 'load_sharded_state', 'sharded_meta', 'begin_sharded',
-           'commit_sharded', 'save_sharded_checkpoint', 'staging_options', 'CheckpointWriteError', 'write_failure_line',
-           'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
+           'CheckpointManager', 'best_checkpoint', 'sharded_state', 'load_sharded_state', 'sharded_meta',
+           'begin_sharded', 'commit_sharded', 'save_sharded_checkpoint', 'staging_options', 'CheckpointWriteError',
+           'write_failure_line', 'consolidate_checkpoint', 'base_weights', 'load_model_from_checkpoint']
 
 # %% ../../nbs/28_checkpoints.ipynb #6485a2a8
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None), torch.Size, torch.dtype, torch.device,
@@ -117,9 +117,11 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
 
 # %% ../../nbs/28_checkpoints.ipynb #999c7c68
 def resolve_checkpoint(path) -> Path:
-    "A checkpoint file or sharded dir; a `checkpoints/` dir or a run dir resolves to its latest checkpoint."
+    ("A checkpoint file or sharded dir; a `checkpoints/` dir or a run dir resolves to its latest checkpoint, and "
+     "`<that dir>/best` to its best (`best_checkpoint`).")
     p = Path(path)
     if p.is_file() or is_sharded_checkpoint(p): return p
+    if p.name == "best" and not p.exists(): return best_checkpoint(p.parent)   # below, after `CheckpointManager`
     if not p.exists(): raise ConfigError(f"--checkpoint {p}: no such file or directory")
     for d in (p, p/"checkpoints"):
         if ckpts := list_checkpoints(d): return ckpts[-1]
@@ -223,12 +225,13 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
 
 # %% ../../nbs/28_checkpoints.ipynb #3e6f3358
 class CheckpointManager:
-    "Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best by val loss."
+    ("Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best (`rank_value`, "
+     "lowest).")
     def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
                  raise_failures: bool = False, group=None, poll_every_s: float = 2.0):
         if keep_last < 1: raise ConfigError(f"checkpointing.keep_last: got {keep_last}; must be >= 1")
         self.dir, self.keep_last, self.keep_best, self.async_save = Path(ckpt_dir), keep_last, keep_best, async_save
-        self._val_loss: dict[str, float | None] = {}
+        self._rank: dict[str, float | None] = {}   # `rank_value` of each checkpoint, read once
         self.pending = None       # the asynchronous save in flight: (future, tmp dir, final dir, meta)
         self.failures: list[str] = []  # one line per background write that failed
         # a failed background write raises `CheckpointWriteError` (else: a warning)
@@ -256,20 +259,31 @@ def latest(self: CheckpointManager) -> Path | None:
 
 # %% ../../nbs/28_checkpoints.ipynb #f6b4208a
 @patch
-def val_loss(self: CheckpointManager, path: Path) -> float | None:
-    "The validation loss recorded in checkpoint `path` (None if not validated or unreadable)."
-    if path.name not in self._val_loss:
-        try: v = load_checkpoint(path, verify=False, mmap=True, weights=False).get("val_loss")
-        except ConfigError: v = None
-        self._val_loss[path.name] = v
-    return self._val_loss[path.name]
+def rank_value(self: CheckpointManager, path: Path) -> float | None:
+    ("What `best` minimises in checkpoint `path`: its `best_by` (minus a held-out score), else its validation loss; "
+     "None if neither or unreadable.")
+    if path.name not in self._rank:
+        try: c = load_checkpoint(path, verify=False, mmap=True, weights=False)
+        except ConfigError: c = {}
+        self._rank[path.name] = c.get("best_by", c.get("val_loss"))
+    return self._rank[path.name]
 
 # %% ../../nbs/28_checkpoints.ipynb #f279043f
 @patch
 def best(self: CheckpointManager) -> Path | None:
-    "The checkpoint with the lowest validation loss (the earliest on ties), or None."
-    scored = [(v, p) for p in self.checkpoints() if (v := self.val_loss(p)) is not None]
+    "The checkpoint with the lowest `rank_value` (the earliest on ties), or None."
+    scored = [(v, p) for p in self.checkpoints() if (v := self.rank_value(p)) is not None]
     return min(scored, key=lambda t: t[0])[1] if scored else None
+
+# %% ../../nbs/28_checkpoints.ipynb #5a49fa3e
+def best_checkpoint(run_or_checkpoints_dir) -> Path:
+    "The best checkpoint (`CheckpointManager.best`) of a run or `checkpoints/` dir; a one-line error if none is ranked."
+    d = Path(run_or_checkpoints_dir)
+    for c in (d, d/"checkpoints"):
+        if not list_checkpoints(c): continue
+        if (b := CheckpointManager(c).best()) is not None: return b
+        raise ConfigError(f"--checkpoint {d/'best'}: no checkpoint in {c} was validated, so none is best; name one")
+    raise ConfigError(f"--checkpoint {d/'best'}: no checkpoints in {d} or in {d/'checkpoints'}")
 
 # %% ../../nbs/28_checkpoints.ipynb #0affd190
 @patch
@@ -277,7 +291,7 @@ def save(self: CheckpointManager, step: int, state: dict, val_loss: float | None
     "Write `state` as the checkpoint of `step` (atomically), then apply retention; returns its path."
     val_loss = None if val_loss is None else float(val_loss)
     path = save_checkpoint({**state, "step": step, "val_loss": val_loss}, self.path(step))
-    self._val_loss[path.name] = val_loss
+    self._rank[path.name] = state.get("best_by", val_loss)
     self.prune()
     return path
 
@@ -295,7 +309,7 @@ def prune(self: CheckpointManager) -> list[Path]:
     for p in gone:
         if p.is_dir(): shutil.rmtree(p, ignore_errors=True)
         else: p.unlink(missing_ok=True)
-        self._val_loss.pop(p.name, None)
+        self._rank.pop(p.name, None)
     return gone
 
 # %% ../../nbs/28_checkpoints.ipynb #9e74ac2e
@@ -430,7 +444,7 @@ def save_sharded(self: CheckpointManager, step: int, app_state: dict, meta: dict
     final, meta = self.dir/f"step_{step:07d}", sharded_meta({**meta, "step": step, "val_loss": val_loss})
     if not self.async_save:
         save_sharded_checkpoint(app_state, meta, final)
-        self._val_loss[final.name] = val_loss
+        self._rank[final.name] = meta.get("best_by", val_loss)
         if _is_main(): self.prune()
         self._await_commit()
         return final
@@ -499,7 +513,7 @@ def wait(self: CheckpointManager) -> Path | None:
         return None
     if _is_main():
         commit_sharded(tmp, final, meta)
-        self._val_loss[final.name] = meta["val_loss"]
+        self._rank[final.name] = meta.get("best_by", meta["val_loss"])
         self.prune()
     self._await_commit()   # (rmtree on shared storage may take long)
     return final

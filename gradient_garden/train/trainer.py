@@ -12,7 +12,7 @@ from typing import Callable
 from fastcore.basics import patch
 import torch
 from torch import nn
-from ..config import GlobalConfig, grad_accum_steps
+from ..config import ConfigError, GlobalConfig, grad_accum_steps
 from ..runtime import autocast_context, resolve_precision
 from ..hardware import peak_flops
 from ..parallel.collectives import all_reduce, barrier, is_fsdp
@@ -70,6 +70,11 @@ class Trainer:
         self._fpt = None
         self.router_metrics: dict = {}
         self.final_evaluate = final_evaluate
+        if (metric := cfg.validation.metric) != "val_loss" and final_evaluate is None:
+            raise ConfigError(f"validation.metric: {metric!r} is a held-out score, and stage {cfg.training.stage!r} has "
+                              "no held-out evaluation; use val_loss")
+        # what this step's validation ranks by (`_monitored`); the step the held-out evaluation last ran
+        self._best_by, self._held_out_step = None, None
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
         # tokens not yet read from the device; seconds left out of MFU
@@ -268,7 +273,10 @@ def save_checkpoint(self: Trainer, val_loss: float | None = None) -> Path | None
                                               async_save=c.async_save, raise_failures=True,
                                               group=self.env.checkpoint_group,
                                               poll_every_s=self.cfg.runtime.stop_check_s)
-    return write_checkpoint(self.ckpt_manager, self.state.step, self.model, self.optimizers, self.checkpoint_meta,
+    meta = self.checkpoint_meta
+    if val_loss is not None and self.cfg.validation.metric != "val_loss":   # a validation step: ranked by its score
+        meta = lambda: self.checkpoint_meta() | dict(best_by=self._best_by)
+    return write_checkpoint(self.ckpt_manager, self.state.step, self.model, self.optimizers, meta,
                             self.env, sharded=c.format == "sharded", val_loss=val_loss)
 
 # %% ../../nbs/55_trainer.ipynb #4470034a
@@ -386,11 +394,13 @@ def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: fl
 # %% ../../nbs/55_trainer.ipynb #77e0ebb3
 @patch
 def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, dict]:
-    "Validate, record the history and best loss; return the loss and the record extended with it."
+    "Validate, record the history, the best loss and what ranks this step (`_monitored`); the loss and the record."
     val_loss = self.validate()
     self.state.val_history.append([step, val_loss])
     self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
-    return val_loss, (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics | self.val_metrics
+    rec = (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics | self.val_metrics
+    self._best_by, rec = self._monitored(step, val_loss, rec)
+    return val_loss, rec
 
 @patch
 def _evals_due(self: Trainer, step: int, last: bool) -> bool:
@@ -401,11 +411,9 @@ def _evals_due(self: Trainer, step: int, last: bool) -> bool:
 
 @patch
 def _evaluate_into(self: Trainer, step: int, last: bool, rec: dict | None) -> dict | None:
-    "Add the final evaluation (on the last step) and the scheduled evals to the record."
-    if last and self.final_evaluate is not None:
-        m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
-        with autocast_context(self.env.device, self.cfg.runtime.precision):
-            rec = (rec or dict(step=step)) | self.final_evaluate(m)
+    "Add the final evaluation (on the last step, unless its validation ran it) and the scheduled evals to the record."
+    if last and self.final_evaluate is not None and self._held_out_step != step:
+        rec = (rec or dict(step=step)) | self._held_out(step)
     e = self.cfg.evals
     if e.every and step % e.every == 0 and self.tokenizer is not None: rec = (rec or dict(step=step)) | self.run_evals()
     return rec
@@ -417,6 +425,29 @@ def _write_samples(self: Trainer):
     if self.env.is_main:
         with open(self.run_dir/"samples.jsonl", "a") as f:
             for s in samples: f.write(json.dumps(s) + "\n")
+
+# %% ../../nbs/55_trainer.ipynb #32a7609f
+@patch
+def _held_out(self: Trainer, step: int) -> dict:
+    "The stage's held-out evaluation of the model now (exact match for SFT, preference accuracy for DPO)."
+    m = self.model if is_fsdp(self.model) else unwrap_model(self.model)
+    with autocast_context(self.env.device, self.cfg.runtime.precision): out = self.final_evaluate(m)
+    self._held_out_step = step
+    return out
+
+@patch
+def _monitored(self: Trainer, step: int, val_loss: float, rec: dict) -> tuple[float, dict]:
+    ("What early stopping and `keep_best` follow, lower better: the loss, or minus `validation.metric` (evaluated "
+     "now unless the validation reported it); and the record.")
+    metric = self.cfg.validation.metric
+    if metric == "val_loss": return val_loss, rec
+    if metric not in rec:
+        held = self._held_out(step)
+        if metric not in held:
+            raise ConfigError(f"validation.metric: {metric!r} is not a held-out score of stage "
+                              f"{self.cfg.training.stage!r} (it reports {', '.join(k for k in held if '/' not in k)})")
+        rec = rec | held
+    return -float(rec[metric]), rec
 
 # %% ../../nbs/55_trainer.ipynb #704b30f6
 @patch
@@ -439,7 +470,8 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
             ("train loss", format_metric(last["loss"]) if "loss" in last else None), ("val loss", val),
             (score, f"{format_metric(before[score])} -> {format_metric(last[score])}" if score in before
              else format_metric(last.get(score))) if score else ("", None),
-            *evals, ("checkpoint", res.get("checkpoint")), ("metrics", str(self.run_dir/"metrics.jsonl")),
+            *evals, ("checkpoint", res.get("checkpoint")),
+            ("best checkpoint", b if (b := res.get("best_checkpoint")) != res.get("checkpoint") else None), ("metrics", str(self.run_dir/"metrics.jsonl")),
             ("report", str(self.run_dir/"report.ipynb") if (self.run_dir/"report.ipynb").exists() else None)]
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
 
@@ -517,11 +549,13 @@ def _stop_or_save(self: Trainer, step: int, last: bool, val_loss: float | None, 
 # %% ../../nbs/55_trainer.ipynb #e5dc3808
 @patch
 def _fit_result(self: Trainer, start_step: int, last_val, stopped_early: bool, stopped_by) -> dict:
-    "`fit`'s result: the step reached, why it stopped, the losses, the tokens and the latest checkpoint."
-    ckpt = self.ckpt_manager.latest() if self.ckpt_manager is not None else None
+    "`fit`'s result: the step reached, why it stopped, the losses, the tokens, the latest and the best checkpoint."
+    m = self.ckpt_manager
+    ckpt = m.latest() if m is not None else None
+    best = m.best() if m is not None and m.keep_best else None
     return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
                 stopped_early=stopped_early, stopped_by=stopped_by, tokens_seen=self.settle_tokens(),
-                start_step=start_step, checkpoint=str(ckpt) if ckpt else None)
+                start_step=start_step, checkpoint=str(ckpt) if ckpt else None, best_checkpoint=str(best) if best else None)
 
 # %% ../../nbs/55_trainer.ipynb #dd1fe619
 @patch
@@ -566,16 +600,17 @@ def fit(self: Trainer) -> dict:
                 progress.update(step, rec)
                 if self._validate_due(step):
                     val_loss, rec = self._validate_untimed(step, rec); last_val = val_loss
-                    progress.write(f"step {step}: val_loss {val_loss:.4f}")
-                    stopped_early = bool(self.early and self.early.update(step, val_loss))
+                    m = cfg.validation.metric
+                    progress.write(f"step {step}: val_loss {val_loss:.4f}" + (f", {m} {rec[m]:.4f}" if m != "val_loss" else ""))
+                    stopped_early = bool(self.early and self.early.update(step, self._best_by))
                 last = step == t.max_steps or stopped_early
                 rec = self._evaluate_and_sample(step, last, rec)
                 if rec is not None: logger.log(rec); latest.update(rec)
                 for cb in self.callbacks: cb(self, rec)
                 if self._stop_or_save(step, last, val_loss, stop): stopped_by = stop.name; break
                 if stopped_early:
-                    progress.write(f"early stopping at step {step}: no improvement for {self.early.patience} "
-                                   "validations")
+                    progress.write(f"early stopping at step {step}: {cfg.validation.metric} no better for "
+                                   f"{self.early.patience} validations")
                     break
         self._finish_saves()
     finally: progress.close(); logger.close()
