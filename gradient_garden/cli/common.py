@@ -8,7 +8,7 @@ import json, os, time
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['tell_torchrun']
+__all__ = ['CHECKPOINT_HELP', 'tell_torchrun']
 
 # %% ../../nbs/70_cli_common.ipynb #74088899
 def tell_torchrun(rc: int, note: str) -> bool:
@@ -20,3 +20,7 @@ def tell_torchrun(rc: int, note: str) -> bool:
     Path(path).write_text(json.dumps({"message": {"message": note, "extraInfo": {"timestamp": str(int(time.time()))}}}))
     return True
 
+
+# %% ../../nbs/70_cli_common.ipynb #49e234f6
+CHECKPOINT_HELP = ("a checkpoint (step_XXXXXXX.pt, or a sharded step_XXXXXXX/), a run or checkpoints folder (its latest), "
+                   "or <folder>/best (its best by validation.metric)")

@@ -9,6 +9,7 @@ import argparse, itertools, json, os, sys, time
 from pathlib import Path
 from typing import Optional
 import torch
+from .common import CHECKPOINT_HELP
 from ..config import ConfigError, GlobalConfig, RuntimeConfig
 from ..runtime import DTYPES, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
@@ -32,7 +33,7 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     ("`gg evaluate` flags (the seed's `evaluate.py` options, plus --hf-checkpoint, --evals-dir, --share-context, "
      "lm-eval).")
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="a gradient-garden checkpoint file (step_XXXXXXX.pt)")
+    src.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     src.add_argument("--hf-checkpoint", help="a local Hugging Face model folder (AutoModelForCausalLM + AutoTokenizer)")
     parser.add_argument("--validation", action="store_true", help="report validation loss on the pretraining shards")
     parser.add_argument("--validation-steps", type=int, default=None,

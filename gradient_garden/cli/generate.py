@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse, contextlib, json, warnings
 from pathlib import Path
 import torch
+from .common import CHECKPOINT_HELP
 from ..config import ConfigError, GlobalConfig, TokenizerConfig, read_data_file
 from ..runtime import DTYPES, autocast_context, parse_dtype, resolve_device, write_text_atomic
 from ..tokenizer import init_tokenizer
@@ -56,7 +57,7 @@ def default_prompts(cfg, instruct: bool) -> list:
 def add_generate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Flags of `gg generate`."
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="checkpoint file (.pt) or run checkpoint folder")
+    src.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     src.add_argument("--hf-checkpoint", help="a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3)")
     parser.add_argument("--prompts", default=None, help="JSON file of prompts (default: the run's test prompts)")
     fmt = parser.add_mutually_exclusive_group()
@@ -150,7 +151,7 @@ def run_generate(args) -> int:
 # %% ../../nbs/72_cli_generate.ipynb #87fe5987
 def add_export_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Flags of `gg export`."
-    parser.add_argument("--checkpoint", required=True, help="checkpoint file (.pt) to export")
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--out", required=True, help="output folder for the Hugging Face LlamaForCausalLM files")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder to copy (default: the checkpoint's tokenizer.path)")

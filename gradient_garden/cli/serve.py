@@ -7,6 +7,7 @@
 from __future__ import annotations
 import argparse, ipaddress, os
 import uvicorn
+from .common import CHECKPOINT_HELP
 from ..config import ConfigError
 from ..runtime import DTYPES as _DTYPES
 from ..serve.api import STREAM_INTERVAL_MS, STREAM_INTERVAL_TOKENS
@@ -28,7 +29,7 @@ def is_loopback(host: str) -> bool:
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Flags of `gg serve`."
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="checkpoint file (.pt) or run / checkpoints folder (its latest checkpoint)")
+    src.add_argument("--checkpoint", help=CHECKPOINT_HELP)
     src.add_argument("--hf-checkpoint", help="Hugging Face Llama folder (config.json, safetensors, tokenizer files)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (not loopback: needs an API key)")
     parser.add_argument("--port", type=int, default=8000)

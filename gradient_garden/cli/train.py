@@ -9,7 +9,7 @@ import argparse, contextlib, os, signal, sys, threading, time
 from pathlib import Path
 from importlib import resources
 import psutil
-from .common import tell_torchrun
+from .common import CHECKPOINT_HELP, tell_torchrun
 from ..config import ConfigError
 from ..recipes import load_config
 from ..stages.registry import STAGES, check_stage, get_stage
@@ -66,7 +66,7 @@ def add_hf_start_arg(p: argparse.ArgumentParser):
 def add_train_args(p: argparse.ArgumentParser):
     "Flags of `gg train` (and `gg notebook`)."
     add_config_args(p)
-    p.add_argument("--checkpoint", help="resume from (or, for a new stage, start from) this checkpoint file")
+    p.add_argument("--checkpoint", help="resume from (or, for a new stage, start from) " + CHECKPOINT_HELP)
     add_hf_start_arg(p)
     p.add_argument("--reset-optimizers", action="store_true",
                    help="ignore the optimizer state stored in the checkpoint")
