@@ -21,6 +21,6 @@ def tell_torchrun(rc: int, note: str) -> bool:
     return True
 
 
-# %% ../../nbs/70_cli_common.ipynb #49e234f6
+# %% ../../nbs/70_cli_common.ipynb #90aa010a
 CHECKPOINT_HELP = ("a checkpoint (step_XXXXXXX.pt, or a sharded step_XXXXXXX/), a run or checkpoints folder (its latest), "
                    "or <folder>/best (its best by validation.metric)")

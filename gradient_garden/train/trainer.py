@@ -471,9 +471,18 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
             (score, f"{format_metric(before[score])} -> {format_metric(last[score])}" if score in before
              else format_metric(last.get(score))) if score else ("", None),
             *evals, ("checkpoint", res.get("checkpoint")),
-            ("best checkpoint", b if (b := res.get("best_checkpoint")) != res.get("checkpoint") else None), ("metrics", str(self.run_dir/"metrics.jsonl")),
+            ("best checkpoint", self._best_cell(res)), ("metrics", str(self.run_dir/"metrics.jsonl")),
             ("report", str(self.run_dir/"report.ipynb") if (self.run_dir/"report.ipynb").exists() else None)]
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
+
+# %% ../../nbs/55_trainer.ipynb #d1cd526f
+@patch
+def _best_cell(self: Trainer, res: dict) -> str | None:
+    "The summary's best checkpoint with the score that made it best, when it is not the latest; else None."
+    b, metric = res.get("best_checkpoint"), self.cfg.validation.metric
+    if b is None or b == res.get("checkpoint"): return None
+    if (r := self.ckpt_manager.rank_value(Path(b))) is None: return b
+    return f"{b} ({metric} {format_metric(r if metric == 'val_loss' else -r)})"
 
 # %% ../../nbs/55_trainer.ipynb #a2e88da4
 @patch
