@@ -11,9 +11,10 @@ import torch
 from .config import ConfigError
 
 # %% auto #0
-__all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context', 'fsync_dir',
-           'atomic_file', 'write_bytes_atomic', 'write_text_atomic', 'write_json_atomic', 'torch_save_atomic',
-           'atomic_dir', 'machine_key', 'dispatch_cache_path', 'measured_choice', 'dispatch_choices']
+__all__ = ['DTYPES', 'parse_dtype', 'resolve_device', 'cpu_bf16_units', 'resolve_precision', 'autocast_context',
+           'make_grad_scaler', 'set_tf32', 'fsync_dir', 'atomic_file', 'write_bytes_atomic', 'write_text_atomic',
+           'write_json_atomic', 'torch_save_atomic', 'atomic_dir', 'machine_key', 'dispatch_cache_path',
+           'measured_choice', 'dispatch_choices']
 
 # %% ../nbs/01_runtime.ipynb #6a146fc2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +66,17 @@ def autocast_context(device: torch.device, precision: str):
     precision = resolve_precision(device, precision)[0]
     if precision == "fp32": return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=parse_dtype(precision, "runtime.precision"))
+
+# %% ../nbs/01_runtime.ipynb #c800401b
+def make_grad_scaler(device: torch.device, precision: str):
+    "A `GradScaler` for fp16 (loss scaling), disabled otherwise."
+    return torch.amp.GradScaler(device.type, enabled=resolve_precision(device, precision)[0] == "fp16")
+
+def set_tf32(device: torch.device, enabled: bool) -> bool:
+    "Let fp32 matmuls and convolutions on CUDA run on TF32 tensor cores (`runtime.tf32`); True when they now do."
+    if device.type != "cuda": return False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
 
 # %% ../nbs/01_runtime.ipynb #41fac994
 def fsync_dir(d: Path):

@@ -37,7 +37,7 @@ def test_train_writes_the_run_directory(prepared, tmp_path):
     assert ckpts == ["step_0000004.pt", "step_0000008.pt"]
     snap = json.loads((run_dir/"snapshot.json").read_text())
     assert snap["config"]["training"]["max_steps"] == 8 and "workload" in snap and "versions" in snap
-    from gradient_garden.train.trainer import resolve_precision   # the recipe's `auto`, resolved and explained
+    from gradient_garden.runtime import resolve_precision   # the recipe's `auto`, resolved and explained
     assert snap["precision"] == dict(zip(["requested", "used", "why"],
                                          ["auto", *resolve_precision(torch.device("cpu"), "auto")]))
     assert snap["config"]["runtime"]["precision"] == snap["precision"]["used"]

@@ -225,8 +225,8 @@ def check_compatible(ckpt: dict, cfg: GlobalConfig, *, allow_stage_change: bool 
 
 # %% ../../nbs/28_checkpoints.ipynb #3e6f3358
 class CheckpointManager:
-    ("Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best (`rank_value`, "
-     "lowest).")
+    ("Saves checkpoints of `step`s in `ckpt_dir`, keeping the last `keep_last` and (optionally) the best "
+     "(`rank_value`, lowest).")
     def __init__(self, ckpt_dir, keep_last: int = 2, keep_best: bool = True, *, async_save: bool = False,
                  raise_failures: bool = False, group=None, poll_every_s: float = 2.0):
         if keep_last < 1: raise ConfigError(f"checkpointing.keep_last: got {keep_last}; must be >= 1")

@@ -22,5 +22,5 @@ def tell_torchrun(rc: int, note: str) -> bool:
 
 
 # %% ../../nbs/70_cli_common.ipynb #90aa010a
-CHECKPOINT_HELP = ("a checkpoint (step_XXXXXXX.pt, or a sharded step_XXXXXXX/), a run or checkpoints folder (its latest), "
-                   "or <folder>/best (its best by validation.metric)")
+CHECKPOINT_HELP = ("a checkpoint (step_XXXXXXX.pt, or a sharded step_XXXXXXX/), a run or checkpoints folder "
+                   "(its latest), or <folder>/best (its best by validation.metric)")

@@ -14,17 +14,18 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_state_dict, set_state_dict, set_model_state_dict,
                                                      StateDictOptions)
-from ..config import GlobalConfig
+from ..config import ConfigError, GlobalConfig
 from ..parallel.collectives import all_gather_objects, broadcast_object, is_fsdp
 from ..parallel.distributed import DistEnv
 from ..checkpoint.checkpoints import (rng_state, set_rng_state, CheckpointManager, sharded_state,
                                                     load_sharded_state, CheckpointWriteError, write_failure_line)
 from ..checkpoint.state_dict import StateDictAdapter
 from ..models.tendril import unwrap_model
+from .telemetry import format_metric
 
 # %% auto #0
-__all__ = ['EarlyStopping', 'seed_everything', 'full_state', 'load_full_state', 'TrainState', 'progress_meta', 'write_checkpoint',
-           'load_tensors', 'load_progress']
+__all__ = ['EarlyStopping', 'check_metric', 'monitored', 'best_cell', 'seed_everything', 'full_state', 'load_full_state',
+           'TrainState', 'progress_meta', 'write_checkpoint', 'load_tensors', 'load_progress']
 
 # %% ../../nbs/54_resume.ipynb #a00978a0
 @dataclass
@@ -42,6 +43,29 @@ class EarlyStopping:
         if val_loss < self.best - self.min_delta: self.best, self.bad = val_loss, 0
         else: self.bad += 1
         return self.bad >= self.patience
+
+# %% ../../nbs/54_resume.ipynb #83ded6d0
+def check_metric(metric: str, stage: str, has_held_out: bool):
+    "A one-line error unless `validation.metric` is the loss or the stage has a held-out evaluation to score it."
+    if metric != "val_loss" and not has_held_out:
+        raise ConfigError(f"validation.metric: {metric!r} is a held-out score, and stage {stage!r} has no held-out "
+                          "evaluation; use val_loss")
+
+def monitored(metric: str, val_loss: float, rec: dict, held_out: Callable[[], dict]) -> tuple[float, dict]:
+    "What early stopping and `keep_best` follow, lower better: the loss, or minus the score; and the record with it."
+    if metric == "val_loss": return val_loss, rec
+    if metric not in rec:
+        held = held_out()
+        if metric not in held:
+            raise ConfigError(f"validation.metric: {metric!r} is not a held-out score of this stage (it reports "
+                              f"{', '.join(k for k in held if '/' not in k)})")
+        rec = rec | held
+    return -float(rec[metric]), rec
+
+def best_cell(best: str | None, latest: str | None, metric: str, rank: float | None) -> str | None:
+    "A run summary's best checkpoint with the score that made it best, when it is not the latest; else None."
+    if best is None or best == latest: return None
+    return best if rank is None else f"{best} ({metric} {format_metric(rank if metric == 'val_loss' else -rank)})"
 
 # %% ../../nbs/54_resume.ipynb #fd7a8f8f
 def seed_everything(seed: int):

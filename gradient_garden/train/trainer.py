@@ -12,8 +12,8 @@ from typing import Callable
 from fastcore.basics import patch
 import torch
 from torch import nn
-from ..config import ConfigError, GlobalConfig, grad_accum_steps
-from ..runtime import autocast_context, resolve_precision
+from ..config import GlobalConfig, grad_accum_steps
+from ..runtime import autocast_context, make_grad_scaler, set_tf32
 from ..hardware import peak_flops
 from ..parallel.collectives import all_reduce, barrier, is_fsdp
 from ..parallel.distributed import (DistEnv, grad_sync, set_collective_timeout, clip_grad_norm_,
@@ -27,24 +27,13 @@ from ..batching import generate
 from ..models.tendril import trainable, unwrap_model
 from ..models.registry import flops_per_token
 from .optim import build_optimizers, set_learning_rates
-from .resume import (EarlyStopping, TrainState, load_progress, load_tensors, progress_meta,
-                                          write_checkpoint)
+from .resume import (EarlyStopping, TrainState, best_cell, check_metric, load_progress,
+                                          load_tensors, monitored, progress_meta, write_checkpoint)
 from ..data.loaders import prefetching
 from ..evals.multiple_choice import evaluate_from_config
 
 # %% auto #0
-__all__ = ['make_grad_scaler', 'set_tf32', 'Trainer', 'device_scalar', 'set_aside_grads', 'add_set_aside_grads']
-
-# %% ../../nbs/55_trainer.ipynb #5d932186
-def make_grad_scaler(device: torch.device, precision: str):
-    "A `GradScaler` for fp16 (loss scaling), disabled otherwise."
-    return torch.amp.GradScaler(device.type, enabled=resolve_precision(device, precision)[0] == "fp16")
-
-def set_tf32(device: torch.device, enabled: bool) -> bool:
-    "Let fp32 matmuls and convolutions on CUDA run on TF32 tensor cores (`runtime.tf32`); True when they now do."
-    if device.type != "cuda": return False
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
-    return enabled
+__all__ = ['Trainer', 'device_scalar', 'set_aside_grads', 'add_set_aside_grads']
 
 # %% ../../nbs/55_trainer.ipynb #fc3a75fe
 class Trainer:
@@ -70,10 +59,8 @@ class Trainer:
         self._fpt = None
         self.router_metrics: dict = {}
         self.final_evaluate = final_evaluate
-        if (metric := cfg.validation.metric) != "val_loss" and final_evaluate is None:
-            raise ConfigError(f"validation.metric: {metric!r} is a held-out score, and stage {cfg.training.stage!r} has "
-                              "no held-out evaluation; use val_loss")
-        # what this step's validation ranks by (`_monitored`); the step the held-out evaluation last ran
+        check_metric(cfg.validation.metric, cfg.training.stage, final_evaluate is not None)
+        # what this step's validation ranks by (`monitored`, 54_resume); the step the held-out evaluation last ran
         self._best_by, self._held_out_step = None, None
         self.tf32 = set_tf32(self.env.device, cfg.runtime.tf32)
         self.train_loader = prefetching(train_loader, cfg.runtime.num_workers, self.env.device.type)
@@ -394,12 +381,12 @@ def _step_record(self: Trainer, out: dict, tokens: int, seconds: float, peak: fl
 # %% ../../nbs/55_trainer.ipynb #77e0ebb3
 @patch
 def _validate_into(self: Trainer, step: int, rec: dict | None) -> tuple[float, dict]:
-    "Validate, record the history, the best loss and what ranks this step (`_monitored`); the loss and the record."
+    "Validate, record the history, the best loss and what ranks this step (`monitored`); the loss and the record."
     val_loss = self.validate()
     self.state.val_history.append([step, val_loss])
     self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
     rec = (rec or dict(step=step)) | dict(val_loss=val_loss) | self.router_metrics | self.val_metrics
-    self._best_by, rec = self._monitored(step, val_loss, rec)
+    self._best_by, rec = monitored(self.cfg.validation.metric, val_loss, rec, lambda: self._held_out(step))
     return val_loss, rec
 
 @patch
@@ -435,20 +422,6 @@ def _held_out(self: Trainer, step: int) -> dict:
     self._held_out_step = step
     return out
 
-@patch
-def _monitored(self: Trainer, step: int, val_loss: float, rec: dict) -> tuple[float, dict]:
-    ("What early stopping and `keep_best` follow, lower better: the loss, or minus `validation.metric` (evaluated "
-     "now unless the validation reported it); and the record.")
-    metric = self.cfg.validation.metric
-    if metric == "val_loss": return val_loss, rec
-    if metric not in rec:
-        held = self._held_out(step)
-        if metric not in held:
-            raise ConfigError(f"validation.metric: {metric!r} is not a held-out score of stage "
-                              f"{self.cfg.training.stage!r} (it reports {', '.join(k for k in held if '/' not in k)})")
-        rec = rec | held
-    return -float(rec[metric]), rec
-
 # %% ../../nbs/55_trainer.ipynb #704b30f6
 @patch
 def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float, tokens: int, peak: float) -> str:
@@ -471,18 +444,12 @@ def _summary(self: Trainer, res: dict, last: dict, before: dict, seconds: float,
             (score, f"{format_metric(before[score])} -> {format_metric(last[score])}" if score in before
              else format_metric(last.get(score))) if score else ("", None),
             *evals, ("checkpoint", res.get("checkpoint")),
-            ("best checkpoint", self._best_cell(res)), ("metrics", str(self.run_dir/"metrics.jsonl")),
+            ("best checkpoint", best_cell(b := res.get("best_checkpoint"), res.get("checkpoint"),
+                                          self.cfg.validation.metric,
+                                          self.ckpt_manager.rank_value(Path(b)) if b else None)),
+            ("metrics", str(self.run_dir/"metrics.jsonl")),
             ("report", str(self.run_dir/"report.ipynb") if (self.run_dir/"report.ipynb").exists() else None)]
     return summary_table(rows, title=f"{self.cfg.training.stage}: {how}")
-
-# %% ../../nbs/55_trainer.ipynb #d1cd526f
-@patch
-def _best_cell(self: Trainer, res: dict) -> str | None:
-    "The summary's best checkpoint with the score that made it best, when it is not the latest; else None."
-    b, metric = res.get("best_checkpoint"), self.cfg.validation.metric
-    if b is None or b == res.get("checkpoint"): return None
-    if (r := self.ckpt_manager.rank_value(Path(b))) is None: return b
-    return f"{b} ({metric} {format_metric(r if metric == 'val_loss' else -r)})"
 
 # %% ../../nbs/55_trainer.ipynb #a2e88da4
 @patch
@@ -564,7 +531,8 @@ def _fit_result(self: Trainer, start_step: int, last_val, stopped_early: bool, s
     best = m.best() if m is not None and m.keep_best else None
     return dict(step=self.state.step, final_val_loss=last_val, best_val_loss=self.state.best_val_loss,
                 stopped_early=stopped_early, stopped_by=stopped_by, tokens_seen=self.settle_tokens(),
-                start_step=start_step, checkpoint=str(ckpt) if ckpt else None, best_checkpoint=str(best) if best else None)
+                start_step=start_step, checkpoint=str(ckpt) if ckpt else None,
+                best_checkpoint=str(best) if best else None)
 
 # %% ../../nbs/55_trainer.ipynb #dd1fe619
 @patch
@@ -609,8 +577,8 @@ def fit(self: Trainer) -> dict:
                 progress.update(step, rec)
                 if self._validate_due(step):
                     val_loss, rec = self._validate_untimed(step, rec); last_val = val_loss
-                    m = cfg.validation.metric
-                    progress.write(f"step {step}: val_loss {val_loss:.4f}" + (f", {m} {rec[m]:.4f}" if m != "val_loss" else ""))
+                    m = cfg.validation.metric; score = f", {m} {rec[m]:.4f}" if m != "val_loss" else ""
+                    progress.write(f"step {step}: val_loss {val_loss:.4f}{score}")
                     stopped_early = bool(self.early and self.early.update(step, self._best_by))
                 last = step == t.max_steps or stopped_early
                 rec = self._evaluate_and_sample(step, last, rec)
