@@ -218,3 +218,17 @@ def test_train_says_when_the_prepared_prompts_are_not_the_recipes(rl_inputs, cap
     assert capsys.readouterr().err == f"warning: {note}\n"
     recipe.data = {"sources": [{"type": "verifiable", "train": 64, "tasks": ["add", "first_letter"], "seed": 0}]}
     assert warn_prepared_sources(cfg, recipe) is None and capsys.readouterr().err == ""
+
+
+def test_best_checkpoint_by_the_validations_exact_match(rl_inputs, tmp_path):
+    ("validation.metric: exact_match ranks RL checkpoints by the validation's own held-out exact match "
+     "(`val_exact_match`, not a second evaluation); `<run>/best` names the highest, the earliest on ties.")
+    from gradient_garden.checkpoint.checkpoints import load_checkpoint, resolve_checkpoint
+    train(small(rl_inputs, tmp_path, **{"validation.metric": "exact_match", "checkpointing.keep_last": 1}))
+    run = tmp_path/"runs"/"rl"/"debug"
+    recs = [json.loads(l) for l in (run/"metrics.jsonl").read_text().splitlines()]
+    em = {r["step"]: r["val_exact_match"] for r in recs if "val_exact_match" in r}
+    assert sorted(em) == [2, 4]
+    best_step = min(s for s in em if em[s] == max(em.values()))
+    meta = load_checkpoint(resolve_checkpoint(run/"best"), weights=False)
+    assert (meta["step"], meta["best_by"]) == (best_step, -em[best_step])

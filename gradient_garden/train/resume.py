@@ -54,6 +54,7 @@ def check_metric(metric: str, stage: str, has_held_out: bool):
 def monitored(metric: str, val_loss: float, rec: dict, held_out: Callable[[], dict]) -> tuple[float, dict]:
     "What early stopping and `keep_best` follow, lower better: the loss, or minus the score; and the record with it."
     if metric == "val_loss": return val_loss, rec
+    if f"val_{metric}" in rec: return -float(rec[f"val_{metric}"]), rec   # the validation's own (RL's)
     if metric not in rec:
         held = held_out()
         if metric not in held:

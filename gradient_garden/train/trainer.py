@@ -577,7 +577,7 @@ def fit(self: Trainer) -> dict:
                 progress.update(step, rec)
                 if self._validate_due(step):
                     val_loss, rec = self._validate_untimed(step, rec); last_val = val_loss
-                    m = cfg.validation.metric; score = f", {m} {rec[m]:.4f}" if m != "val_loss" else ""
+                    m = cfg.validation.metric; score = f", {m} {-self._best_by:.4f}" if m != "val_loss" else ""
                     progress.write(f"step {step}: val_loss {val_loss:.4f}{score}")
                     stopped_early = bool(self.early and self.early.update(step, self._best_by))
                 last = step == t.max_steps or stopped_early
