@@ -46,7 +46,10 @@ class EarlyStopping:
 
 # %% ../../nbs/54_resume.ipynb #83ded6d0
 def check_metric(metric: str, stage: str, has_held_out: bool):
-    "A one-line error unless `validation.metric` is the loss or the stage has a held-out evaluation to score it."
+    "A one-line error unless `validation.metric` is the loss or a score (maximised) of the stage's held-out evaluation."
+    if metric != "val_loss" and "loss" in metric:   # else a loss would be maximised as a score
+        raise ConfigError(f"validation.metric: {metric!r} names a loss, and held-out scores are maximised; the "
+                          "validation loss is val_loss")
     if metric != "val_loss" and not has_held_out:
         raise ConfigError(f"validation.metric: {metric!r} is a held-out score, and stage {stage!r} has no held-out "
                           "evaluation; use val_loss")
