@@ -264,6 +264,7 @@ class RLConfig:
     sampling_rounds: int = 1  # DAPO's dynamic sampling: prompt rounds per step to find groups whose rewards differ
     # 0: every prompt; > 0: a task's prompts kept as often as its groups' rewards differ, at least this often
     task_focus: float = 0.0
+    kl_anchor_groups: int = 0  # of a step's left-out equal-reward groups, this many train their KL (rl.beta) alone
     # of a group's G rows, this many are the prompt's reference answer (LUFFY's off-policy guidance); 0: all sampled
     off_policy_rows: int = 0
     # whose references: the group's own prompt (LUFFY), or prompts whose samples all failed (ReLIFT)
@@ -282,9 +283,8 @@ class RLConfig:
         "sequence_mask"
     rollout_precision: Literal["same", "fp32", "bf16", "fp16"] = "same"  # the sampler's; same: runtime.precision
     importance_sampling_clip_max: Optional[float] = 3.0; async_rollouts: bool = False  # async: see 47_rl_rollouts
-    format_reward: float = 0.0  # weight of the well-formed-answer reward
+    format_reward: float = 0.0; plain_prompts: bool = False  # the answer format's reward; BOS + text prompts (no chat)
     reward_functions: list[str] = field(default_factory=list)  # "module:function", given prompt, completion, fields
-    plain_prompts: bool = False  # BOS + text prompts for a model without a chat format
     environment: Optional[str] = None; max_turns: int = 3  # a multi-turn environment (36_environments), its turns
     eval_k: int = 4; eval_per_task: int = 20  # pass@k of the held-out evaluation; held-out prompts per embedded task
 

@@ -232,3 +232,35 @@ def test_best_checkpoint_by_the_validations_exact_match(rl_inputs, tmp_path):
     best_step = min(s for s in em if em[s] == max(em.values()))
     meta = load_checkpoint(resolve_checkpoint(run/"best"), weights=False)
     assert (meta["step"], meta["best_by"]) == (best_step, -em[best_step])
+
+
+def letter_is_easy_reward(prompt, completion, **fields):
+    "Every first-letter answer earns 1 (its groups never differ); elsewhere the completion length's parity."
+    return 1.0 if "first letter" in prompt else parity_reward(prompt, completion)
+
+
+ANCHORED = {"rl.off_policy_rows": 0, "rl.beta": 0.1, "rl.sampling_rounds": 4,
+            "rl.reward_functions": '["test_rl_runs:letter_is_easy_reward"]'}
+
+
+def test_kl_anchor_groups_train_the_left_out_groups_kl_and_resume_bit_exact(rl_inputs, tmp_path):
+    ("rl.kl_anchor_groups: the first-letter groups, always equal, are left out of every step and come back as KL "
+     "anchors. Step 1 starts at the reference (KL 0 and no gradient from it), so it equals the run without anchors; "
+     "step 2 samples the same rollouts and adds the anchors' KL to its loss, which then moves the weights; resumed "
+     "from step 2 the run ends bit-exact.")
+    plain, full, resumed = tmp_path/"plain", tmp_path/"full", tmp_path/"resumed"
+    train(small(rl_inputs, plain, **ANCHORED))
+    train(small(rl_inputs, full, **ANCHORED, **{"rl.kl_anchor_groups": 2}))
+    train(small(rl_inputs, resumed, **ANCHORED, **{"rl.kl_anchor_groups": 2}),
+          checkpoint=full/"runs"/"rl"/"debug"/"checkpoints"/"step_0000002.pt")
+    p, a, b = records(plain), records(full), records(resumed)
+    assert all(p[1][k] == a[1][k] for k in ROLLOUT_FIGURES + ("kl",)), [(k, p[1][k], a[1][k]) for k in ROLLOUT_FIGURES]
+    assert a[1]["zero_std_groups"] > 0                              # equal groups were sampled: anchors to take
+    # step 1's weights are equal, so step 2 samples the same rollouts; its loss adds the anchors' KL, now above 0
+    # (the entropy to float rounding: the larger micro-batches hold the same rows padded to other widths)
+    assert all(p[2][k] == a[2][k] for k in ROLLOUT_FIGURES if k not in ("loss", "entropy"))
+    assert abs(p[2]["entropy"] - a[2]["entropy"]) < 1e-5 and a[2]["loss"] > p[2]["loss"]
+    for s in (3, 4):
+        for k in ROLLOUT_FIGURES + ("kl",): assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+    wa, wb, wp = last_weights(full), last_weights(resumed), last_weights(plain)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa) and any(not torch.equal(wa[k], wp[k]) for k in wa)

@@ -41,6 +41,10 @@ class RLTask:
         if lo is not None and hi is not None and not 0 <= lo <= hi:
             raise ConfigError(f"rl.importance_sampling_clip_min: got {lo}; must be in [0, "
                               f"rl.importance_sampling_clip_max = {hi}]")
+        k = rl.kl_anchor_groups
+        if k < 0 or k and not (rl.beta > 0 and rl.sampling_rounds > 1 and not rl.off_policy_rows):
+            raise ConfigError(f"rl.kl_anchor_groups: got {k}; it trains the KL term (rl.beta > 0) of groups that "
+                              "dynamic sampling (rl.sampling_rounds > 1) leaves out, without rl.off_policy_rows")
         self.rl, self.tok, self.heldout, self.lockstep, self.seed = rl, tokenizer, heldout or [], lockstep, seed
         self.chat_prompts = not rl.plain_prompts
 
@@ -53,20 +57,26 @@ class RLTask:
         return (batch["labels"] != IGNORE_INDEX) & batch["keep"].bool()[:, None]
 
     def count(self, batch: dict) -> torch.Tensor:
-        ("Completions less dynamic sampling's fillers (grpo, dr_grpo), completion tokens in the loss (dapo), or "
-         "held-out prompts (validation).")
+        ("Completions less dynamic sampling's fillers and KL anchors (grpo, dr_grpo), completion tokens in the loss "
+         "less the anchors' (dapo), or held-out prompts (validation).")
         if "heldout" in batch: return torch.tensor(len(batch["heldout"]))
-        if self.rl.loss_type == "dapo": return self._mask(batch).sum()
-        rows = batch["input_ids"].shape[0] - (int(batch["filler"].sum()) if "filler" in batch else 0)
-        return torch.tensor(rows, device=batch["input_ids"].device)
+        if self.rl.loss_type == "dapo": return self._policy_rows(batch).sum()
+        left_out = sum(int(batch[k].sum()) for k in ("filler", "anchor") if k in batch)
+        return torch.tensor(batch["input_ids"].shape[0] - left_out, device=batch["input_ids"].device)
 
 # %% ../../nbs/48_rl.ipynb #f9907143
+@patch
+def _policy_rows(self: RLTask, batch: dict) -> torch.Tensor:
+    "The loss's tokens less those of KL anchors (`rl.kl_anchor_groups`), which carry the KL term alone."
+    mask, anchor = self._mask(batch), batch.get("anchor")
+    return mask if anchor is None else mask & ~anchor.to(mask.device).bool()[:, None]
+
 @patch
 def loss(self: RLTask, model, batch: dict):
     "Summed loss of a rollout micro-batch and its count-weighted metrics (or a held-out batch's misses)."
     if "heldout" in batch: return self._heldout(model, batch)
-    rl, mask, off = self.rl, self._mask(batch), batch.get("off_policy")
-    sampled = mask if off is None else mask & ~off.to(mask.device).bool()[:, None]   # the rows the policy sampled
+    rl, mask, policy, off = self.rl, self._mask(batch), self._policy_rows(batch), batch.get("off_policy")
+    sampled = policy if off is None else policy & ~off.to(mask.device).bool()[:, None]   # the rows the policy sampled
     coef = batch.get("entropy_coef", rl.entropy_coef)   # the adaptive control's coefficient for this step, if on
     logps, ent = completion_logps(model, batch, entropy_grad=coef > 0, temperature=rl.temperature)
     old = batch.get("old_logps")
@@ -86,7 +96,7 @@ def loss(self: RLTask, model, batch: dict):
     clipped = ((ratio < 1 - rl.epsilon_low) & (a < 0)) | ((ratio > 1 + rl.epsilon_high) & (a > 0))
     metrics = {"entropy": (ent.double() * m).sum() / tokens * w,
                "clip_fraction": (clipped.double() * m).sum() / tokens * w}
-    if kl is not None: metrics["kl"] = (kl.detach().double() * mask).sum() / mask.sum().clamp(min=1) * w
+    if kl is not None: metrics["kl"] = (kl.detach().double() * policy).sum() / policy.sum().clamp(min=1) * w
     metrics |= {k: torch.tensor(float(v), dtype=torch.float64, device=w.device) * w for k, v in batch["stats"].items()}
     return loss_sum, metrics
 
@@ -232,7 +242,10 @@ def rl_plan_lines(cfg: GlobalConfig, world: int) -> list[str]:
     return [f"rl rollouts per rank: {rows // rl.group_size} prompts x G {rl.group_size} = {rows} rows decoded "
             f"together, up to {rl.max_new_tokens} new tokens, up to {rl.sampling_rounds} "
             f"round{'s' * (rl.sampling_rounds > 1)} a step; the time below is the update's alone "
-            f"(a short run's logged rollout tokens/s gives the sampling's)"]
+            f"(a short run's logged rollout tokens/s gives the sampling's)"] + (
+            [f"rl KL anchors: up to {rl.kl_anchor_groups * rl.group_size} more rows a step per rank "
+             f"({rl.kl_anchor_groups} groups x G) in the update's micro-batches; the memory above is for "
+             f"{cfg.training.micro_batch_size}-row micro-batches"] if rl.kl_anchor_groups else [])
 
 # %% ../../nbs/48_rl.ipynb #37f59f89
 def prepare_rl_stage(cfg: GlobalConfig, data: Optional[dict], overwrite: bool = False, progress: bool = True) -> dict:

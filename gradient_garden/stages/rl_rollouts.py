@@ -27,9 +27,9 @@ from .grpo import (collate_rollouts, completion_logps, group_advantages, mismatc
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RolloutLoader', 'check_environment', 'mask_tool_tokens', 'differs', 'choose_groups', 'pending_rollouts', 'TaskFocus',
-           'position_coin', 'EntropyControl', 'reference_completion', 'reference_losses', 'with_references',
-           'check_async']
+__all__ = ['RolloutLoader', 'check_environment', 'mask_tool_tokens', 'differs', 'choose_groups', 'anchor_groups',
+           'pending_rollouts', 'TaskFocus', 'position_coin', 'EntropyControl', 'reference_completion',
+           'reference_losses', 'with_references', 'check_async']
 
 # %% ../../nbs/47_rl_rollouts.ipynb #f934e6d2
 class RolloutLoader:
@@ -244,6 +244,11 @@ def choose_groups(groups: list, n: int, rounds: int, n_sampled: Optional[int] = 
     rest = [g for g in groups if not differs(g[3][:n_sampled])][:n - len(good)]
     return good + rest, [False] * len(good) + [True] * len(rest)
 
+def anchor_groups(groups: list, chosen: list, n: int, n_sampled: Optional[int] = None) -> list:
+    "Up to `n` of the groups left out of the step whose rewards are all equal: `rl.kl_anchor_groups`' KL-only rows."
+    taken = {id(g) for g in chosen}
+    return [g for g in groups if id(g) not in taken and not differs(g[3][:n_sampled])][:n]
+
 # %% ../../nbs/47_rl_rollouts.ipynb #d1f6f6ab
 @patch
 def _batch_std(self: RolloutLoader, rewards: torch.Tensor) -> torch.Tensor:
@@ -264,6 +269,10 @@ def _rollout_round(self: RolloutLoader):
     rewards = torch.cat([g[3] for g in chosen])
     bstd = self._batch_std(rewards.view(-1, G)[:, :S]) if rl.scale_rewards == "batch" else None
     adv, _ = group_advantages(rewards, G, rl.scale_rewards, bstd, rl.off_policy_rows)
+    anchors = anchor_groups(groups, chosen, rl.kl_anchor_groups, S) if rl.kl_anchor_groups else []
+    if anchors:   # advantage 0: their KL term alone
+        chosen, filler = chosen + anchors, filler + [False] * len(anchors)
+        adv = torch.cat([adv, adv.new_zeros(len(anchors) * G)])
     every = torch.cat([g[3][:S] for g in groups])
     lengths, ended = (torch.tensor([len(o) for g in groups for o in g[1][:S]]),
                       torch.tensor([s for g in groups for s in g[2][:S]]))
@@ -277,20 +286,28 @@ def _rollout_round(self: RolloutLoader):
     rows = [self.prompt_ids[g[0]] for g in chosen for _ in range(G)]
     if rl.off_policy_prompts == "failed": self._swap_in_failures(len(chosen), rows, outs, stopped, adv, bstd)   # below
     off = (torch.arange(G) >= S).repeat(len(chosen))                  # the reference rows
+    anchor = torch.arange(len(chosen) * G) >= (len(chosen) - len(anchors)) * G
     # a filler's reference rows stay
     fill = torch.tensor(filler if found else [False] * len(chosen)).repeat_interleave(G) & ~off
     keep = (stopped if rl.mask_truncated else torch.ones_like(stopped)) & ~fill
-    coef = self._control_entropy(chosen, outs, keep & ~off) if self.control is not None else {}
-    self.buffer = []
-    for s in range(0, len(rows), self.micro):
-        b = collate_rollouts(rows[s:s + self.micro], outs[s:s + self.micro], self.seq_len, self.pad_id)
-        if rl.environment: mask_tool_tokens(self.tok, b, rows[s:s + self.micro], outs[s:s + self.micro])
-        b |= {"advantages": adv[s:s + self.micro], "keep": keep[s:s + self.micro], "filler": fill[s:s + self.micro],
-              "stats": stats | coef} | coef
-        if rl.off_policy_rows: b["off_policy"] = off[s:s + self.micro]
-        self.buffer.append(self._extra_logps(b))
+    coef = self._control_entropy(chosen, outs, keep & ~off & ~anchor) if self.control is not None else {}
+    per_row = ({"advantages": adv, "keep": keep, "filler": fill} | ({"off_policy": off} if rl.off_policy_rows else {})
+               | ({"anchor": anchor} if anchors else {}))
+    self.buffer = self._micro_batches(rows, outs, per_row, {"stats": stats | coef} | coef)   # below
     if rl.importance_sampling_correction: self._correct_mismatch([lp for g in chosen for lp in g[5]])   # below
     self.pos, self.passes_left = 0, rl.num_iterations
+
+# %% ../../nbs/47_rl_rollouts.ipynb #93d1d4d0
+@patch
+def _micro_batches(self: RolloutLoader, rows: list, outs: list, per_row: dict, extra: dict) -> list[dict]:
+    "The step's rows in `grad_accum` micro-batches (larger with KL anchors), each with its slice of `per_row`."
+    cuts = [len(rows) * k // self.grad_accum for k in range(self.grad_accum + 1)]
+    out = []
+    for s, e in zip(cuts, cuts[1:]):
+        b = collate_rollouts(rows[s:e], outs[s:e], self.seq_len, self.pad_id)
+        if self.rl.environment: mask_tool_tokens(self.tok, b, rows[s:e], outs[s:e])
+        out.append(self._extra_logps(b | {k: v[s:e] for k, v in per_row.items()} | extra))
+    return out
 
 # %% ../../nbs/47_rl_rollouts.ipynb #38f4d3b7
 @patch
