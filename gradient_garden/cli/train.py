@@ -23,8 +23,8 @@ from ..train.run import prepare_run_dir, restart_point, run_training
 # %% auto #0
 __all__ = ['add_config_args', 'config_from_args', 'warn_prepared_sources', 'add_hf_start_arg', 'add_train_args', 'run_train',
            'stopped_line', 'forward_to_children', 'forwarding_stop_signals', 'default_train_notebook', 'report_path',
-           'add_notebook_args', 'KernelStartStopped', 'stop_if_signalled', 'kernel_log_manager', 'kernel_error',
-           'notebook_parameters', 'run_notebook', 'add_plan_args', 'run_plan']
+           'add_notebook_args', 'KernelStartStopped', 'stop_if_signalled', 'kernel_log_manager', 'kernel_socket_prefix',
+           'kernel_error', 'notebook_parameters', 'run_notebook', 'add_plan_args', 'run_plan']
 
 # %% ../../nbs/74_cli_train.ipynb #5188808f
 def add_config_args(p: argparse.ArgumentParser, stage_flags: bool = True):
@@ -181,6 +181,11 @@ def kernel_log_manager(log: Path):
             finally: self._log_file.close()
     return KernelLogManager
 
+def kernel_socket_prefix() -> str:
+    "The path prefix of this process's kernel sockets (ipc transport): in the temporary folder, named by the pid."
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"gg-kernel-{os.getpid()}")
+
 def _execute_report(nb: Path, out: Path, params: dict, received: list):
     "Execute notebook `nb` into `out` with papermill, the training's console on ours."
     import papermill as pm
@@ -193,7 +198,9 @@ def _execute_report(nb: Path, out: Path, params: dict, received: list):
                             coalesce_streams=True,  # one output per stream per cell, not one per progress line
                             on_notebook_start=stop_if_signalled(received),  # a signal before the kernel was up
                             kernel_manager_class=kernel_log_manager(log),  # ipykernel's own lines: off our console
-                            config=Config({"KernelManager": {"transport": "ipc"}}))  # local sockets, see below
+                            # local sockets, see below; named by this process, so ranks sharing a folder never
+                            # pick the same socket (jupyter_client's default name is one per folder)
+                            config=Config({"KernelManager": {"transport": "ipc", "ip": kernel_socket_prefix()}}))
     finally:
         if log.is_file() and log.stat().st_size == 0: log.unlink()
 
